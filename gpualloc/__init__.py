@@ -1,0 +1,1 @@
+"""gpualloc: topology-aware GPU allocation for Kubernetes."""

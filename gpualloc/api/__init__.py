@@ -1,0 +1,1 @@
+"""The gpu.scheduling/v1 API: constants, frozen models, codecs. Pure."""

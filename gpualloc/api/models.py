@@ -1,0 +1,214 @@
+"""Frozen models of the gpu.scheduling/v1 objects.
+
+Every field's JSON name is the camelCase of its Python name unless the field
+says otherwise with ``json_name``. ``codecs`` turns raw API dicts into these
+models and back; ``tests/unit/test_models_match_crd.py`` checks the field names
+against the CRD schema so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from gpualloc.api import constants
+
+_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
+
+
+def json_name(name: str) -> dict[str, Any]:
+    """Field metadata naming the JSON key where camelCase would be wrong."""
+    return {"json": name}
+
+
+# ---------------------------------------------------------------- GpuClaim spec
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DeviceRequest:
+    count: int
+    exclusivity: str = "Exclusive"
+    policy: str = "packed"
+    prefer_ids: tuple[int, ...] = ()
+    product: str | None = None
+    min_memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("minMemoryMiB"))
+    min_compute_capability: str | None = None
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SelectorRequirement:
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LabelSelector:
+    match_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    match_expressions: tuple[SelectorRequirement, ...] = ()
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Topology:
+    mode: str = "Preferred"
+    min_bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("minBandwidthGBps"))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RetryPolicy:
+    max_retries: int = 0
+    backoff_seconds: int = 5
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GpuClaimSpec:
+    devices: DeviceRequest
+    selector: LabelSelector | None = None
+    node_name: str | None = None
+    topology: Topology = Topology()
+    strategy: str = "binpack"
+    priority: int = 0
+    replicas: int = 1
+    retry_policy: RetryPolicy = RetryPolicy()
+
+
+# -------------------------------------------------------------- GpuClaim status
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DeviceRef:
+    index: int
+    minor: int
+    uuid: str
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Allocation:
+    replica: int
+    node_name: str
+    devices: tuple[DeviceRef, ...]
+    min_bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("minBandwidthGBps"))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int | None = None
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GpuClaimStatus:
+    phase: str = constants.PHASE_PENDING
+    allocations: tuple[Allocation, ...] = ()
+    conditions: tuple[Condition, ...] = ()
+    message: str = ""
+    retry_count: int = 0
+    last_schedule_time: str | None = None
+    observed_generation: int = 0
+    # Display fields for printer columns: "node-a,node-b" and "0,1,2,3".
+    nodes: str = ""
+    devices: str = ""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ObjectMeta:
+    name: str
+    namespace: str = ""
+    uid: str = ""
+    generation: int = 0
+    resource_version: str = ""
+    creation_timestamp: str = ""
+    deletion_timestamp: str | None = None
+    finalizers: tuple[str, ...] = ()
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GpuClaim:
+    metadata: ObjectMeta
+    spec: GpuClaimSpec
+    status: GpuClaimStatus = GpuClaimStatus()
+
+    @property
+    def key(self) -> str:
+        """``namespace/name``, the work-queue and cache key."""
+        return f"{self.metadata.namespace}/{self.metadata.name}"
+
+
+# ---------------------------------------------------------------- GpuNodeStatus
+
+
+@dataclasses.dataclass(**_FROZEN)
+class MigDevice:
+    index: int
+    uuid: str
+    profile: str
+    memory_mib: int = dataclasses.field(default=0, metadata=json_name("memoryMiB"))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class MigInfo:
+    enabled: bool = False
+    devices: tuple[MigDevice, ...] = ()
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Device:
+    index: int
+    minor: int
+    uuid: str
+    product: str = ""
+    memory_mib: int = dataclasses.field(default=0, metadata=json_name("memoryMiB"))
+    compute_capability: str = ""
+    pci_bus_id: str = ""
+    numa_node: int = -1
+    health: str = constants.HEALTHY
+    health_reason: str = ""
+    pcie_generation: int = 0
+    pcie_width: int = 0
+    mig: MigInfo | None = None
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Link:
+    a: int
+    b: int
+    type: str
+    nvlinks: int = 0
+    bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("bandwidthGBps"))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class NodeInventory:
+    """The status of a GpuNodeStatus: what the agent saw on its node."""
+
+    source: str = "simulated"
+    driver_version: str = ""
+    cuda_version: str = ""
+    devices: tuple[Device, ...] = ()
+    links: tuple[Link, ...] = ()
+    islands: tuple[tuple[int, ...], ...] = ()
+    total: int = 0
+    healthy: int = 0
+    allocated: int = 0
+    product: str = ""
+    last_heartbeat_time: str | None = None
+    conditions: tuple[Condition, ...] = ()
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GpuNodeStatusSpec:
+    node_name: str
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GpuNodeStatus:
+    metadata: ObjectMeta
+    spec: GpuNodeStatusSpec
+    status: NodeInventory = NodeInventory()
