@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "certs": ("certs.main", "main", "create or renew the webhook's serving certificate"),
     "dev": ("gpualloc.devcluster.cli", "main", "build, start and stop the local control plane"),
     "get": ("gpualloc.views", "get_main", "list GPU nodes or claims"),
-    "explain": ("gpualloc.views", "explain_main", "say why a claim is pending, node by node"),
+    "explain": ("controller.explaining", "main", "say why a claim is pending, node by node"),
     "topo": ("gpualloc.views", "topo_main", "print a node's GPU topology matrix"),
 }
 

@@ -1,0 +1,54 @@
+# gpualloc — the two commands a newcomer needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: help setup build test test-unit test-integration lint demo bench clean
+
+help:
+	@echo "make demo   - build what is missing, start a local cluster with 3 simulated GPU nodes, show allocation"
+	@echo "make test   - unit, property, integration and e2e tests against a real local kube-apiserver"
+	@echo "make lint   - ruff, mypy --strict, import-linter"
+	@echo "make bench  - benchmarks; results in bench/results/, summary in BENCHMARKS.md"
+
+$(BIN)/gpualloc: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+setup: $(BIN)/gpualloc
+
+# Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok and helm
+# from pinned Go modules into ~/.cache/gpualloc (once per machine; prints progress).
+build: setup
+	$(BIN)/gpualloc dev build
+
+test: build
+	$(BIN)/pytest $(PYTEST_ARGS) tests
+
+test-unit: setup
+	$(BIN)/pytest -q tests/unit tests/property
+
+test-integration: build
+	$(BIN)/pytest -q tests/integration tests/e2e
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+demo: build
+	$(BIN)/gpualloc dev demo
+
+bench: build
+	$(BIN)/python bench/allocator_decision.py
+	$(BIN)/python bench/quality_study.py
+	$(BIN)/python bench/webhook_latency.py
+	$(BIN)/python bench/controller_throughput.py
+	$(BIN)/python bench/agent_scan.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,217 @@
+"""`gpualloc get nodes|claims` and `gpualloc topo NODE`: what people look at.
+
+The formatting functions are pure (models in, text out) and unit-tested; the
+``*_main`` functions read the cluster through a kubeconfig the way kubectl does
+(``--kubeconfig``, else ``$KUBECONFIG``, else ``~/.kube/config``, else
+in-cluster). Installed as ``kubectl-gpualloc`` too, so ``kubectl gpualloc get
+nodes`` works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpualloc.api import codecs, constants, models
+
+
+def age(timestamp: str | None, now: dt.datetime) -> str:
+    """kubectl-style age: 45s, 12m, 3h, 5d."""
+    if not timestamp:
+        return "<unknown>"
+    try:
+        then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    except ValueError:
+        return "<unknown>"
+    seconds = max(0, int((now - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * size or (unit == "m" and seconds >= size):
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Left-aligned columns separated by three spaces, like kubectl."""
+    rows = [list(headers), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(headers))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def allocated_uuids(claims: Iterable[models.GpuClaim]) -> dict[str, str]:
+    """UUID -> ``namespace/claim`` for every device an Allocated claim holds."""
+    held: dict[str, str] = {}
+    for claim in claims:
+        for allocation in claim.status.allocations:
+            for device in allocation.devices:
+                held[device.uuid] = claim.key
+    return held
+
+
+def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], now: dt.datetime) -> str:
+    rows = []
+    for node in sorted(nodes, key=lambda n: n.metadata.name):
+        inv = node.status
+        used = sum(1 for d in inv.devices if d.uuid in held)
+        healthy = sum(1 for d in inv.devices if d.health == constants.HEALTHY)
+        free = sum(1 for d in inv.devices if d.health == constants.HEALTHY and d.uuid not in held)
+        islands = " ".join("[" + ",".join(map(str, i)) + "]" for i in inv.islands if len(i) > 1) or "-"
+        rows.append(
+            [
+                node.metadata.name,
+                str(inv.total),
+                str(healthy),
+                str(used),
+                str(free),
+                inv.product or "-",
+                islands,
+                age(inv.last_heartbeat_time, now),
+            ]
+        )
+    headers = ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE", "PRODUCT", "NVLINK ISLANDS", "HEARTBEAT"]
+    return table(headers, rows)
+
+
+def format_claims(claims: Sequence[models.GpuClaim], now: dt.datetime, *, all_namespaces: bool) -> str:
+    rows = []
+    for claim in sorted(claims, key=lambda c: (c.metadata.namespace, c.metadata.name)):
+        status = claim.status
+        row = [
+            claim.metadata.name,
+            f"{claim.spec.replicas}x{claim.spec.devices.count}",
+            status.phase or constants.PHASE_PENDING,
+            status.nodes or "-",
+            status.devices or "-",
+            age(claim.metadata.creation_timestamp, now),
+            "" if status.phase == constants.PHASE_ALLOCATED else status.message,
+        ]
+        rows.append([claim.metadata.namespace, *row] if all_namespaces else row)
+    headers = ["NAME", "GPUS", "PHASE", "NODE", "DEVICES", "AGE", "MESSAGE"]
+    return table(["NAMESPACE", *headers] if all_namespaces else headers, rows)
+
+
+def format_topology(node: models.GpuNodeStatus) -> str:
+    """A matrix like ``nvidia-smi topo -m``, from the published links."""
+    inv = node.status
+    indices = [d.index for d in sorted(inv.devices, key=lambda d: d.index)]
+    kind = {(link.a, link.b): link.type for link in inv.links}
+    bandwidth = {(link.a, link.b): link.bandwidth_gbps for link in inv.links}
+    names = [f"GPU{i}" for i in indices]
+    rows = []
+    for a in indices:
+        cells = []
+        for b in indices:
+            pair = (min(a, b), max(a, b))
+            cells.append("X" if a == b else kind.get(pair, "?"))
+        numa = next((d.numa_node for d in inv.devices if d.index == a), -1)
+        rows.append([f"GPU{a}", *cells, "N/A" if numa < 0 else str(numa)])
+    out = [table(["", *names, "NUMA Affinity"], rows), ""]
+    out.append("Least bandwidth per NVLink island (GB/s, bidirectional):")
+    for island in inv.islands:
+        pairs = [(a, b) for i, a in enumerate(island) for b in island[i + 1 :]]
+        least = min((bandwidth.get(p, 0) for p in pairs), default=0)
+        out.append(f"  [{','.join(map(str, island))}]: {least if pairs else '-'}")
+    out += [
+        "",
+        "Legend:",
+        "  X    = Self",
+        "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes",
+        "  NODE = Connection traversing PCIe and the interconnect between host bridges within a NUMA node",
+        "  PHB  = Connection traversing PCIe and a PCIe host bridge (typically the CPU)",
+        "  PXB  = Connection traversing multiple PCIe bridges (without the host bridge)",
+        "  PIX  = Connection traversing at most a single PCIe bridge",
+        "  NV#  = Connection traversing a bonded set of # NVLinks",
+    ]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ the edges
+
+
+def kubeconfig_path(explicit: str | None) -> str | None:
+    """kubectl's order: the flag, $KUBECONFIG, ~/.kube/config; None means in-cluster."""
+    if explicit:
+        return explicit
+    if os.environ.get("KUBECONFIG"):
+        return os.environ["KUBECONFIG"].split(os.pathsep)[0]
+    default = Path.home() / ".kube" / "config"
+    return str(default) if default.exists() else None
+
+
+async def _fetch(kubeconfig: str | None, what: str, namespace: str | None) -> dict[str, Any]:
+    from gpualloc.kube import client, resources
+
+    api = await client.connect(kubeconfig_path(kubeconfig))
+    try:
+        crs = resources.CustomResources(api)
+        out: dict[str, Any] = {}
+        if what in ("nodes", "topo"):
+            out["nodes"] = (await crs.list_node_statuses())["items"]
+        if what in ("nodes", "claims"):
+            out["claims"] = (await crs.list_claims(namespace))["items"]
+        return out
+    finally:
+        await api.close()
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
+    return parser
+
+
+def _run(coro: Any) -> dict[str, Any]:
+    from gpualloc.kube import errors
+
+    try:
+        result: dict[str, Any] = asyncio.run(coro)
+        return result
+    except errors.KubeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from exc
+
+
+def get_main(argv: Sequence[str]) -> int:
+    parser = _parser("gpualloc get")
+    parser.add_argument("what", choices=["nodes", "claims"], help="what to list")
+    parser.add_argument("-n", "--namespace", default="default", help="namespace of the claims")
+    parser.add_argument("-A", "--all-namespaces", action="store_true", help="claims in every namespace")
+    args = parser.parse_args(argv)
+    if args.what == "nodes":
+        raw = _run(_fetch(args.kubeconfig, "nodes", None))
+        nodes = [codecs.parse_node_status(n) for n in raw["nodes"]]
+        claims = [codecs.parse_claim(c) for c in raw["claims"]]
+        print(format_nodes(nodes, allocated_uuids(claims), _now()) if nodes else "No GPU nodes found.")
+        return 0
+    namespace = None if args.all_namespaces else args.namespace
+    raw = _run(_fetch(args.kubeconfig, "claims", namespace))
+    claims = [codecs.parse_claim(c) for c in raw["claims"]]
+    if not claims:
+        where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"
+        print(f"No GpuClaims found in {where}.")
+        return 0
+    print(format_claims(claims, _now(), all_namespaces=args.all_namespaces))
+    return 0
+
+
+def topo_main(argv: Sequence[str]) -> int:
+    parser = _parser("gpualloc topo")
+    parser.add_argument("node", help="node name (the GpuNodeStatus of the same name)")
+    args = parser.parse_args(argv)
+    raw = _run(_fetch(args.kubeconfig, "topo", None))
+    for item in raw["nodes"]:
+        if item.get("metadata", {}).get("name") == args.node:
+            print(format_topology(codecs.parse_node_status(item)))
+            return 0
+    known = ", ".join(sorted(i["metadata"]["name"] for i in raw["nodes"])) or "none"
+    print(f"error: no GpuNodeStatus named {args.node!r} (known: {known})", file=sys.stderr)
+    return 1
