@@ -1,0 +1,158 @@
+"""The small exception tree every Kubernetes call raises, mapped at the boundary.
+
+kubernetes_asyncio raises a plain ``ApiException`` whatever the status, and
+aiohttp its own errors when the API server cannot be reached. Callers branch on
+these classes instead::
+
+    with errors.mapped():
+        await api.create_namespaced_lease(...)
+
+``AlreadyExists`` and ``Conflict`` share the status 409; the reason in the
+response's ``Status`` body tells them apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
+
+MAX_BODY = 300
+
+
+class KubeError(Exception):
+    """A failed Kubernetes API call: HTTP ``status`` (0 when none came back), ``reason``, ``message``."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}" if status else f"{reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+class BadRequest(KubeError):
+    """400: the request itself is malformed (e.g. a patch that does not apply)."""
+
+
+class Unauthorized(KubeError):
+    """401: the credentials were not accepted."""
+
+
+class Forbidden(KubeError):
+    """403: RBAC (or an admission policy) denied the request."""
+
+
+class NotFound(KubeError):
+    """404: the object (or its kind) does not exist."""
+
+
+class AlreadyExists(KubeError):
+    """409 with reason AlreadyExists: a create hit an existing name."""
+
+
+class Conflict(KubeError):
+    """409 otherwise: a stale resourceVersion or a failed precondition."""
+
+
+class Gone(KubeError):
+    """410: the resourceVersion is too old (compacted); re-list."""
+
+
+class Invalid(KubeError):
+    """422: the object failed validation (the CRD schema, a field's rules)."""
+
+
+class Unavailable(KubeError):
+    """5xx, 429, or no answer at all: the API server is down, restarting or overloaded. Retry."""
+
+
+_BY_STATUS: dict[int, type[KubeError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    410: Gone,
+    422: Invalid,
+    429: Unavailable,
+}
+
+# What aiohttp (and the OS) raise when the API server cannot be reached or goes away mid-request.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+
+
+def truncate(text: str, limit: int = MAX_BODY) -> str:
+    """``text`` cut to ``limit`` characters, marked when cut."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
+
+
+def _class_for(status: int, reason: str) -> type[KubeError]:
+    if status == 409:
+        return AlreadyExists if reason == "AlreadyExists" else Conflict
+    if status >= 500:
+        return Unavailable
+    return _BY_STATUS.get(status, KubeError)
+
+
+def from_status(status: Mapping[str, Any], *, default_code: int = 0) -> KubeError:
+    """The error a ``Status`` object describes (a response body, or a watch ERROR event's object)."""
+    code = status.get("code")
+    code = code if isinstance(code, int) else default_code
+    reason = str(status.get("reason") or "")
+    message = truncate(str(status.get("message") or ""))
+    return _class_for(code, reason)(code, reason or "Unknown", message)
+
+
+def from_response(status: int, body: bytes | str | None, http_reason: str = "") -> KubeError:
+    """The error for an HTTP status and its body (a JSON ``Status`` when the API server wrote it)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
+    parsed: Any = None
+    if text:
+        with contextlib.suppress(ValueError):
+            parsed = json.loads(text)
+    if isinstance(parsed, dict) and parsed.get("kind") == "Status":
+        err = from_status(parsed, default_code=status)
+        if err.status != status:  # the HTTP status is what happened; the body only explains it
+            err = _class_for(status, err.reason)(status, err.reason, err.message)
+        return err
+    reason = http_reason or "Unknown"
+    return _class_for(status, reason)(status, reason, truncate(text))
+
+
+def translate(exc: BaseException) -> KubeError:
+    """The tree's error for any exception a Kubernetes call raised."""
+    if isinstance(exc, KubeError):
+        return exc
+    if isinstance(exc, ApiException):
+        status = exc.status if isinstance(exc.status, int) else 0
+        reason = str(exc.reason or "")
+        if exc.body:
+            return from_response(status, exc.body, reason)
+        # No body: the client made this itself (e.g. from a watch ERROR line as "Reason: message").
+        head, _, rest = reason.partition(": ")
+        if rest and " " not in head:
+            return _class_for(status, head)(status, head, truncate(rest))
+        return _class_for(status, reason)(status, reason or "Unknown", "")
+    if isinstance(exc, TRANSPORT_ERRORS):
+        detail = str(exc) or type(exc).__name__
+        return Unavailable(0, type(exc).__name__, truncate(detail))
+    return KubeError(0, type(exc).__name__, truncate(str(exc)))
+
+
+@contextlib.contextmanager
+def mapped() -> Iterator[None]:
+    """Re-raise ``ApiException`` and transport errors as the tree, chained with ``from``."""
+    try:
+        yield
+    except ApiException as exc:
+        raise translate(exc) from exc
+    except TRANSPORT_ERRORS as exc:
+        raise translate(exc) from exc

@@ -1,0 +1,143 @@
+"""coordination.k8s.io/v1 Leases, the device locks: raw JSON dicts (camelCase) in and out.
+
+Bodies go out as dicts (the client serialises them as they are; its stubs ask
+for models, hence the casts) and answers come back unparsed by the client.
+
+Creating a Lease is atomic in the API server: a second create of the same name
+fails with ``errors.AlreadyExists``, which is what makes a Lease a lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any, cast
+
+from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
+
+from gpualloc.kube import transport
+
+Obj = dict[str, Any]
+
+API_VERSION = "coordination.k8s.io/v1"
+
+
+def micro_time(when: datetime.datetime) -> str:
+    """A ``MicroTime`` as the API server writes it: RFC 3339, microseconds, UTC, ``Z``."""
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_body(
+    namespace: str,
+    name: str,
+    *,
+    holder: str,
+    labels: Mapping[str, str],
+    duration_seconds: int | None,
+    now: datetime.datetime,
+) -> Obj:
+    """The Lease object ``create_lease`` sends."""
+    spec: Obj = {"holderIdentity": holder, "acquireTime": micro_time(now), "renewTime": micro_time(now)}
+    if duration_seconds is not None:
+        spec["leaseDurationSeconds"] = duration_seconds
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Lease",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": spec,
+    }
+
+
+async def create_lease(
+    api: ApiClient,
+    namespace: str,
+    name: str,
+    *,
+    holder: str,
+    labels: Mapping[str, str],
+    duration_seconds: int | None = None,
+) -> Obj:
+    """Create the Lease held by ``holder``; ``errors.AlreadyExists`` when the name is taken."""
+    body = lease_body(
+        namespace,
+        name,
+        holder=holder,
+        labels=labels,
+        duration_seconds=duration_seconds,
+        now=datetime.datetime.now(datetime.UTC),
+    )
+    result: Obj = await transport.call_json(
+        CoordinationV1Api(api).create_namespaced_lease(
+            namespace, cast(Any, body), _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT
+        )
+    )
+    return result
+
+
+async def get_lease(api: ApiClient, namespace: str, name: str) -> Obj:
+    """The Lease; ``errors.NotFound`` when there is none."""
+    result: Obj = await transport.call_json(
+        CoordinationV1Api(api).read_namespaced_lease(
+            name, namespace, _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT
+        )
+    )
+    return result
+
+
+async def delete_lease(
+    api: ApiClient,
+    namespace: str,
+    name: str,
+    *,
+    uid: str | None = None,
+    resource_version: str | None = None,
+) -> None:
+    """Delete the Lease, only if it still has this ``uid`` / ``resource_version`` when given.
+
+    ``errors.NotFound`` when it is gone already; ``errors.Conflict`` when a
+    precondition does not hold (the Lease was re-created or changed meanwhile).
+    """
+    preconditions: Obj = {}
+    if uid is not None:
+        preconditions["uid"] = uid
+    if resource_version is not None:
+        preconditions["resourceVersion"] = resource_version
+    body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions"}
+    if preconditions:
+        body["preconditions"] = preconditions
+    await transport.call_json(
+        CoordinationV1Api(api).delete_namespaced_lease(
+            name,
+            namespace,
+            body=cast(Any, body),
+            _preload_content=False,
+            _request_timeout=transport.REQUEST_TIMEOUT,
+        )
+    )
+
+
+async def list_leases(api: ApiClient, namespace: str, label_selector: str = "") -> Obj:
+    """The LeaseList (``items``, ``metadata.resourceVersion``)."""
+    result: Obj = await transport.call_json(
+        CoordinationV1Api(api).list_namespaced_lease(
+            namespace,
+            label_selector=label_selector,
+            _preload_content=False,
+            _request_timeout=transport.REQUEST_TIMEOUT,
+        )
+    )
+    return result
+
+
+async def replace_lease(api: ApiClient, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
+    """Update the Lease; the body's ``metadata.resourceVersion`` makes it ``errors.Conflict`` if stale."""
+    result: Obj = await transport.call_json(
+        CoordinationV1Api(api).replace_namespaced_lease(
+            name,
+            namespace,
+            cast(Any, dict(body)),
+            _preload_content=False,
+            _request_timeout=transport.REQUEST_TIMEOUT,
+        )
+    )
+    return result
