@@ -1,0 +1,109 @@
+{{/*
+Names. Every object is "<fullname>-<component>"; fullname is "<release>-gpualloc"
+unless the release name already contains the chart name.
+*/}}
+{{- define "gpualloc.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpualloc.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpualloc.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Per-component names. */}}
+{{- define "gpualloc.agent.name" -}}{{ include "gpualloc.fullname" . }}-agent{{- end -}}
+{{- define "gpualloc.controller.name" -}}{{ include "gpualloc.fullname" . }}-controller{{- end -}}
+{{- define "gpualloc.webhook.name" -}}{{ include "gpualloc.fullname" . }}-webhook{{- end -}}
+{{- define "gpualloc.certs.name" -}}{{ include "gpualloc.fullname" . }}-certs{{- end -}}
+{{- define "gpualloc.webhook.secretName" -}}{{ include "gpualloc.fullname" . }}-webhook-tls{{- end -}}
+{{- define "gpualloc.webhook.configName" -}}{{ include "gpualloc.fullname" . }}{{- end -}}
+{{- define "gpualloc.webhook.certName" -}}{{ include "gpualloc.fullname" . }}-webhook-serving{{- end -}}
+
+{{- define "gpualloc.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "gpualloc.labels" -}}
+helm.sh/chart: {{ include "gpualloc.chart" . }}
+app.kubernetes.io/name: {{ include "gpualloc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpualloc
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "agent"). */}}
+{{- define "gpualloc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpualloc.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "gpualloc.componentLabels" -}}
+{{ include "gpualloc.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Environment every component gets from the downward API. */}}
+{{- define "gpualloc.downwardEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- end -}}
+
+{{/* Flags every long-running component takes. */}}
+{{- define "gpualloc.commonArgs" -}}
+- --log-format={{ .Values.logFormat }}
+- --log-level={{ .Values.logLevel }}
+{{- end -}}
+
+{{/* Volumes for a read-only root filesystem: a writable /tmp. */}}
+{{- define "gpualloc.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- end -}}
+
+{{- define "gpualloc.tmpMount" -}}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* The issuer of the serving certificate when cert-manager is used. */}}
+{{- define "gpualloc.issuerRef" -}}
+{{- if .Values.certManager.issuerRef.name -}}
+name: {{ .Values.certManager.issuerRef.name }}
+kind: {{ default "Issuer" .Values.certManager.issuerRef.kind }}
+group: {{ default "cert-manager.io" .Values.certManager.issuerRef.group }}
+{{- else -}}
+name: {{ include "gpualloc.fullname" . }}-ca
+kind: Issuer
+group: cert-manager.io
+{{- end -}}
+{{- end -}}
