@@ -1,0 +1,699 @@
+"""Choose a node and a set of GPUs for each replica of a claim (pure).
+
+``allocate(claim, nodes)`` is a function of its arguments only: no I/O, no
+clock, no global randomness (``strategy: random`` draws from
+``random.Random(seed)``). Equal inputs give equal decisions.
+
+Nodes
+    A node is a candidate when its Node object exists, is not cordoned, has a
+    GpuNodeStatus, is ready (the caller judges heartbeat freshness), matches
+    ``spec.nodeName`` when set and ``spec.selector`` (``matches_selector``).
+
+Devices
+    A device is a candidate when it is Healthy, its UUID is not in ``taken``,
+    and it matches ``product`` (``fnmatch.fnmatchcase``: shell glob,
+    case-sensitive, as NVML reports the name, like label values),
+    ``minMemoryMiB`` and ``minComputeCapability`` (compared as ``(major, minor)``
+    integers; a device with no reported capability does not meet a minimum).
+    ``policy: preferIds`` pins the set to those host indices: every replica's
+    set is chosen among them and the node fails, naming the taken, unhealthy,
+    missing or non-matching indices, when fewer than ``count`` are usable.
+
+Sets (within one node)
+    Every set of ``count`` candidate devices is scored when there are at most
+    ``EXHAUSTIVE_LIMIT`` of them (every node up to 8 GPUs, and most beyond),
+    otherwise a beam search of width ``BEAM_WIDTH`` grows sets one device at a
+    time (not guaranteed optimal). Measures of a set: its least pairwise
+    bandwidth (a missing link is 0 GB/s; a single device has no pairs and meets
+    every bar), the NUMA nodes and NVLink islands it spans, and its *cut*: the
+    bandwidth of the links between the set and the node's remaining candidate
+    devices. A small cut takes devices whose neighbours are already gone and
+    leaves the remaining free devices best connected (packing). Lower keys win:
+
+    * ``packed``/``preferIds``: (-least bandwidth, NUMA nodes, cut, indices)
+    * ``spread``: (-NUMA nodes, -least bandwidth, cut, indices)
+    * ``contiguous``: (NVLink islands, -least bandwidth, NUMA nodes, cut, indices).
+      Contiguous means one NVLink island and then the fastest links (fewest
+      hops); it never means neighbouring indices (bridges 0-2/1-3 exist).
+
+    ``topology.mode: Ignore`` drops the bandwidth and NUMA terms (packing by cut
+    only, except the NUMA/island terms the policy itself asks for).
+    ``Required`` keeps only sets whose least pairwise bandwidth reaches
+    ``minBandwidthGBps``; with ``minBandwidthGBps: 0`` it keeps sets inside one
+    NVLink island. The last tie-break is the lowest indices (lexicographic).
+
+Nodes (choice)
+    Among nodes that have a set, the strategy ranks first, then set quality
+    (higher least bandwidth, then fewer NUMA nodes; skipped for ``Ignore``),
+    then the node name. Topology therefore never overrides the strategy across
+    nodes: ``Required`` is a bar a set either meets or not, and ``Preferred``
+    picks the best set on the node the strategy prefers, using bandwidth to
+    break the strategy's ties. Strategies, with *free* = healthy and not taken:
+
+    * ``binpack``: highest allocated fraction ``(total - free) / total``, then fewest free
+    * ``leastLoaded``: lowest allocated fraction, then most free
+    * ``spread``: most free GPUs
+    * ``bestFit``: fewest free GPUs left over after the placement
+    * ``random``: a ``random.Random(seed)`` shuffle of the node names
+    * ``roundRobin``: the first node at or after ``round_robin_cursor`` in
+      sorted-name order (wrapping); a gang's next replica starts after the last node used
+    * ``costOptimized``: the node label ``cost_label`` ranked by ``cost_preference``
+      (nodes without the label, or with another value, last), then ``binpack``
+
+Gangs
+    ``replicas: N`` places replica 0..N-1 in turn against a local copy of the
+    taken devices, so no device serves two replicas; replicas may share or
+    split nodes. All replicas are placed or none (``allocations`` is empty).
+    Placement is greedy: a gang that would fit only with a different order of
+    choices is reported as not fitting.
+
+Reasons
+    When nothing fits, ``reason`` is one line: nodes counted by their first
+    failing check, most common first, e.g. ``0/12 nodes fit: 7 have fewer than
+    4 free healthy GPUs, 4 have no 4-GPU set with >=600 GB/s, 1 is cordoned``;
+    for gangs ``only 4 of 5 replicas fit: of 12 nodes, ...``. ``per_node``
+    has each node's own line (``fits: ...`` for nodes that could take it).
+    For speed, nodes ranked below the winner are not searched unless
+    ``explain=True``; the decision is the same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import itertools
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from controller import topology
+from gpualloc.api import constants, models
+
+EXHAUSTIVE_LIMIT = 5000
+BEAM_WIDTH = 48
+MAX_REASON_GROUPS = 6
+_NO_PAIRS = 1 << 40  # "least pairwise bandwidth" of a set with a single device
+
+_Key = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeView:
+    """What the allocator may know about one node, assembled by the caller."""
+
+    name: str
+    labels: Mapping[str, str]
+    unschedulable: bool
+    node_present: bool
+    ready: bool
+    inventory: models.NodeInventory | None
+    taken: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    allocations: tuple[models.Allocation, ...]
+    reason: str
+    per_node: Mapping[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.allocations)
+
+
+# ------------------------------------------------------------------ selectors
+
+
+def matches_selector(selector: models.LabelSelector | None, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label-selector semantics; ``None`` and an empty selector match everything.
+
+    ``Gt``/``Lt`` need the label and the single value to parse as integers;
+    an unknown operator matches nothing.
+    """
+    if selector is None:
+        return True
+    for key, value in selector.match_labels.items():
+        if labels.get(key) != value:
+            return False
+    for req in selector.match_expressions:
+        present = req.key in labels
+        value = labels.get(req.key, "")
+        op = req.operator
+        if op == "In":
+            ok = present and value in req.values
+        elif op == "NotIn":
+            ok = not present or value not in req.values
+        elif op == "Exists":
+            ok = present
+        elif op == "DoesNotExist":
+            ok = not present
+        elif op in ("Gt", "Lt"):
+            ok = present and len(req.values) == 1 and _int_compare(value, req.values[0], op)
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
+def _int_compare(label: str, bound: str, op: str) -> bool:
+    try:
+        left, right = int(label), int(bound)
+    except ValueError:
+        return False
+    return left > right if op == "Gt" else left < right
+
+
+def order_pending(claims: Iterable[models.GpuClaim]) -> list[models.GpuClaim]:
+    """Allocation order: priority (high first), then creationTimestamp, then namespace/name."""
+    return sorted(
+        claims,
+        key=lambda c: (
+            -c.spec.priority,
+            c.metadata.creation_timestamp,
+            c.metadata.namespace,
+            c.metadata.name,
+        ),
+    )
+
+
+# ------------------------------------------------------------- parsed request
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Ask:
+    count: int
+    policy: str
+    prefer_ids: tuple[int, ...]
+    product: str | None
+    min_memory_mib: int | None
+    min_cc: tuple[int, int] | None
+    mode: str
+    min_bw: int
+    strategy: str
+    node_name: str | None
+    selector: models.LabelSelector | None
+    filters: str  # ' matching product "X", >=N MiB' or ""
+
+
+def parse_compute_capability(text: str) -> tuple[int, int] | None:
+    """``"8.6"`` -> ``(8, 6)``; ``"9"`` -> ``(9, 0)``; anything else -> ``None``."""
+    parts = text.strip().split(".")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def _parse(claim: models.GpuClaim) -> _Ask | str:
+    spec = claim.spec
+    dev = spec.devices
+    if dev.count < 1:
+        return f"devices.count must be at least 1 (got {dev.count})"
+    if spec.replicas < 1:
+        return f"replicas must be at least 1 (got {spec.replicas})"
+    if dev.exclusivity != "Exclusive":
+        return f"exclusivity {dev.exclusivity} is not supported yet; use Exclusive"
+    if dev.policy not in constants.POLICIES:
+        return f"unknown devices.policy {dev.policy!r}; use one of {', '.join(constants.POLICIES)}"
+    if spec.strategy not in constants.STRATEGIES:
+        return f"unknown strategy {spec.strategy!r}; use one of {', '.join(constants.STRATEGIES)}"
+    mode = spec.topology.mode
+    if mode not in constants.TOPOLOGY_MODES:
+        return f"unknown topology.mode {mode!r}; use one of {', '.join(constants.TOPOLOGY_MODES)}"
+    min_cc = None
+    if dev.min_compute_capability:
+        min_cc = parse_compute_capability(dev.min_compute_capability)
+        if min_cc is None:
+            return f'minComputeCapability "{dev.min_compute_capability}" is not of the form "8.0"'
+    prefer_ids: tuple[int, ...] = ()
+    if dev.policy == "preferIds":
+        prefer_ids = tuple(sorted(set(dev.prefer_ids)))
+        if len(prefer_ids) < dev.count:
+            return (
+                f"policy preferIds lists {len(prefer_ids)} distinct indices but count is {dev.count};"
+                " list at least count indices"
+            )
+    filters = []
+    if dev.product:
+        filters.append(f'product "{dev.product}"')
+    if dev.min_memory_mib:
+        filters.append(f">={dev.min_memory_mib} MiB")
+    if min_cc is not None:
+        filters.append(f"compute capability >={min_cc[0]}.{min_cc[1]}")
+    return _Ask(
+        count=dev.count,
+        policy=dev.policy,
+        prefer_ids=prefer_ids,
+        product=dev.product or None,
+        min_memory_mib=dev.min_memory_mib or None,
+        min_cc=min_cc,
+        mode=mode,
+        min_bw=max(0, spec.topology.min_bandwidth_gbps),
+        strategy=spec.strategy,
+        node_name=spec.node_name or None,
+        selector=spec.selector,
+        filters=(" matching " + ", ".join(filters)) if filters else "",
+    )
+
+
+def _matches(ask: _Ask, device: models.Device) -> bool:
+    if ask.product is not None and not fnmatch.fnmatchcase(device.product, ask.product):
+        return False
+    if ask.min_memory_mib is not None and device.memory_mib < ask.min_memory_mib:
+        return False
+    if ask.min_cc is not None:
+        cc = parse_compute_capability(device.compute_capability)
+        if cc is None or cc < ask.min_cc:
+            return False
+    return True
+
+
+# ------------------------------------------------------------ per-node results
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Miss:
+    """Why a node cannot take the replica: the summary phrase and the node's own line."""
+
+    rank: int  # order among summary groups with equal counts
+    one: str  # "is cordoned"
+    many: str  # "are cordoned"
+    detail: str
+
+
+@dataclasses.dataclass(slots=True)
+class _Screened:
+    """A node that passed the node checks and has at least ``count`` usable devices."""
+
+    view: NodeView
+    inventory: models.NodeInventory
+    position: int  # in sorted node names
+    total: int
+    free: int  # healthy and not taken
+    usable: list[models.Device]  # free, matching, (preferIds), sorted by index
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Choice:
+    devices: tuple[models.Device, ...]
+    least_bw: int  # _NO_PAIRS for a single device
+    numa: int
+    islands: int
+    key: _Key
+
+    @property
+    def reported_bw(self) -> int:
+        return 0 if self.least_bw == _NO_PAIRS else self.least_bw
+
+    def describe(self) -> str:
+        idx = ",".join(str(d.index) for d in self.devices)
+        if len(self.devices) == 1:
+            return f"gpu {idx}"
+        return f"gpus {idx} (min {self.least_bw} GB/s, {self.numa} NUMA node{'s' if self.numa != 1 else ''})"
+
+
+def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> _Screened | _Miss:
+    if not view.node_present:
+        return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
+    if view.unschedulable:
+        return _Miss(1, "is cordoned", "are cordoned", "cordoned (spec.unschedulable)")
+    inv = view.inventory
+    if inv is None:
+        return _Miss(
+            2, "has no GpuNodeStatus", "have no GpuNodeStatus", "no GpuNodeStatus (agent not running?)"
+        )
+    if not view.ready:
+        return _Miss(
+            3, "is not ready", "are not ready", "GpuNodeStatus not Ready or heartbeat stale (agent down?)"
+        )
+    if ask.node_name is not None and view.name != ask.node_name:
+        phrase = f'the requested nodeName "{ask.node_name}"'
+        return _Miss(4, f"is not {phrase}", f"are not {phrase}", f"not {phrase}")
+    if not matches_selector(ask.selector, view.labels):
+        return _Miss(
+            5, "does not match the selector", "do not match the selector", "labels do not match selector"
+        )
+
+    taken = view.taken
+    total = len(inv.devices)
+    unhealthy = n_taken = nomatch = free = 0
+    usable: list[models.Device] = []
+    for d in inv.devices:
+        if d.health != constants.HEALTHY:
+            unhealthy += 1
+        elif d.uuid in taken or d.uuid in extra_taken:
+            n_taken += 1
+        else:
+            free += 1
+            if _matches(ask, d):
+                usable.append(d)
+            else:
+                nomatch += 1
+
+    if ask.prefer_ids:
+        return _screen_prefer_ids(view, inv, ask, position, total, free, usable, extra_taken)
+
+    if len(usable) < ask.count:
+        parts = [f"{n} {what}" for n, what in ((n_taken, "taken"), (unhealthy, "unhealthy")) if n]
+        if nomatch:
+            parts.append(f"{nomatch} not matching")
+        extra = f" ({', '.join(parts)})" if parts else ""
+        phrase = f"fewer than {ask.count} free healthy GPUs{ask.filters}"
+        return _Miss(
+            6,
+            f"has {phrase}",
+            f"have {phrase}",
+            f"{len(usable)} of {total} GPUs usable{extra}; need {ask.count}",
+        )
+    usable.sort(key=lambda d: d.index)
+    return _Screened(view, inv, position, total, free, usable)
+
+
+def _screen_prefer_ids(
+    view: NodeView,
+    inv: models.NodeInventory,
+    ask: _Ask,
+    position: int,
+    total: int,
+    free: int,
+    usable: list[models.Device],
+    extra_taken: set[str],
+) -> _Screened | _Miss:
+    by_index = {d.index: d for d in inv.devices}
+    usable_idx = {d.index for d in usable}
+    wanted = set(ask.prefer_ids)
+    pinned = sorted((d for d in usable if d.index in wanted), key=lambda d: d.index)
+    if len(pinned) >= ask.count:
+        return _Screened(view, inv, position, total, free, pinned)
+    problems: dict[str, list[int]] = {"missing": [], "unhealthy": [], "taken": [], "not matching": []}
+    for i in ask.prefer_ids:
+        d = by_index.get(i)
+        if d is None:
+            problems["missing"].append(i)
+        elif d.health != constants.HEALTHY:
+            problems["unhealthy"].append(i)
+        elif d.uuid in view.taken or d.uuid in extra_taken:
+            problems["taken"].append(i)
+        elif i not in usable_idx:
+            problems["not matching"].append(i)
+    what = "; ".join(f"{'/'.join(map(str, ids))} {kind}" for kind, ids in problems.items() if ids)
+    ids = ",".join(map(str, ask.prefer_ids))
+    phrase = f"cannot give preferIds {ids} ({what})"
+    return _Miss(7, phrase, phrase, f"preferIds {ids}: {what}; {len(pinned)} usable, need {ask.count}")
+
+
+# ------------------------------------------------------------------ set search
+
+
+def _best_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
+    devs = node.usable
+    m, k = len(devs), ask.count
+    table = topology.bandwidths(node.inventory.links)
+    isl = topology.island_ids(node.inventory)
+    idx = [d.index for d in devs]
+    bw = [[topology.bandwidth(table, a, b) if a != b else 0 for b in idx] for a in idx]
+    numa = [d.numa_node for d in devs]
+    island = [isl.get(i, -1 - n) for n, i in enumerate(idx)]
+    rowsum = [sum(row) for row in bw]
+    topo = ask.mode != "Ignore"
+    required = ask.mode == "Required" and k > 1
+    policy = ask.policy
+
+    def key(combo: Sequence[int], least: int, internal: int) -> tuple[_Key, int, int]:
+        n_numa = len({numa[p] for p in combo})
+        n_isl = len({island[p] for p in combo})
+        cut = sum(rowsum[p] for p in combo) - 2 * internal
+        order = tuple(idx[p] for p in combo)
+        bw_term = -least if topo else 0
+        numa_term = n_numa if topo else 0
+        if policy == "spread":
+            full: _Key = (-n_numa, bw_term, cut, order)
+        elif policy == "contiguous":
+            full = (n_isl, bw_term, numa_term, cut, order)
+        else:
+            full = (bw_term, numa_term, cut, order)
+        return full, n_numa, n_isl
+
+    def meets(least: int, n_isl: int) -> bool:
+        if not required:
+            return True
+        return least >= ask.min_bw if ask.min_bw > 0 else n_isl == 1
+
+    best: _Choice | None = None
+    best_least_any = -1  # best least bandwidth seen, for the failure message
+    if math.comb(m, k) <= EXHAUSTIVE_LIMIT:
+        for combo in itertools.combinations(range(m), k):
+            least, internal = _NO_PAIRS, 0
+            for i, p in enumerate(combo):
+                row = bw[p]
+                for q in combo[i + 1 :]:
+                    b = row[q]
+                    internal += b
+                    if b < least:
+                        least = b
+            full, n_numa, n_isl = key(combo, least, internal)
+            best_least_any = max(best_least_any, least)
+            if not meets(least, n_isl):
+                continue
+            if best is None or full < best.key:
+                best = _Choice(tuple(devs[p] for p in combo), least, n_numa, n_isl, full)
+    else:
+        best, best_least_any = _beam(devs, bw, k, key, meets)
+
+    if best is None:
+        if ask.min_bw > 0:
+            phrase = f"no {k}-GPU set with >={ask.min_bw} GB/s"
+            detail = f"{phrase} among {m} usable GPUs (best {max(best_least_any, 0)} GB/s)"
+        else:
+            phrase = f"no {k}-GPU set inside one NVLink island"
+            detail = f"{phrase} among {m} usable GPUs"
+        return _Miss(8, f"has {phrase}", f"have {phrase}", detail)
+    return best
+
+
+def _beam(
+    devs: list[models.Device],
+    bw: list[list[int]],
+    k: int,
+    key: Any,
+    meets: Any,
+) -> tuple[_Choice | None, int]:
+    """Grow sets one device at a time, keeping the ``BEAM_WIDTH`` best partial sets."""
+    m = len(devs)
+    # (key, combo sorted, least, internal)
+    beam: list[tuple[_Key, tuple[int, ...], int, int]] = []
+    for p in range(m):
+        full, _, _ = key((p,), _NO_PAIRS, 0)
+        beam.append((full, (p,), _NO_PAIRS, 0))
+    beam.sort()
+    beam = beam[:BEAM_WIDTH]
+    best_least = -1
+    for size in range(2, k + 1):
+        grown: dict[tuple[int, ...], tuple[_Key, tuple[int, ...], int, int]] = {}
+        for _, combo, least, internal in beam:
+            for p in range(m):
+                if p in combo:
+                    continue
+                new = tuple(sorted((*combo, p)))
+                if new in grown:
+                    continue
+                row = bw[p]
+                n_least = min(least, *(row[q] for q in combo))
+                n_internal = internal + sum(row[q] for q in combo)
+                full, _, n_isl = key(new, n_least, n_internal)
+                if size == k:
+                    best_least = max(best_least, n_least)
+                if not meets(n_least, n_isl):
+                    continue  # the least bandwidth only falls and islands only grow: prune
+                grown[new] = (full, new, n_least, n_internal)
+        beam = sorted(grown.values())[:BEAM_WIDTH]
+        if not beam:
+            return None, best_least
+    full, combo, least, _ = beam[0]
+    _, n_numa, n_isl = key(combo, least, 0)
+    return _Choice(tuple(devs[p] for p in combo), least, n_numa, n_isl, full), best_least
+
+
+# ----------------------------------------------------------------- node choice
+
+
+def _strategy_key(
+    node: _Screened,
+    ask: _Ask,
+    *,
+    n_nodes: int,
+    cursor: int,
+    random_rank: Mapping[str, int],
+    cost_label: str,
+    cost_rank: Mapping[str, int],
+) -> _Key:
+    total, free = node.total, node.free
+    used = (total - free) / total  # equal fractions give equal floats: division is correctly rounded
+    s = ask.strategy
+    if s == "binpack":
+        return (-used, free)
+    if s == "leastLoaded":
+        return (used, -free)
+    if s == "spread":
+        return (-free,)
+    if s == "bestFit":
+        return (free - ask.count,)
+    if s == "random":
+        return (random_rank[node.view.name],)
+    if s == "roundRobin":
+        return ((node.position - cursor) % n_nodes,)
+    # costOptimized
+    tier = cost_rank.get(node.view.labels.get(cost_label, ""), len(cost_rank))
+    return (tier, -used, free)
+
+
+def _quality(choice: _Choice, ask: _Ask) -> _Key:
+    if ask.mode == "Ignore":
+        return ()
+    return (-choice.least_bw, choice.numa)
+
+
+def allocate(
+    claim: models.GpuClaim,
+    nodes: Sequence[NodeView],
+    *,
+    seed: int = 0,
+    round_robin_cursor: int = 0,
+    cost_label: str = "gpu.scheduling/cost-tier",
+    cost_preference: Sequence[str] = ("low", "medium", "high"),
+    explain: bool = False,
+) -> Decision:
+    """Place every replica of ``claim`` on ``nodes`` or none; see the module docstring."""
+    ask = _parse(claim)
+    if isinstance(ask, str):
+        return Decision(allocations=(), reason=ask, per_node={})
+    replicas = claim.spec.replicas
+    views = sorted(nodes, key=lambda v: v.name)
+    names = [v.name for v in views]
+    if ask.node_name is not None and ask.node_name not in names:
+        return Decision(
+            allocations=(),
+            reason=f'nodeName "{ask.node_name}" is not a known GPU node (0/{len(views)} nodes fit)',
+            per_node={v.name: f'not the requested nodeName "{ask.node_name}"' for v in views},
+        )
+    if not views:
+        return Decision(allocations=(), reason="0/0 nodes fit: no GPU nodes are known", per_node={})
+
+    cost_rank = {tier: r for r, tier in reversed(list(enumerate(cost_preference)))}
+    rng = random.Random(seed)
+    extra: dict[str, set[str]] = {v.name: set() for v in views}
+    screened: list[_Screened | _Miss] = [_screen(v, ask, i, extra[v.name]) for i, v in enumerate(views)]
+    per_node: dict[str, str] = {}
+    chosen_notes: dict[str, list[str]] = {}
+    allocations: list[models.Allocation] = []
+    cursor = round_robin_cursor % len(views)
+
+    for replica in range(replicas):
+        random_rank: dict[str, int] = {}
+        if ask.strategy == "random":
+            shuffled = list(names)
+            rng.shuffle(shuffled)
+            random_rank = {n: r for r, n in enumerate(shuffled)}
+        results: dict[str, _Choice | _Miss | None] = {}
+        fits = [s for s in screened if isinstance(s, _Screened)]
+        ranked = sorted(
+            (
+                (
+                    _strategy_key(
+                        s,
+                        ask,
+                        n_nodes=len(views),
+                        cursor=cursor,
+                        random_rank=random_rank,
+                        cost_label=cost_label,
+                        cost_rank=cost_rank,
+                    ),
+                    s,
+                )
+                for s in fits
+            ),
+            key=lambda pair: (pair[0], pair[1].view.name),
+        )
+        winner: tuple[_Screened, _Choice] | None = None
+        i = 0
+        while i < len(ranked):
+            j = i
+            while j < len(ranked) and ranked[j][0] == ranked[i][0]:
+                j += 1
+            group_best: tuple[_Key, _Screened, _Choice] | None = None
+            for _, s in ranked[i:j]:
+                res = _best_set(s, ask)
+                results[s.view.name] = res
+                if isinstance(res, _Choice):
+                    cand = ((*_quality(res, ask), s.view.name), s, res)
+                    if group_best is None or cand[0] < group_best[0]:
+                        group_best = cand
+            i = j
+            if group_best is not None and winner is None:
+                winner = (group_best[1], group_best[2])
+                if not explain:
+                    break
+
+        # Every node's line for this round.
+        for idx, entry in enumerate(screened):
+            name = names[idx]
+            if isinstance(entry, _Miss):
+                per_node[name] = entry.detail
+            else:
+                found = results.get(name)
+                if isinstance(found, _Choice):
+                    per_node[name] = f"fits: {found.describe()}"
+                elif isinstance(found, _Miss):
+                    per_node[name] = found.detail
+                else:
+                    per_node[name] = (
+                        f"{len(entry.usable)} usable GPUs; not searched (a node ranked higher by "
+                        f"{ask.strategy} was chosen)"
+                    )
+
+        if winner is None:
+            misses = [s if isinstance(s, _Miss) else results[s.view.name] for s in screened]
+            summary = _summarise([m for m in misses if isinstance(m, _Miss)])
+            if replicas > 1:
+                of_nodes = f"{len(views)} node{'s' if len(views) != 1 else ''}"
+                reason = f"only {replica} of {replicas} replicas fit: of {of_nodes}, {summary}"
+            else:
+                reason = f"0/{len(views)} nodes fit: {summary}"
+            for name, notes in chosen_notes.items():
+                per_node[name] = f"{per_node[name]} (after {'; '.join(notes)})"
+            return Decision(allocations=(), reason=reason, per_node=per_node)
+
+        node, choice = winner
+        name = node.view.name
+        allocations.append(
+            models.Allocation(
+                replica=replica,
+                node_name=name,
+                devices=tuple(
+                    models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in choice.devices
+                ),
+                min_bandwidth_gbps=choice.reported_bw,
+            )
+        )
+        chosen_notes.setdefault(name, []).append(f"replica {replica} took {choice.describe()}")
+        extra[name].update(d.uuid for d in choice.devices)
+        screened[node.position] = _screen(node.view, ask, node.position, extra[name])
+        cursor = (node.position + 1) % len(views)
+
+    for name, notes in chosen_notes.items():
+        per_node[name] = "chosen: " + "; ".join(notes)
+    return Decision(allocations=tuple(allocations), reason="", per_node=per_node)
+
+
+def _summarise(misses: Sequence[_Miss]) -> str:
+    groups: dict[tuple[int, str, str], int] = {}
+    for m in misses:
+        k = (m.rank, m.one, m.many)
+        groups[k] = groups.get(k, 0) + 1
+    ordered = sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{n} {one if n == 1 else many}" for (_, one, many), n in ordered[:MAX_REASON_GROUPS]]
+    rest = sum(n for _, n in ordered[MAX_REASON_GROUPS:])
+    if rest:
+        parts.append(f"{rest} for other reasons")
+    return ", ".join(parts)
