@@ -1,0 +1,145 @@
+"""What CustomResources and leases put on the wire, captured at the aiohttp session (no server)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient, Configuration
+
+from gpualloc.kube import errors, leases, resources
+
+
+class FakeResponse:
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self.reason = "OK" if status < 400 else "Error"
+        self.headers = {"content-type": "application/json"}
+        self._body = json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        pass
+
+
+class Recorder:
+    """Stands in for the client's aiohttp session.request: records each request, answers with a canned body."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.status = 200
+        self.body: Any = {"kind": "GpuClaim", "metadata": {"name": "c"}}
+
+    async def __call__(self, **kwargs: Any) -> FakeResponse:
+        self.requests.append(kwargs)
+        return FakeResponse(self.status, self.body)
+
+
+@pytest.fixture
+async def recorded() -> AsyncIterator[tuple[ApiClient, Recorder]]:
+    cfg = Configuration()
+    cfg.host = "https://127.0.0.1:1"
+    api = ApiClient(configuration=cfg)
+    recorder = Recorder()
+    api.rest_client.pool_manager.request = recorder
+    try:
+        yield api, recorder
+    finally:
+        await api.close()
+
+
+async def test_patch_claim_status_is_sent_as_a_json_merge_patch_on_the_status_subresource(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    crs = resources.CustomResources(api)
+    await crs.patch_claim_status("team-a", "train", {"status": {"phase": "Allocated"}})
+    (sent,) = recorder.requests
+    assert sent["method"] == "PATCH"
+    assert sent["headers"]["Content-Type"] == "application/merge-patch+json"
+    assert sent["url"].endswith("/apis/gpu.scheduling/v1/namespaces/team-a/gpuclaims/train/status")
+    assert json.loads(sent["data"]) == {"status": {"phase": "Allocated"}}
+
+
+async def test_every_patch_method_sends_merge_patch_not_json_patch(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    crs = resources.CustomResources(api)
+    await crs.patch_claim("ns", "c", {"metadata": {"labels": {"a": "b"}}})
+    await crs.patch_node_status("n", {"spec": {"nodeName": "n"}})
+    await crs.patch_node_status_status("n", {"status": {"total": 8}})
+    types = [r["headers"]["Content-Type"] for r in recorder.requests]
+    assert types == ["application/merge-patch+json"] * 3
+    urls = [r["url"] for r in recorder.requests]
+    assert urls[0].endswith("/apis/gpu.scheduling/v1/namespaces/ns/gpuclaims/c")
+    assert urls[1].endswith("/apis/gpu.scheduling/v1/gpunodestatuses/n")
+    assert urls[2].endswith("/apis/gpu.scheduling/v1/gpunodestatuses/n/status")
+
+
+async def test_patch_status_with_resource_version_puts_it_in_metadata_without_touching_the_callers_dict(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    crs = resources.CustomResources(api)
+    patch = {"status": {"phase": "Failed"}, "metadata": {"annotations": {"x": "y"}}}
+    await crs.patch_claim_status("ns", "c", patch, resource_version="42")
+    sent = json.loads(recorder.requests[0]["data"])
+    assert sent == {
+        "status": {"phase": "Failed"},
+        "metadata": {"annotations": {"x": "y"}, "resourceVersion": "42"},
+    }
+    assert patch == {"status": {"phase": "Failed"}, "metadata": {"annotations": {"x": "y"}}}
+
+
+async def test_api_errors_come_back_as_the_tree(recorded: tuple[ApiClient, Recorder]) -> None:
+    api, recorder = recorded
+    recorder.status = 409
+    recorder.body = {"kind": "Status", "reason": "AlreadyExists", "message": "exists", "code": 409}
+    with pytest.raises(errors.AlreadyExists):
+        await resources.CustomResources(api).create_claim("ns", {"metadata": {"name": "c"}})
+    with pytest.raises(errors.AlreadyExists):
+        await leases.create_lease(api, "ns", "gpu-x", holder="uid-1", labels={})
+
+
+async def test_create_lease_sends_holder_labels_and_duration_in_camel_case(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    recorder.body = {"kind": "Lease", "metadata": {"name": "gpu-x", "resourceVersion": "7"}}
+    out = await leases.create_lease(
+        api,
+        "gpualloc-system",
+        "gpu-x",
+        holder="uid-1",
+        labels={"gpu.scheduling/node": "n1"},
+        duration_seconds=30,
+    )
+    assert out == {"kind": "Lease", "metadata": {"name": "gpu-x", "resourceVersion": "7"}}
+    sent = recorder.requests[0]
+    assert sent["method"] == "POST"
+    assert sent["url"].endswith("/apis/coordination.k8s.io/v1/namespaces/gpualloc-system/leases")
+    body = json.loads(sent["data"])
+    assert body["metadata"] == {
+        "name": "gpu-x",
+        "namespace": "gpualloc-system",
+        "labels": {"gpu.scheduling/node": "n1"},
+    }
+    assert body["spec"]["holderIdentity"] == "uid-1"
+    assert body["spec"]["leaseDurationSeconds"] == 30
+    assert body["spec"]["acquireTime"].endswith("Z")
+
+
+async def test_delete_lease_sends_uid_and_resource_version_preconditions(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    recorder.body = {"kind": "Status", "status": "Success"}
+    await leases.delete_lease(api, "ns", "gpu-x", uid="u-1", resource_version="9")
+    sent = recorder.requests[0]
+    assert sent["method"] == "DELETE"
+    assert json.loads(sent["data"])["preconditions"] == {"uid": "u-1", "resourceVersion": "9"}
