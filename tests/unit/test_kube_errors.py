@@ -121,7 +121,7 @@ def test_watch_error_event_status_object_maps_to_gone() -> None:
         aiohttp.ServerDisconnectedError(),
         aiohttp.ClientConnectionError("connection refused"),
         aiohttp.ClientPayloadError("payload"),
-        asyncio.TimeoutError(),
+        TimeoutError(),
         ConnectionResetError("reset by peer"),
         ConnectionRefusedError(111, "refused"),
     ],

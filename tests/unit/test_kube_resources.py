@@ -27,7 +27,7 @@ class FakeResponse:
 
 
 class Recorder:
-    """Stands in for the client's aiohttp session.request: records each request, answers with a canned body."""
+    """Stands in for the client's aiohttp session.request: records requests, answers a canned body."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
