@@ -1,0 +1,544 @@
+"""The Helm chart, rendered by the real ``helm`` binary and checked object by object.
+
+``helm lint --strict`` and ``helm template`` run for both TLS modes (cert-manager and
+the certs hook Job). The assertions are about what the chart promises: the webhook
+fails closed for claim pods only, every container runs locked down with resources,
+the replicated parts have two replicas and a PodDisruptionBudget, every component's
+RBAC is exactly what it needs, and values.schema.json catches a typo.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpualloc.devcluster import binaries
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
+RELEASE = "ga"
+NAMESPACE = "gpu-system"
+KUBE_VERSION = "1.36.0"  # helm's built-in default is older than the chart's kubeVersion
+FULLNAME = f"{RELEASE}-gpualloc"
+CLAIM_CONDITION = "has(object.metadata.annotations) && 'gpu.scheduling/claim' in object.metadata.annotations"
+
+Obj = dict[str, Any]
+
+
+@functools.cache
+def _helm() -> str:
+    try:
+        return str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
+    except binaries.BuildError as exc:
+        if shutil.which("go") is None:
+            pytest.skip(f"helm is not built and there is no Go toolchain to build it: {exc}")
+        raise
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([_helm(), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _set_args(values: dict[str, str]) -> list[str]:
+    out: list[str] = []
+    for key, value in values.items():
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+@functools.cache
+def _render_cached(values: tuple[tuple[str, str], ...]) -> tuple[Obj, ...]:
+    result = _run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        KUBE_VERSION,
+        *_set_args(dict(values)),
+    )
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def render(**values: str) -> list[Obj]:
+    """Render the chart with ``--set key=value`` for each keyword (dots spelled as __)."""
+    flat = tuple(sorted((key.replace("__", "."), value) for key, value in values.items()))
+    return list(_render_cached(flat))
+
+
+def one(objs: list[Obj], kind: str, name: str) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def kinds(objs: list[Obj]) -> set[str]:
+    return {o["kind"] for o in objs}
+
+
+def pod_specs(objs: list[Obj]) -> Iterator[tuple[str, Obj]]:
+    for o in objs:
+        if o["kind"] in ("Deployment", "DaemonSet", "Job", "StatefulSet"):
+            yield f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]
+
+
+def containers(spec: Obj) -> list[Obj]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+BOTH_MODES = pytest.mark.parametrize("cert_manager", ["true", "false"], ids=["cert-manager", "certs-job"])
+
+
+# ----------------------------------------------------------------------------- lint, schema
+
+
+@BOTH_MODES
+def test_helm_lint_strict_passes(cert_manager: str) -> None:
+    result = _run(
+        "lint",
+        "--strict",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        f"certManager.enabled={cert_manager}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("webhook.pendingMod=gate", "additional properties 'pendingMod' not allowed"),
+        ("agnet.source=nvml", "additional properties 'agnet' not allowed"),
+        ("certManager.enable=false", "additional properties 'enable' not allowed"),
+        ("webhook.pendingMode=maybe", "value must be one of"),
+        ("webhook.deviceIds=minor", "value must be one of"),
+        ("agent.source=fake", "value must be one of"),
+        ("agent.nvmlAccess=devices", "value must be one of"),
+    ],
+)
+def test_values_schema_rejects_typos_and_unknown_enum_values(setting: str, message: str) -> None:
+    result = _run("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, "--set", setting)
+    assert result.returncode != 0
+    assert "schema" in result.stderr
+    assert message in result.stderr
+
+
+def test_values_schema_requires_limits_on_every_component() -> None:
+    result = _run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "controller.resources.limits=null",
+    )
+    assert result.returncode != 0
+    assert "missing property 'limits'" in result.stderr
+
+
+def test_chart_refuses_a_kubernetes_older_than_1_30() -> None:
+    result = _run("template", RELEASE, str(CHART), "--kube-version", "1.29.5")
+    assert result.returncode != 0
+    assert "kubeVersion" in result.stderr
+
+
+def test_chart_metadata_and_the_crds_ship_in_crds_dir() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == "0.1.0"
+    assert chart["kubeVersion"] == ">=1.30.0-0"
+    crds = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "crds").glob("*.yaml")}
+    assert crds == {"gpuclaims.gpu.scheduling", "gpunodestatuses.gpu.scheduling"}
+    # helm template leaves crds/ out unless asked: the CRDs are not templated objects.
+    assert "CustomResourceDefinition" not in kinds(render())
+
+
+# ----------------------------------------------------------------------------- webhook config
+
+
+@BOTH_MODES
+def test_mutating_webhook_fails_closed_for_claim_pods_only(cert_manager: str) -> None:
+    objs = render(certManager__enabled=cert_manager)
+    mwc = one(objs, "MutatingWebhookConfiguration", FULLNAME)
+    (hook,) = mwc["webhooks"]
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["matchConditions"] == [{"name": "has-claim-annotation", "expression": CLAIM_CONDITION}]
+    assert hook["sideEffects"] == "None"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["timeoutSeconds"] == 5
+    assert hook["reinvocationPolicy"] == "IfNeeded"
+    assert "objectSelector" not in hook
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    (expr,) = hook["namespaceSelector"]["matchExpressions"]
+    assert expr["key"] == "kubernetes.io/metadata.name"
+    assert expr["operator"] == "NotIn"
+    assert set(expr["values"]) == {"kube-system", NAMESPACE}
+    service = hook["clientConfig"]["service"]
+    svc = one(objs, "Service", service["name"])
+    assert service["namespace"] == NAMESPACE
+    assert service["port"] == 443
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
+
+
+def test_extra_excluded_namespaces_join_kube_system_and_the_release_namespace() -> None:
+    objs = render(**{"webhook.excludeNamespaces[0]": "batch-infra"})
+    (expr,) = one(objs, "MutatingWebhookConfiguration", FULLNAME)["webhooks"][0]["namespaceSelector"][
+        "matchExpressions"
+    ]
+    assert set(expr["values"]) == {"kube-system", NAMESPACE, "batch-infra"}
+
+
+def test_cert_manager_mode_injects_the_ca_of_the_serving_certificate_the_webhook_mounts() -> None:
+    objs = render(certManager__enabled="true")
+    mwc = one(objs, "MutatingWebhookConfiguration", FULLNAME)
+    ns, cert_name = mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].split("/")
+    assert ns == NAMESPACE
+    cert = one(objs, "Certificate", cert_name)
+    webhook = one(objs, "Deployment", f"{FULLNAME}-webhook")
+    (tls,) = [v for v in webhook["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert cert["spec"]["secretName"] == tls["secret"]["secretName"]
+    assert f"{FULLNAME}-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    assert "server auth" in cert["spec"]["usages"]
+    # The self-signed CA chain: selfsigned Issuer -> CA Certificate -> CA Issuer -> serving cert.
+    issuer = one(objs, "Issuer", cert["spec"]["issuerRef"]["name"])
+    ca_cert = next(o for o in objs if o["kind"] == "Certificate" and o["spec"].get("isCA"))
+    assert issuer["spec"]["ca"]["secretName"] == ca_cert["spec"]["secretName"]
+    assert "selfSigned" in one(objs, "Issuer", ca_cert["spec"]["issuerRef"]["name"])["spec"]
+    assert "Job" not in kinds(objs)
+
+
+def test_cert_manager_issuer_override_replaces_the_self_signed_chain() -> None:
+    objs = render(certManager__issuerRef__name="corp-ca", certManager__issuerRef__kind="ClusterIssuer")
+    assert "Issuer" not in kinds(objs)
+    (cert,) = [o for o in objs if o["kind"] == "Certificate"]
+    assert cert["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+
+
+def test_certs_job_mode_makes_the_secret_before_and_patches_the_config_after_install() -> None:
+    objs = render(certManager__enabled="false")
+    assert not {"Certificate", "Issuer"} & kinds(objs)
+    assert "annotations" not in one(objs, "MutatingWebhookConfiguration", FULLNAME)["metadata"]
+    job = one(objs, "Job", f"{FULLNAME}-certs")
+    annotations = job["metadata"]["annotations"]
+    assert set(annotations["helm.sh/hook"].split(",")) == {
+        "pre-install",
+        "pre-upgrade",
+        "post-install",
+        "post-upgrade",
+    }
+    assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == {
+        "before-hook-creation",
+        "hook-succeeded",
+    }
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "certs"
+    webhook = one(objs, "Deployment", f"{FULLNAME}-webhook")
+    (tls,) = [v for v in webhook["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert f"--service={FULLNAME}-webhook" in args
+    assert f"--namespace={NAMESPACE}" in args
+    assert f"--secret={tls['secret']['secretName']}" in args
+    assert f"--webhook-config={FULLNAME}" in args
+    # Its ServiceAccount and RBAC are hooks of the same phases that run before the Job.
+    job_weight = int(annotations["helm.sh/hook-weight"])
+    sa = job["spec"]["template"]["spec"]["serviceAccountName"]
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+        obj = one(objs, kind, sa)
+        assert obj["metadata"]["annotations"]["helm.sh/hook"] == annotations["helm.sh/hook"]
+        assert int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) < job_weight
+
+
+# ----------------------------------------------------------------------------- pods
+
+
+@BOTH_MODES
+def test_every_pod_runs_non_root_read_only_without_privilege(cert_manager: str) -> None:
+    objs = render(certManager__enabled=cert_manager)
+    specs = dict(pod_specs(objs))
+    assert len(specs) == (3 if cert_manager == "true" else 4)
+    for where, spec in specs.items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True, where
+        assert pod["runAsUser"] == 65532, where
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        for c in containers(spec):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+            assert sc["runAsNonRoot"] is True, where
+            assert not sc.get("privileged"), where
+            assert "hostPath" not in json.dumps(spec.get("volumes", [])), where
+            assert spec.get("hostNetwork") is not True and spec.get("hostPID") is not True, where
+
+
+@BOTH_MODES
+def test_every_container_has_resource_requests_and_limits(cert_manager: str) -> None:
+    for where, spec in pod_specs(render(certManager__enabled=cert_manager)):
+        for c in containers(spec):
+            resources = c["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), where
+            assert {"cpu", "memory"} <= set(resources["limits"]), where
+
+
+def test_controller_and_webhook_run_two_replicas_with_disruption_budgets() -> None:
+    objs = render()
+    for component in ("controller", "webhook"):
+        deployment = one(objs, "Deployment", f"{FULLNAME}-{component}")
+        assert deployment["spec"]["replicas"] == 2
+        pdb = one(objs, "PodDisruptionBudget", f"{FULLNAME}-{component}")
+        assert pdb["spec"]["minAvailable"] == 1
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    controller = one(objs, "Deployment", f"{FULLNAME}-controller")
+    assert "--leader-elect" in controller["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
+    objs = render()
+    deployment = one(objs, "Deployment", f"{FULLNAME}-webhook")
+    spec = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["selector"]["matchLabels"]
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"] == labels
+    (anti,) = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == labels
+    (c,) = spec["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["https"] == 8443
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    for flag in ("--tls-cert-file=/tls/tls.crt", "--tls-key-file=/tls/tls.key", "--port=8443"):
+        assert flag in c["args"]
+    assert "--pending=deny" in c["args"]
+    assert "--device-ids=uuid" in c["args"]
+    assert (
+        "--pending=gate"
+        in one(render(webhook__pendingMode="gate"), "Deployment", f"{FULLNAME}-webhook")["spec"]["template"][
+            "spec"
+        ]["containers"][0]["args"]
+    )
+
+
+def test_agent_runs_on_gpu_nodes_through_the_nvidia_runtime_by_default() -> None:
+    ds = one(render(), "DaemonSet", f"{FULLNAME}-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["runtimeClassName"] == "nvidia"
+    (c,) = spec["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert "--node-name=$(NODE_NAME)" in c["args"]
+    assert "--source=nvml" in c["args"]
+
+
+def test_simulated_agent_needs_no_nvidia_runtime() -> None:
+    ds = one(render(agent__source="simulated", agent__profile="dgx-h100"), "DaemonSet", f"{FULLNAME}-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in spec
+    (c,) = spec["containers"]
+    assert not {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"} & {e["name"] for e in c["env"]}
+    assert "--source=simulated" in c["args"]
+    assert "--profile=dgx-h100" in c["args"]
+
+
+def test_agent_host_paths_mode_is_privileged_and_mounts_only_libnvidia_ml() -> None:
+    ds = one(render(agent__nvmlAccess="hostPaths"), "DaemonSet", f"{FULLNAME}-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in spec
+    (c,) = spec["containers"]
+    assert c["securityContext"]["privileged"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is True  # the API refuses privileged without it
+    (volume,) = [v for v in spec["volumes"] if "hostPath" in v]
+    assert volume["hostPath"] == {"path": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "type": "File"}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+
+
+@BOTH_MODES
+def test_every_service_selects_pods_the_chart_runs_and_a_named_port(cert_manager: str) -> None:
+    objs = render(certManager__enabled=cert_manager)
+    templates = [o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "DaemonSet")]
+    services = [o for o in objs if o["kind"] == "Service"]
+    assert len(services) == 4
+    for svc in services:
+        selector = svc["spec"]["selector"]
+        matched = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
+        assert len(matched) == 1, svc["metadata"]["name"]
+        names = {p["name"] for c in matched[0]["spec"]["containers"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in names, svc["metadata"]["name"]
+
+
+# ----------------------------------------------------------------------------- RBAC
+
+
+def _rules_of(objs: list[Obj], component: str) -> set[tuple[str, str, str, str, tuple[str, ...]]]:
+    """(scope, apiGroup, resource, verb, resourceNames) granted to one component's ServiceAccount."""
+    sa = f"{FULLNAME}-{component}"
+    granted: set[tuple[str, str, str, str, tuple[str, ...]]] = set()
+    for binding in objs:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(
+            s["kind"] == "ServiceAccount" and s["name"] == sa and s["namespace"] == NAMESPACE
+            for s in binding["subjects"]
+        ):
+            continue
+        ref = binding["roleRef"]
+        role = one(objs, ref["kind"], ref["name"])
+        scope = NAMESPACE if binding["kind"] == "RoleBinding" else "*"
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        granted.add((scope, group, resource, verb, tuple(rule.get("resourceNames", ()))))
+    return granted
+
+
+def _no_wildcards(granted: set[tuple[str, str, str, str, tuple[str, ...]]]) -> None:
+    for _, group, resource, verb, _ in granted:
+        assert "*" not in (group, resource, verb)
+
+
+def test_webhook_may_only_read_claims() -> None:
+    granted = _rules_of(render(), "webhook")
+    assert granted == {("*", "gpu.scheduling", "gpuclaims", v, ()) for v in ("get", "list", "watch")}
+
+
+def test_agent_may_write_node_statuses_read_leases_and_nothing_secret() -> None:
+    granted = _rules_of(render(), "agent")
+    _no_wildcards(granted)
+    expected = {
+        ("*", "gpu.scheduling", "gpunodestatuses", v, ())
+        for v in ("get", "list", "watch", "create", "update", "patch")
+    }
+    expected |= {("*", "gpu.scheduling", "gpunodestatuses/status", v, ()) for v in ("get", "update", "patch")}
+    expected |= {("*", "", "nodes", "get", ())}
+    expected |= {(NAMESPACE, "coordination.k8s.io", "leases", v, ()) for v in ("list", "watch")}
+    assert granted == expected
+    assert not any(resource == "secrets" for _, _, resource, _, _ in granted)
+
+
+def test_agent_may_patch_nodes_only_when_node_labels_are_enabled() -> None:
+    assert ("*", "", "nodes", "patch", ()) not in _rules_of(render(), "agent")
+    assert ("*", "", "nodes", "patch", ()) in _rules_of(render(agent__nodeLabels__enabled="true"), "agent")
+
+
+def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace() -> None:
+    granted = _rules_of(render(), "controller")
+    _no_wildcards(granted)
+    expected = {
+        ("*", "gpu.scheduling", "gpuclaims", v, ()) for v in ("get", "list", "watch", "update", "patch")
+    }
+    expected |= {("*", "gpu.scheduling", "gpuclaims/status", v, ()) for v in ("get", "update", "patch")}
+    expected |= {("*", "gpu.scheduling", "gpunodestatuses", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
+    expected |= {
+        (NAMESPACE, "coordination.k8s.io", "leases", v, ())
+        for v in ("get", "list", "watch", "create", "update", "delete")
+    }
+    assert granted == expected
+    # Leases only in its own namespace: a lock elsewhere locks nothing.
+    assert not any(r == "leases" and scope == "*" for scope, _, r, _, _ in granted)
+
+
+def test_controller_may_patch_pods_only_in_gate_mode() -> None:
+    assert ("*", "", "pods", "patch", ()) not in _rules_of(render(), "controller")
+    assert ("*", "", "pods", "patch", ()) in _rules_of(render(webhook__pendingMode="gate"), "controller")
+
+
+def test_certs_job_touches_only_its_secret_and_its_webhook_configuration() -> None:
+    granted = _rules_of(render(certManager__enabled="false"), "certs")
+    secret = (f"{FULLNAME}-webhook-tls",)
+    expected = {(NAMESPACE, "", "secrets", "create", ())}
+    expected |= {(NAMESPACE, "", "secrets", v, secret) for v in ("get", "update", "patch")}
+    expected |= {
+        ("*", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", v, (FULLNAME,))
+        for v in ("get", "patch")
+    }
+    assert granted == expected
+
+
+def test_every_component_has_its_own_service_account() -> None:
+    objs = render()
+    for where, spec in pod_specs(objs):
+        component = where.rsplit("-", 1)[1]
+        assert spec["serviceAccountName"] == f"{FULLNAME}-{component}"
+        one(objs, "ServiceAccount", spec["serviceAccountName"])
+
+
+# ----------------------------------------------------------------------------- observability
+
+
+def test_grafana_dashboard_config_map_covers_every_metric() -> None:
+    objs = render(grafana__dashboard__enabled="true")
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["gpualloc.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    for metric in (
+        "gpualloc_claims_allocated_total",
+        "gpualloc_allocation_failures_total",
+        "gpualloc_pending_claims",
+        "gpualloc_devices",
+        "gpualloc_time_to_allocated_seconds_bucket",
+        "gpualloc_admissions_total",
+        "gpualloc_admission_duration_seconds_bucket",
+        "gpualloc_gpu_utilization_percent",
+        "gpualloc_gpu_memory_used_bytes",
+        "gpualloc_gpu_health",
+    ):
+        assert metric in exprs, metric
+    assert "ConfigMap" not in kinds(render())
+
+
+def test_service_monitor_scrapes_each_component_metrics_service() -> None:
+    objs = render(metrics__serviceMonitor__enabled="true")
+    (sm,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    selector = sm["spec"]["selector"]["matchLabels"]
+    selected = [
+        o for o in objs if o["kind"] == "Service" and selector.items() <= o["metadata"]["labels"].items()
+    ]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {
+        "agent",
+        "controller",
+        "webhook",
+    }
+    (endpoint,) = sm["spec"]["endpoints"]
+    for svc in selected:
+        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert "ServiceMonitor" not in kinds(render())
