@@ -1,0 +1,253 @@
+"""The webhook's HTTP layer and claim cache, over the aiohttp test client (plain HTTP, in process)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gpualloc.api import codecs, constants, models
+from gpualloc.kube import errors
+from webhook import admission, cache, server
+from webhook import metrics as metrics_
+
+NS = "team-a"
+
+
+def raw_claim(name: str = "train", *, phase: str = "Allocated", node: str = "node-1") -> dict[str, Any]:
+    spec = models.GpuClaimSpec(devices=models.DeviceRequest(count=1))
+    body = codecs.claim_body(name, spec, NS)
+    body["metadata"]["resourceVersion"] = "1"
+    status: dict[str, Any] = {"phase": phase, "message": "waiting for GPUs"}
+    if phase == "Allocated":
+        status["allocations"] = [
+            {"replica": 0, "nodeName": node, "devices": [{"index": 0, "minor": 0, "uuid": "GPU-abc"}]}
+        ]
+    body["status"] = status
+    return body
+
+
+def review(claim: str | None = "train", uid: str = "u-1") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "p", "namespace": NS}
+    if claim is not None:
+        meta["annotations"] = {constants.ANNOTATION_CLAIM: claim}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "namespace": NS,
+            "operation": "CREATE",
+            "object": {"metadata": meta, "spec": {"containers": [{"name": "c"}]}},
+        },
+    }
+
+
+class CountingFetch:
+    def __init__(self, result: Mapping[str, Any] | None = None, error: Exception | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.result = result
+        self.error = error
+
+    async def __call__(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        self.calls.append((namespace, name))
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+async def client_for(aiohttp_client: Any, claims: cache.ClaimCache, **kwargs: Any) -> Any:
+    return await aiohttp_client(server.make_app(claims=claims, **kwargs))
+
+
+async def test_mutate_answers_an_allocated_claim_pod_with_a_patch_from_the_cache(aiohttp_client: Any) -> None:
+    fetch = CountingFetch()
+    claims = cache.ClaimCache(cache.StaticStore([raw_claim()]), fetch)
+    client = await client_for(aiohttp_client, claims)
+    for _ in range(3):
+        resp = await client.post("/mutate", json=review())
+        assert resp.status == 200
+        body = await resp.json()
+        assert body["apiVersion"] == "admission.k8s.io/v1" and body["kind"] == "AdmissionReview"
+        assert body["response"]["uid"] == "u-1" and body["response"]["patchType"] == "JSONPatch"
+    assert fetch.calls == [], "a cached claim costs no API call"
+
+
+async def test_cache_miss_does_one_get_per_admission(aiohttp_client: Any) -> None:
+    fetch = CountingFetch(result=raw_claim("late"))
+    claims = cache.ClaimCache(cache.StaticStore([]), fetch)
+    client = await client_for(aiohttp_client, claims)
+    body = await (await client.post("/mutate", json=review("late"))).json()
+    assert body["response"]["allowed"] is True and "patch" in body["response"]
+    assert fetch.calls == [(NS, "late")]
+
+
+async def test_pods_without_the_annotation_need_no_lookup(aiohttp_client: Any) -> None:
+    fetch = CountingFetch()
+    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), fetch))
+    body = await (await client.post("/mutate", json=review(None))).json()
+    assert body["response"] == {"uid": "u-1", "allowed": True}
+    assert fetch.calls == []
+
+
+async def test_failed_get_denies_the_pod_with_the_reason(aiohttp_client: Any) -> None:
+    fetch = CountingFetch(error=errors.Unavailable(503, "ServiceUnavailable", "apiserver is down"))
+    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), fetch))
+    resp = await client.post("/mutate", json=review())
+    assert resp.status == 200
+    out = (await resp.json())["response"]
+    assert out["allowed"] is False and out["status"]["code"] == 503
+    assert "apiserver is down" in out["status"]["message"]
+
+
+async def test_slow_get_is_cut_short_and_denied(aiohttp_client: Any) -> None:
+    async def slow(namespace: str, name: str) -> Mapping[str, Any] | None:
+        await asyncio.sleep(10)
+        return None
+
+    claims = cache.ClaimCache(cache.StaticStore([]), slow, get_timeout=0.05)
+    client = await client_for(aiohttp_client, claims)
+    out = (await (await client.post("/mutate", json=review())).json())["response"]
+    assert out["allowed"] is False and "no answer from the API server" in out["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[" * 100_000, "not JSON"),
+        (b"[]", "JSON object"),
+        (b'{"request": {}}', "no uid"),
+        (b"{}", "no request"),
+    ],
+)
+async def test_malformed_bodies_get_400(aiohttp_client: Any, body: bytes, fragment: str) -> None:
+    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    resp = await client.post("/mutate", data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert fragment in await resp.text()
+
+
+async def test_body_over_three_mebibytes_is_refused_with_413(aiohttp_client: Any) -> None:
+    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    resp = await client.post("/mutate", data=b" " * (server.MAX_BODY + 1))
+    assert resp.status == 413
+
+
+async def test_unexpected_failure_is_a_denial_not_a_500(aiohttp_client: Any) -> None:
+    class Broken:
+        def synced(self) -> bool:
+            return True
+
+        async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
+            raise RuntimeError("boom")
+
+    client = await aiohttp_client(server.make_app(claims=Broken()))
+    resp = await client.post("/mutate", json=review())
+    assert resp.status == 200
+    out = (await resp.json())["response"]
+    assert out["uid"] == "u-1" and out["allowed"] is False and out["status"]["code"] == 500
+
+
+async def test_readyz_follows_the_cache_sync_and_turns_false_when_stopping(aiohttp_client: Any) -> None:
+    store = cache.StaticStore([])
+    store.synced.clear()
+    app = server.make_app(claims=cache.ClaimCache(store, CountingFetch()))
+    client = await aiohttp_client(app)
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+    store.synced.set()
+    assert (await client.get("/readyz")).status == 200
+    app[server.STATE].stopping = True
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+
+
+async def test_metrics_count_admissions_by_outcome_and_time_them(aiohttp_client: Any) -> None:
+    metrics = metrics_.Metrics()
+    claims = cache.ClaimCache(
+        cache.StaticStore([raw_claim(), raw_claim("p", phase="Pending")]), CountingFetch()
+    )
+    client = await client_for(aiohttp_client, claims, metrics=metrics)
+    await client.post("/mutate", json=review())
+    await client.post("/mutate", json=review("p"))
+    await client.post("/mutate", json=review(None))
+    await client.post("/mutate", data=b"x")
+    text = await (await client.get("/metrics")).text()
+    assert 'gpualloc_webhook_admissions_total{outcome="mutated"} 1.0' in text
+    assert 'gpualloc_webhook_admissions_total{outcome="denied"} 1.0' in text
+    assert 'gpualloc_webhook_admissions_total{outcome="allowed"} 1.0' in text
+    assert 'gpualloc_webhook_admissions_total{outcome="invalid"} 1.0' in text
+    assert "gpualloc_webhook_admission_duration_seconds_count 4.0" in text
+
+
+async def test_graceful_stop_finishes_a_request_in_flight() -> None:
+    release = asyncio.Event()
+
+    class Slow:
+        def synced(self) -> bool:
+            return True
+
+        async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
+            await release.wait()
+            return admission.lookup_from({})
+
+    app = server.make_app(claims=Slow())
+    runner = await server.start(app, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
+    port = runner.addresses[0][1]
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/mutate", json=review()))
+        await asyncio.sleep(0.2)
+        stopping = asyncio.create_task(server.stop(app, runner))
+        await asyncio.sleep(0.2)
+        assert not app[server.STATE].ready()
+        release.set()
+        resp = await pending
+        assert resp.status == 200
+        assert (await resp.json())["response"]["uid"] == "u-1"
+        await stopping
+
+
+# ------------------------------------------------------------------ the cache itself
+
+
+def test_cache_parses_a_claim_once_per_change() -> None:
+    store = cache.StaticStore([raw_claim()])
+    claims = cache.ClaimCache(store, CountingFetch())
+    first = claims.get(NS, "train")
+    assert first is not None and first.status.phase == "Allocated"
+    assert claims.get(NS, "train") is first
+    store.put(raw_claim(phase="Pending"))
+    second = claims.get(NS, "train")
+    assert second is not None and second is not first and second.status.phase == "Pending"
+    del store.cache[f"{NS}/train"]
+    assert claims.get(NS, "train") is None
+
+
+async def test_cache_lookup_for_a_missing_claim_answers_none() -> None:
+    fetch = CountingFetch(result=None)
+    claims = cache.ClaimCache(cache.StaticStore([]), fetch)
+    lookup = await claims.lookup_for((NS, "gone"))
+    assert lookup(NS, "gone") is None
+    assert fetch.calls == [(NS, "gone")]
+
+
+async def test_fetch_from_maps_not_found_to_none() -> None:
+    class Crs:
+        async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+            raise errors.NotFound(404, "NotFound", 'gpuclaims.gpu.scheduling "x" not found')
+
+    fetch = cache.fetch_from(Crs())  # type: ignore[arg-type]
+    assert await fetch(NS, "x") is None
+
+
+def test_app_refuses_bodies_over_the_api_servers_limit() -> None:
+    app = server.make_app(claims=cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    assert app._client_max_size == 3 * 1024 * 1024
+    assert isinstance(app, web.Application)

@@ -1,0 +1,144 @@
+"""Claims for the admission decision: a watch-fed cache, and one GET on a miss.
+
+The cache is a ``gpualloc.kube.watching.Reflector`` over every GpuClaim in the
+cluster; an admission reads it with a dict lookup (parsed claims are memoized
+per raw object, so a claim is parsed once per change, not once per pod). A
+claim the cache does not hold (not synced yet, or created a moment ago and not
+yet seen on the watch) is read with one GET, bounded by ``get_timeout`` so the
+answer still reaches the API server inside the webhook's ``timeoutSeconds``.
+A GET that fails denies the pod (fail closed) with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from gpualloc.api import codecs, models
+from gpualloc.kube import errors, resources
+from webhook import admission
+from webhook import metrics as metrics_
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
+
+GET_TIMEOUT = 3.0  # seconds; the webhook's own timeoutSeconds is 5
+
+
+class ClaimStore(Protocol):
+    """What the cache reads from a Reflector: its objects by ``namespace/name``, and whether it synced."""
+
+    @property
+    def cache(self) -> Mapping[str, dict[str, Any]]: ...
+
+    @property
+    def synced(self) -> asyncio.Event: ...
+
+
+def fetch_from(crs: resources.CustomResources) -> Fetch:
+    """A Fetch that GETs the claim; None when it does not exist."""
+
+    async def fetch(namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            return await crs.get_claim(namespace, name)
+        except errors.NotFound:
+            return None
+
+    return fetch
+
+
+class ClaimCache:
+    """Parsed claims by ``(namespace, name)`` from a store, with a GET on a miss."""
+
+    def __init__(
+        self,
+        store: ClaimStore,
+        fetch: Fetch,
+        *,
+        metrics: metrics_.Metrics | None = None,
+        get_timeout: float = GET_TIMEOUT,
+    ) -> None:
+        self.store = store
+        self.fetch = fetch
+        self.metrics = metrics
+        self.get_timeout = get_timeout
+        # key -> (the raw object it was parsed from, the model); identity tells a stale entry.
+        self._parsed: dict[str, tuple[Mapping[str, Any], models.GpuClaim]] = {}
+
+    def synced(self) -> bool:
+        return self.store.synced.is_set()
+
+    def contains(self, namespace: str, name: str) -> bool:
+        return f"{namespace}/{name}" in self.store.cache
+
+    def get(self, namespace: str, name: str, /) -> models.GpuClaim | None:
+        """The cached claim (a ClaimLookup); raises codecs.DecodeError for a malformed one."""
+        key = f"{namespace}/{name}"
+        raw = self.store.cache.get(key)
+        if raw is None:
+            self._parsed.pop(key, None)
+            return None
+        memo = self._parsed.get(key)
+        if memo is not None and memo[0] is raw:
+            return memo[1]
+        claim = codecs.parse_claim(raw)
+        if len(self._parsed) > 2 * len(self.store.cache) + 1024:
+            self._parsed = {k: v for k, v in self._parsed.items() if k in self.store.cache}
+        self._parsed[key] = (raw, claim)
+        return claim
+
+    async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
+        """A ClaimLookup that can answer for ``ref``: the cache, or the cache plus one GET's result."""
+        if ref is None or self.contains(*ref):
+            return self.get
+        namespace, name = ref
+        if self.metrics is not None:
+            self.metrics.cache_misses.inc()
+        try:
+            async with asyncio.timeout(self.get_timeout):
+                raw = await self.fetch(namespace, name)
+        except (errors.KubeError, TimeoutError) as exc:
+            if self.metrics is not None:
+                self.metrics.lookup_errors.inc()
+            reason = str(exc) or f"no answer from the API server in {self.get_timeout:g}s"
+            log.warning("claim lookup failed", extra={"claim": f"{namespace}/{name}", "error": reason})
+            return _failing(admission.ClaimUnavailable(reason))
+        if raw is None:
+            fetched: models.GpuClaim | None = None
+        else:
+            try:
+                fetched = codecs.parse_claim(raw)
+            except codecs.DecodeError as exc:
+                return _failing(exc)
+
+        def lookup(ns: str, n: str, /) -> models.GpuClaim | None:
+            if (ns, n) == ref:
+                return fetched
+            return self.get(ns, n)
+
+        return lookup
+
+
+def _failing(exc: Exception) -> admission.ClaimLookup:
+    def lookup(namespace: str, name: str, /) -> models.GpuClaim | None:
+        raise exc
+
+    return lookup
+
+
+class StaticStore:
+    """A ClaimStore over fixed raw claims, already synced: for the benchmark and tests, no API server."""
+
+    def __init__(self, claims: list[dict[str, Any]] | None = None) -> None:
+        self.cache: dict[str, dict[str, Any]] = {}
+        self.synced = asyncio.Event()
+        self.synced.set()
+        for raw in claims or ():
+            self.put(raw)
+
+    def put(self, raw: dict[str, Any]) -> None:
+        meta = raw.get("metadata") or {}
+        self.cache[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = raw

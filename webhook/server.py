@@ -1,0 +1,288 @@
+"""HTTP for the webhook: the aiohttp app, TLS, and reloading the certificate when its files change.
+
+Routes, all on the one TLS port (the kubelet probes it with ``scheme: HTTPS``,
+so a replica is ready only when it serves with its certificate):
+
+* ``POST /mutate``: an ``admission.k8s.io/v1`` AdmissionReview. A body over
+  3 MiB (the API server's own request limit) is refused with 413 before it is
+  read; a body that is not JSON, or has no ``request.uid`` to answer, gets 400;
+  everything else gets 200 with an AdmissionReview echoing the uid, a denial
+  included. An unexpected failure is answered with a denial, never a 500.
+* ``GET /healthz``: 200 while the process serves.
+* ``GET /readyz``: 200 once the claim cache has synced, 503 before and while
+  shutting down.
+* ``GET /metrics``: Prometheus text (also served over plain HTTP on
+  ``--metrics-port`` by ``gpualloc.runtime.serving``, for scrapers without TLS).
+
+Certificate rotation: cert-manager and the kubelet replace a mounted Secret by
+swapping the ``..data`` symlink to a new directory. ``CertificateReloader``
+polls the resolved paths' identity (path, inode, mtime, size) every few
+seconds; on a change it loads the new pair into a scratch context first (a
+half-written pair is left for the next poll), then into the SAME SSLContext
+the listening socket uses: new handshakes present the new certificate,
+connections already open keep theirs, nothing restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import prometheus_client
+from aiohttp import web
+from cryptography import x509
+
+from webhook import admission
+from webhook import metrics as metrics_
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 3 * 1024 * 1024  # the API server refuses larger requests itself
+CERT_POLL_INTERVAL = 2.0
+SHUTDOWN_TIMEOUT = 10.0
+
+
+class ClaimSource(Protocol):
+    """What the app needs from the claim cache (``cache.ClaimCache``)."""
+
+    def synced(self) -> bool: ...
+
+    async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup: ...
+
+
+class State:
+    """Mutable serving state: set ``stopping`` to turn readiness off before shutting down."""
+
+    def __init__(self, claims: ClaimSource, options: admission.Options, metrics: metrics_.Metrics) -> None:
+        self.claims = claims
+        self.options = options
+        self.metrics = metrics
+        self.stopping = False
+
+    def ready(self) -> bool:
+        return not self.stopping and self.claims.synced()
+
+
+STATE: web.AppKey[State] = web.AppKey("state", State)
+
+
+# ------------------------------------------------------------------ handlers
+
+
+def _bad_request(state: State, started: float, message: str) -> web.Response:
+    state.metrics.admissions.labels(admission.INVALID).inc()
+    state.metrics.latency.observe(time.perf_counter() - started)
+    return web.Response(status=400, text=message + "\n")
+
+
+async def mutate(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    started = time.perf_counter()
+    try:
+        body = await request.read()  # raises 413 past client_max_size
+    except web.HTTPRequestEntityTooLarge:
+        state.metrics.admissions.labels(admission.INVALID).inc()
+        raise
+    try:
+        review: Any = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return _bad_request(state, started, f"the body is not JSON: {str(exc)[:200]}")
+    try:
+        uid = admission.request_uid(review)
+    except admission.BadReview as exc:
+        return _bad_request(state, started, str(exc))
+    try:
+        lookup = await state.claims.lookup_for(admission.claim_ref(review))
+        decision = admission.decide(review, lookup, state.options)
+        payload, outcome = decision.response, decision.outcome
+    except Exception as exc:  # never a 500: the API server shows the denial to the user
+        log.exception("admission failed", extra={"uid": uid})
+        payload = admission.deny(
+            uid, f"the gpualloc webhook failed: {type(exc).__name__}", code=500, reason="InternalError"
+        )
+        outcome = "error"
+    text = json.dumps(payload, separators=(",", ":"))
+    state.metrics.admissions.labels(outcome).inc()
+    state.metrics.latency.observe(time.perf_counter() - started)
+    if outcome in (admission.DENIED, admission.INVALID):
+        log.info(
+            "denied",
+            extra={"uid": uid, "outcome": outcome, "reason": payload["response"]["status"]["message"]},
+        )
+    return web.Response(text=text, content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[STATE].ready():
+        return web.Response(text="ok\n")
+    return web.Response(status=503, text="not ready\n")
+
+
+async def serve_metrics(request: web.Request) -> web.Response:
+    body = prometheus_client.generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
+def make_app(
+    *,
+    claims: ClaimSource,
+    options: admission.Options | None = None,
+    metrics: metrics_.Metrics | None = None,
+) -> web.Application:
+    """The webhook's aiohttp app; ``app[STATE]`` holds its serving state."""
+    app = web.Application(client_max_size=MAX_BODY)
+    app[STATE] = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
+    app.router.add_post("/mutate", mutate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/livez", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", serve_metrics)
+    return app
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def make_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A server context, TLS 1.2 at least, with the pair loaded. Made once; reloads reuse it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+FileIdentity = tuple[str, int, int, int, int]
+
+
+def file_identity(path: str) -> FileIdentity | None:
+    """(resolved path, device, inode, mtime ns, size); None when the file cannot be read."""
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return (real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def not_after(cert_file: str) -> float | None:
+    """The certificate's notAfter as a Unix time (None if unreadable)."""
+    try:
+        with open(cert_file, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+    except (OSError, ValueError):
+        return None
+    return cert.not_valid_after_utc.timestamp()
+
+
+class CertificateReloader:
+    """Polls the certificate and key files; loads a changed pair into ``context`` in place."""
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        cert_file: str,
+        key_file: str,
+        *,
+        interval: float = CERT_POLL_INTERVAL,
+        metrics: metrics_.Metrics | None = None,
+        on_reload: Callable[[], None] | None = None,
+    ) -> None:
+        self.context = context
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.interval = interval
+        self.metrics = metrics
+        self.on_reload = on_reload
+        self.reloads = 0
+        self.failures = 0
+        self._seen = self._identity()
+        self._record_expiry()
+
+    def _identity(self) -> tuple[FileIdentity | None, FileIdentity | None]:
+        return (file_identity(self.cert_file), file_identity(self.key_file))
+
+    def _record_expiry(self) -> None:
+        expiry = not_after(self.cert_file)
+        if self.metrics is not None and expiry is not None:
+            self.metrics.cert_expiry.set(expiry)
+
+    def check(self) -> bool:
+        """Reload if the files changed since the last good load; True when a new pair went in."""
+        now = self._identity()
+        cert_id, key_id = now
+        if now == self._seen or cert_id is None or key_id is None:
+            return False
+        cert_path, key_path = cert_id[0], key_id[0]
+        try:
+            # A scratch context first: loading a mismatched pair into the live one could leave it
+            # with the new certificate and no key. Files half-written now are retried next poll.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path)
+            self.context.load_cert_chain(cert_path, key_path)
+        except (OSError, ssl.SSLError) as exc:
+            self.failures += 1
+            if self.metrics is not None:
+                self.metrics.cert_reloads.labels("failure").inc()
+            log.warning("certificate reload failed; keeping the current one", extra={"error": str(exc)})
+            return False
+        if self._identity() != now:
+            return False  # changed while loading: load again next poll
+        self._seen = now
+        self.reloads += 1
+        if self.metrics is not None:
+            self.metrics.cert_reloads.labels("success").inc()
+        self._record_expiry()
+        log.info("serving certificate reloaded", extra={"cert": cert_path})
+        if self.on_reload is not None:
+            self.on_reload()
+        return True
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            self.check()
+
+
+# ------------------------------------------------------------------ running
+
+
+async def start(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+) -> web.AppRunner:
+    """Serve ``app`` on ``host:port`` (0: any free port); the caller does ``await runner.cleanup()``.
+
+    ``cleanup`` stops listening, lets requests in flight finish for up to
+    ``shutdown_timeout`` seconds, then closes the connections.
+    """
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+async def stop(app: web.Application, runner: web.AppRunner, *, drain_delay: float = 0.0) -> None:
+    """Graceful stop: readiness goes false, requests keep being served for ``drain_delay`` seconds
+    (while endpoints drop this replica), then the runner shuts down."""
+    app[STATE].stopping = True
+    if drain_delay > 0:
+        await asyncio.sleep(drain_delay)
+    await runner.cleanup()
