@@ -1,0 +1,230 @@
+"""Certificates and keys for the local control plane (ECDSA P-256, made with cryptography).
+
+A CA; the API server's serving certificate (127.0.0.1, localhost and the
+in-cluster names); a client certificate for ``CN=gpualloc-admin, O=system:masters``;
+and the service-account signing key pair. Files are written once per state
+directory and reused, so a restarted cluster keeps its kubeconfig valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+ADMIN_USER = "gpualloc-admin"
+ADMIN_GROUP = "system:masters"
+SERVICE_CLUSTER_IP = "10.96.0.1"  # first address of --service-cluster-ip-range 10.96.0.0/16
+SERVING_DNS_NAMES = (
+    "localhost",
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
+SERVING_IPS = ("127.0.0.1", "::1", SERVICE_CLUSTER_IP)
+VALIDITY = datetime.timedelta(days=365)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Pki:
+    """Paths of the PEM files in one state directory."""
+
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.directory / "ca.key"
+
+    @property
+    def serving_cert(self) -> Path:
+        return self.directory / "apiserver.crt"
+
+    @property
+    def serving_key(self) -> Path:
+        return self.directory / "apiserver.key"
+
+    @property
+    def admin_cert(self) -> Path:
+        return self.directory / "admin.crt"
+
+    @property
+    def admin_key(self) -> Path:
+        return self.directory / "admin.key"
+
+    @property
+    def service_account_key(self) -> Path:
+        return self.directory / "sa.key"
+
+    @property
+    def service_account_public_key(self) -> Path:
+        return self.directory / "sa.pub"
+
+    def files(self) -> tuple[Path, ...]:
+        return (
+            self.ca_cert,
+            self.ca_key,
+            self.serving_cert,
+            self.serving_key,
+            self.admin_cert,
+            self.admin_key,
+            self.service_account_key,
+            self.service_account_public_key,
+        )
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _name(common_name: str, organization: str | None = None) -> x509.Name:
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if organization:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(attributes)
+
+
+def build_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _new_key()
+    name = _name("gpualloc-dev-ca")
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def build_leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    *,
+    common_name: str,
+    organization: str | None = None,
+    dns_names: tuple[str, ...] = (),
+    ips: tuple[str, ...] = (),
+    server: bool,
+    now: datetime.datetime,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate signed by the CA: a serving one (``server``) or a client one."""
+    key = _new_key()
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name, organization))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if dns_names or ips:
+        alt_names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
+        alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    return builder.sign(ca_key, hashes.SHA256()), key
+
+
+def _write(path: Path, data: bytes, *, private: bool) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_bytes(data)
+    temporary.chmod(0o600 if private else 0o644)
+    temporary.replace(path)
+
+
+def ensure(directory: Path, *, now: datetime.datetime | None = None) -> Pki:
+    """Write the PKI into ``directory`` unless every file is already there."""
+    pki = Pki(directory=directory)
+    if all(path.exists() for path in pki.files()):
+        return pki
+    directory.mkdir(parents=True, exist_ok=True)
+    now = now or datetime.datetime.now(datetime.UTC)
+    ca_cert, ca_key = build_ca(now)
+    serving_cert, serving_key = build_leaf(
+        ca_cert,
+        ca_key,
+        common_name="kube-apiserver",
+        dns_names=SERVING_DNS_NAMES,
+        ips=SERVING_IPS,
+        server=True,
+        now=now,
+    )
+    admin_cert, admin_key = build_leaf(
+        ca_cert, ca_key, common_name=ADMIN_USER, organization=ADMIN_GROUP, server=False, now=now
+    )
+    sa_key = _new_key()
+    _write(pki.ca_cert, _cert_pem(ca_cert), private=False)
+    _write(pki.ca_key, _key_pem(ca_key), private=True)
+    _write(pki.serving_cert, _cert_pem(serving_cert), private=False)
+    _write(pki.serving_key, _key_pem(serving_key), private=True)
+    _write(pki.admin_cert, _cert_pem(admin_cert), private=False)
+    _write(pki.admin_key, _key_pem(admin_key), private=True)
+    _write(pki.service_account_key, _key_pem(sa_key), private=True)
+    _write(
+        pki.service_account_public_key,
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+        private=False,
+    )
+    return pki
