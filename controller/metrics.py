@@ -1,0 +1,71 @@
+"""The controller's Prometheus metrics, in a registry of its own (served on /metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# node, state (free | allocated | unhealthy), count
+DeviceCounts = Iterable[tuple[str, str, int]]
+
+DEVICE_STATES = ("free", "allocated", "unhealthy")
+
+
+class _DeviceCollector(Collector):
+    """``gpualloc_devices{node,state}``, computed from the caches when scraped."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], DeviceCounts] = lambda: ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "gpualloc_devices",
+            "GPUs per node by state (free, allocated, unhealthy)",
+            labels=["node", "state"],
+        )
+        for node, state, count in self.source():
+            family.add_metric([node, state], count)
+        yield family
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.claims_allocated = Counter(
+            "gpualloc_claims_allocated", "Claims allocated, by strategy", ["strategy"], registry=r
+        )
+        self.allocation_failures = Counter(
+            "gpualloc_allocation_failures",
+            "Allocation attempts that failed, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.allocation_retries = Counter(
+            "gpualloc_allocation_retries", "Allocation retries scheduled with backoff", registry=r
+        )
+        self.reconcile_duration = Histogram(
+            "gpualloc_reconcile_duration_seconds",
+            "Time to reconcile one claim",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.time_to_allocated = Histogram(
+            "gpualloc_time_to_allocated_seconds",
+            "From a claim's creation to its allocation",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+            registry=r,
+        )
+        self.pending_claims = Gauge("gpualloc_pending_claims", "Claims waiting for devices", registry=r)
+        self.leader = Gauge("gpualloc_leader", "1 while this controller is the leader", registry=r)
+        self._devices = _DeviceCollector()
+        r.register(self._devices)
+
+    def set_device_source(self, source: Callable[[], DeviceCounts]) -> None:
+        self._devices.source = source
+
+    def set_pending_source(self, source: Callable[[], int]) -> None:
+        self.pending_claims.set_function(lambda: float(source()))

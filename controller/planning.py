@@ -1,0 +1,622 @@
+"""Turn caches, a Decision and the held Leases into what the controller writes (pure).
+
+Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
+
+* ``build_node_views``: the allocator's ``NodeView`` per node from the cached
+  Nodes, GpuNodeStatuses and device Leases (``taken`` = UUIDs whose Lease is
+  held by another claim UID).
+* ``lock_plan``: the Leases to create for a Decision, sorted by UUID (the one
+  global order every controller acquires in), and their labels.
+* ``allocated_status`` / ``unallocated_status``: the status merge patches.
+* ``allocation_problems`` / ``devices_lost_condition``: what became of the
+  devices of an Allocated claim.
+* ``record_failure``: the retry bookkeeping behind ``retryPolicy``.
+* ``resolve_replica`` / ``ungate_patch``: gate mode, for pods held by the
+  ``gpu.scheduling/claim-allocated`` scheduling gate. ``resolve_replica`` is
+  generic (the webhook has the same rule) and could move to ``gpualloc.api``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import jsonpatch
+
+from controller import allocator
+from controller import queue as work_queue
+from gpualloc.api import codecs, constants, models
+
+Obj = dict[str, Any]
+
+REASON_ALLOCATED = "Allocated"
+REASON_INSUFFICIENT = "InsufficientDevices"
+REASON_RETRIES_EXHAUSTED = "RetriesExhausted"
+REASON_INVALID = "InvalidClaim"
+REASON_DEVICE_UNHEALTHY = "DeviceUnhealthy"
+REASON_DEVICES_MISSING = "DevicesMissing"
+REASON_DEVICES_HEALTHY = "DevicesHealthy"
+
+
+_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
+_NOBODY: frozenset[str] = frozenset()
+_INDEX = re.compile(r"[0-9]{1,9}")
+
+
+# ------------------------------------------------------------------- time
+
+
+def format_time(when: datetime.datetime) -> str:
+    """RFC 3339 in UTC with a ``Z``, second precision (the API's ``Time``)."""
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime.datetime | None:
+    """An API timestamp (``Time`` or ``MicroTime``) as an aware datetime; None if absent or malformed."""
+    if not text:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
+
+
+# ------------------------------------------------------------------- cache views
+
+
+@dataclasses.dataclass(**_FROZEN)
+class NodeFacts:
+    """What the allocator needs from a core/v1 Node."""
+
+    name: str
+    labels: Mapping[str, str]
+    unschedulable: bool
+
+
+def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
+    metadata = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    return NodeFacts(
+        name=str(metadata.get("name", "")),
+        labels={str(k): str(v) for k, v in (metadata.get("labels") or {}).items()},
+        unschedulable=bool(spec.get("unschedulable", False)),
+    )
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LeaseInfo:
+    """A device Lease as the controller reads it from its cache."""
+
+    name: str
+    uid: str
+    holder: str
+    node: str
+    claim_namespace: str
+    claim_name: str
+    claim_uid: str
+    created: str = ""
+
+
+def lease_info(raw: Mapping[str, Any]) -> LeaseInfo:
+    metadata = raw.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    spec = raw.get("spec") or {}
+    return LeaseInfo(
+        name=str(metadata.get("name", "")),
+        uid=str(metadata.get("uid", "")),
+        holder=str(spec.get("holderIdentity") or ""),
+        node=str(labels.get(constants.LABEL_NODE, "")),
+        claim_namespace=str(labels.get(constants.LABEL_CLAIM_NAMESPACE, "")),
+        claim_name=str(labels.get(constants.LABEL_CLAIM_NAME, "")),
+        claim_uid=str(labels.get(constants.LABEL_CLAIM_UID, "")),
+        created=str(metadata.get("creationTimestamp", "")),
+    )
+
+
+def node_ready(inventory: models.NodeInventory, *, now: datetime.datetime, stale_after: float) -> bool:
+    """The GpuNodeStatus Ready condition is True and its heartbeat is at most ``stale_after`` s old."""
+    ready = any(c.type == constants.CONDITION_READY and c.status == "True" for c in inventory.conditions)
+    if not ready:
+        return False
+    beat = parse_time(inventory.last_heartbeat_time)
+    if beat is None:
+        return False
+    return (now - beat).total_seconds() <= stale_after
+
+
+def build_node_views(
+    *,
+    statuses: Mapping[str, models.GpuNodeStatus],
+    nodes: Mapping[str, NodeFacts],
+    holders: Mapping[str, AbstractSet[str]],
+    claim_uid: str,
+    now: datetime.datetime,
+    stale_after: float,
+) -> list[allocator.NodeView]:
+    """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
+
+    ``statuses`` is keyed by node name (``spec.nodeName``), ``holders`` maps a
+    Lease name to the holders (claim UIDs) the cache and the in-memory overlay
+    know of. A device is taken when its Lease is held by anyone but
+    ``claim_uid``: Leases the claim holds already are free for it (a retry
+    after a crash adopts them). Nodes without a GpuNodeStatus
+    have no GPUs and are left out.
+    """
+    views: list[allocator.NodeView] = []
+    for name in sorted(statuses):
+        inventory = statuses[name].status
+        facts = nodes.get(name)
+        taken = frozenset(
+            device.uuid
+            for device in inventory.devices
+            if holders.get(constants.lease_name(device.uuid), _NOBODY) - {claim_uid}
+        )
+        views.append(
+            allocator.NodeView(
+                name=name,
+                labels=dict(facts.labels) if facts else {},
+                unschedulable=facts.unschedulable if facts else False,
+                node_present=facts is not None,
+                ready=node_ready(inventory, now=now, stale_after=stale_after),
+                inventory=inventory,
+                taken=taken,
+            )
+        )
+    return views
+
+
+def queue_order(claim: models.GpuClaim) -> tuple[int, str, str, str]:
+    """The work-queue sort key: the same order as ``allocator.order_pending``."""
+    return (
+        -claim.spec.priority,
+        claim.metadata.creation_timestamp,
+        claim.metadata.namespace,
+        claim.metadata.name,
+    )
+
+
+def seed_for(uid: str) -> int:
+    """A stable seed per claim for ``strategy: random`` (a retry makes the same choice)."""
+    value = 0
+    for char in uid:
+        value = (value * 131 + ord(char)) % (1 << 61)
+    return value
+
+
+# ------------------------------------------------------------------- locking
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LockItem:
+    uuid: str
+    lease: str
+    node: str
+
+
+def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
+    """The Leases to hold for these allocations, sorted by device UUID (the acquisition order)."""
+    items = {
+        device.uuid: LockItem(uuid=device.uuid, lease=constants.lease_name(device.uuid), node=alloc.node_name)
+        for alloc in allocations
+        for device in alloc.devices
+    }
+    return tuple(items[uuid] for uuid in sorted(items))
+
+
+def lease_labels(item: LockItem, claim: models.GpuClaim) -> dict[str, str]:
+    return {
+        constants.LABEL_NODE: item.node,
+        constants.LABEL_CLAIM_NAMESPACE: claim.metadata.namespace,
+        constants.LABEL_CLAIM_NAME: claim.metadata.name,
+        constants.LABEL_CLAIM_UID: claim.metadata.uid,
+        constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
+    }
+
+
+def recorded_leases(status: models.GpuClaimStatus) -> frozenset[str]:
+    """The Lease names of the devices a claim's status lists."""
+    return frozenset(constants.lease_name(d.uuid) for a in status.allocations for d in a.devices)
+
+
+def allocation_complete(claim: models.GpuClaim) -> bool:
+    """Allocated, with one allocation per replica (0..replicas-1) and at least one device each."""
+    if claim.status.phase != constants.PHASE_ALLOCATED:
+        return False
+    replicas = sorted(a.replica for a in claim.status.allocations)
+    return replicas == list(range(claim.spec.replicas)) and all(a.devices for a in claim.status.allocations)
+
+
+# ------------------------------------------------------------------- status
+
+
+def display_fields(allocations: Sequence[models.Allocation]) -> tuple[str, str]:
+    """The printer-column strings: nodes ``"n1,n2"`` and devices ``"0,1"`` or ``"n1:0,1;n2:2,3"``."""
+    ordered = sorted(allocations, key=lambda a: a.replica)
+    nodes: list[str] = []
+    for alloc in ordered:
+        if alloc.node_name not in nodes:
+            nodes.append(alloc.node_name)
+
+    def indices(alloc: models.Allocation) -> str:
+        return ",".join(str(d.index) for d in sorted(alloc.devices, key=lambda d: d.index))
+
+    if len(ordered) == 1:
+        devices = indices(ordered[0])
+    else:
+        devices = ";".join(f"{a.node_name}:{indices(a)}" for a in ordered)
+    return ",".join(nodes), devices
+
+
+def set_condition(
+    conditions: Sequence[models.Condition], new: models.Condition
+) -> tuple[models.Condition, ...]:
+    """``conditions`` with ``new`` in place of the one of its type.
+
+    The old ``lastTransitionTime`` is kept when the status did not change,
+    as Kubernetes conditions do.
+    """
+    out: list[models.Condition] = []
+    placed = False
+    for cond in conditions:
+        if cond.type != new.type:
+            out.append(cond)
+            continue
+        placed = True
+        if cond.status == new.status and cond.last_transition_time:
+            new = dataclasses.replace(new, last_transition_time=cond.last_transition_time)
+        out.append(new)
+    if not placed:
+        out.append(new)
+    return tuple(out)
+
+
+def _conditions_json(conditions: Iterable[models.Condition]) -> list[Obj]:
+    return [codecs.encode(c) for c in conditions]
+
+
+def allocated_status(
+    claim: models.GpuClaim,
+    allocations: Sequence[models.Allocation],
+    *,
+    now: datetime.datetime,
+) -> Obj:
+    """The merge patch that records a successful allocation."""
+    stamp = format_time(now)
+    nodes, devices = display_fields(allocations)
+    count = sum(len(a.devices) for a in allocations)
+    message = f"allocated {count} GPU{'s' if count != 1 else ''} on {nodes}"
+    conditions = set_condition(
+        [c for c in claim.status.conditions if c.type != constants.CONDITION_DEVICES_LOST],
+        models.Condition(
+            type=constants.CONDITION_ALLOCATED,
+            status="True",
+            reason=REASON_ALLOCATED,
+            message=message,
+            last_transition_time=stamp,
+            observed_generation=claim.metadata.generation or None,
+        ),
+    )
+    return {
+        "status": {
+            "phase": constants.PHASE_ALLOCATED,
+            "allocations": [codecs.encode(a) for a in sorted(allocations, key=lambda a: a.replica)],
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "retryCount": claim.status.retry_count,
+            "lastScheduleTime": stamp,
+            "observedGeneration": claim.metadata.generation,
+            "nodes": nodes,
+            "devices": devices,
+        }
+    }
+
+
+def unallocated_status(
+    claim: models.GpuClaim,
+    *,
+    phase: str,
+    reason: str,
+    message: str,
+    retry_count: int,
+    now: datetime.datetime,
+) -> Obj:
+    """The merge patch for a claim that holds nothing: Pending (will retry) or Failed."""
+    message = " ".join(message.split()) or "no allocation"
+    conditions = set_condition(
+        claim.status.conditions,
+        models.Condition(
+            type=constants.CONDITION_ALLOCATED,
+            status="False",
+            reason=reason,
+            message=message,
+            last_transition_time=format_time(now),
+            observed_generation=claim.metadata.generation or None,
+        ),
+    )
+    return {
+        "status": {
+            "phase": phase,
+            "allocations": None,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "retryCount": retry_count,
+            "observedGeneration": claim.metadata.generation,
+            "nodes": "",
+            "devices": "",
+        }
+    }
+
+
+def status_differs(claim: models.GpuClaim, patch: Mapping[str, Any]) -> bool:
+    """Would writing ``patch`` change the claim's status (timestamps aside)?"""
+    current = codecs.encode(claim.status)
+    for key, value in (patch.get("status") or {}).items():
+        if key in ("lastScheduleTime",):
+            continue
+        have = current.get(key)
+        if key == "conditions":
+            strip = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in value or []]
+            have = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in have or []]
+            if strip != have:
+                return True
+        elif key == "allocations":
+            if (value or []) != (have or []):
+                return True
+        elif value != have:
+            return True
+    return False
+
+
+# ------------------------------------------------------------------- device health
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Problem:
+    node: str
+    uuid: str
+    reason: str  # REASON_DEVICE_UNHEALTHY or REASON_DEVICES_MISSING
+    detail: str  # one phrase, e.g. "gpu-3/GPU-5f1c… unhealthy (XID 79)"
+
+
+def allocation_problems(
+    allocations: Sequence[models.Allocation],
+    *,
+    statuses: Mapping[str, models.GpuNodeStatus],
+    nodes: Mapping[str, NodeFacts],
+) -> list[Problem]:
+    """Devices of an allocation whose Node, GpuNodeStatus or device entry vanished, or that are Unhealthy.
+
+    A stale heartbeat is not a problem here: an agent restart does not take GPUs away.
+    """
+    problems: list[Problem] = []
+    for alloc in sorted(allocations, key=lambda a: a.replica):
+        node = alloc.node_name
+        status = statuses.get(node)
+        by_uuid = {d.uuid: d for d in status.status.devices} if status else {}
+        for ref in alloc.devices:
+            label = f"gpu-{ref.minor}/{ref.uuid}"
+            if node not in nodes:
+                problems.append(
+                    Problem(
+                        node=node,
+                        uuid=ref.uuid,
+                        reason=REASON_DEVICES_MISSING,
+                        detail=f"{label} on {node}: node is gone",
+                    )
+                )
+            elif status is None:
+                problems.append(
+                    Problem(
+                        node=node,
+                        uuid=ref.uuid,
+                        reason=REASON_DEVICES_MISSING,
+                        detail=f"{label} on {node}: no GpuNodeStatus",
+                    )
+                )
+            elif ref.uuid not in by_uuid:
+                problems.append(
+                    Problem(
+                        node=node,
+                        uuid=ref.uuid,
+                        reason=REASON_DEVICES_MISSING,
+                        detail=f"{label} on {node}: device is gone",
+                    )
+                )
+            elif by_uuid[ref.uuid].health != constants.HEALTHY:
+                why = by_uuid[ref.uuid].health_reason
+                problems.append(
+                    Problem(
+                        node=node,
+                        uuid=ref.uuid,
+                        reason=REASON_DEVICE_UNHEALTHY,
+                        detail=f"{label} on {node}: unhealthy" + (f" ({why})" if why else ""),
+                    )
+                )
+    return problems
+
+
+def devices_lost_condition(
+    claim: models.GpuClaim,
+    problems: Sequence[Problem],
+    *,
+    lost_leases: Sequence[str] = (),
+    now: datetime.datetime,
+) -> models.Condition | None:
+    """The DevicesLost condition to write, or None when the recorded one is still right.
+
+    True (reason DeviceUnhealthy, or DevicesMissing when any device or its
+    Lease is gone) while there are problems; False (DevicesHealthy) once they
+    are over; no condition at all for a claim that never had a problem.
+    """
+    current = next((c for c in claim.status.conditions if c.type == constants.CONDITION_DEVICES_LOST), None)
+    details = [p.detail for p in problems] + [
+        f"lease {name} is held by another claim" for name in lost_leases
+    ]
+    if details:
+        missing = lost_leases or any(p.reason == REASON_DEVICES_MISSING for p in problems)
+        reason = REASON_DEVICES_MISSING if missing else REASON_DEVICE_UNHEALTHY
+        message = "; ".join(details)
+        if current and current.status == "True" and current.reason == reason and current.message == message:
+            return None
+        return models.Condition(
+            type=constants.CONDITION_DEVICES_LOST,
+            status="True",
+            reason=reason,
+            message=message,
+            last_transition_time=format_time(now),
+            observed_generation=claim.metadata.generation or None,
+        )
+    if current is None or current.status == "False":
+        return None
+    return models.Condition(
+        type=constants.CONDITION_DEVICES_LOST,
+        status="False",
+        reason=REASON_DEVICES_HEALTHY,
+        message="every allocated device is present and healthy",
+        last_transition_time=format_time(now),
+        observed_generation=claim.metadata.generation or None,
+    )
+
+
+def condition_patch(claim: models.GpuClaim, condition: models.Condition) -> Obj:
+    return {"status": {"conditions": _conditions_json(set_condition(claim.status.conditions, condition))}}
+
+
+# ------------------------------------------------------------------- retries
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RetryState:
+    """Failed allocation attempts of one claim, kept in memory (seeded from status.retryCount).
+
+    ``failures`` counts attempts that failed at or after ``not_before`` (the
+    end of the previous backoff). An attempt that an event triggered earlier
+    (capacity changed) and that failed too is not counted, so a busy cluster
+    does not burn a claim's ``maxRetries`` faster than its backoff allows.
+    """
+
+    failures: int = 0
+    not_before: float = 0.0  # monotonic seconds
+    generation: int = 0
+
+    @property
+    def retry_count(self) -> int:
+        """The status field: retries made so far (attempts after the first)."""
+        return max(0, self.failures - 1)
+
+
+def initial_retry_state(claim: models.GpuClaim) -> RetryState:
+    failed_before = any(
+        c.type == constants.CONDITION_ALLOCATED and c.status == "False" for c in claim.status.conditions
+    )
+    failures = claim.status.retry_count + 1 if failed_before else 0
+    return RetryState(failures=failures, not_before=0.0, generation=claim.metadata.generation)
+
+
+def record_failure(
+    state: RetryState, *, now: float, policy: models.RetryPolicy, jitter: float
+) -> tuple[RetryState, bool]:
+    """The state after a failed attempt at ``now``, and whether the attempt counted."""
+    if now < state.not_before:
+        return state, False
+    failures = state.failures + 1
+    delay = work_queue.backoff_delay(failures, base=float(policy.backoff_seconds), jitter=jitter)
+    return dataclasses.replace(state, failures=failures, not_before=now + delay), True
+
+
+def retries_exhausted(state: RetryState, policy: models.RetryPolicy) -> bool:
+    """``maxRetries`` retries were made and failed (never, for ``maxRetries: 0``)."""
+    return policy.max_retries > 0 and state.retry_count >= policy.max_retries
+
+
+# ------------------------------------------------------------------- gate mode
+
+
+def resolve_replica(annotations: Mapping[str, str], labels: Mapping[str, str]) -> int | None:
+    """A pod's gang replica index, or None when it names none or names it badly.
+
+    Sources, first present wins: annotation ``gpu.scheduling/replica``, label
+    ``apps.kubernetes.io/pod-index`` (StatefulSet), annotation then label
+    ``batch.kubernetes.io/job-completion-index`` (indexed Job); the same order
+    as the webhook. A malformed first source does not fall back to a later one.
+    """
+    candidates = (
+        annotations.get(constants.ANNOTATION_REPLICA),
+        labels.get(constants.LABEL_STATEFULSET_POD_INDEX),
+        annotations.get(constants.ANNOTATION_JOB_COMPLETION_INDEX),
+        labels.get(constants.LABEL_JOB_COMPLETION_INDEX),
+    )
+    for text in candidates:
+        if text is None:
+            continue
+        return int(text) if _INDEX.fullmatch(text) else None
+    return None
+
+
+def is_gated(pod: Mapping[str, Any]) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == constants.SCHEDULING_GATE for g in gates)
+
+
+def pod_claim(pod: Mapping[str, Any]) -> str | None:
+    """The ``namespace/name`` key of the claim a pod references, or None."""
+    metadata = pod.get("metadata") or {}
+    name = (metadata.get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+    if not name:
+        return None
+    return f"{metadata.get('namespace', '')}/{name}"
+
+
+def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[models.Allocation | None, str]:
+    """The allocation a gated pod gets, or None and the reason it cannot get one."""
+    metadata = pod.get("metadata") or {}
+    replica = resolve_replica(metadata.get("annotations") or {}, metadata.get("labels") or {})
+    if replica is None:
+        if claim.spec.replicas != 1:
+            return None, (
+                f"claim {claim.metadata.name} has {claim.spec.replicas} replicas and the pod names none "
+                f"(annotation {constants.ANNOTATION_REPLICA} or a pod-index / completion-index label)"
+            )
+        replica = 0
+    for alloc in claim.status.allocations:
+        if alloc.replica == replica:
+            return alloc, ""
+    return None, f"claim {claim.metadata.name} has no replica {replica}"
+
+
+def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[Obj]:
+    """The JSON Patch that hands a gated pod its devices and lets it schedule.
+
+    Adds the ``gpu.scheduling/devices`` annotation (UUIDs, comma-joined) and the
+    ``kubernetes.io/hostname`` nodeSelector (allowed while the pod is gated),
+    and removes only our scheduling gate. The patch is a diff of a deep copy,
+    led by a ``test`` of the gate list so a concurrent change to the gates
+    makes it fail instead of removing the wrong entry.
+    """
+    new = copy.deepcopy(dict(pod))
+    metadata = new.setdefault("metadata", {})
+    annotations = metadata.get("annotations")
+    if annotations is None:
+        annotations = metadata["annotations"] = {}
+    annotations[constants.ANNOTATION_DEVICES] = ",".join(d.uuid for d in allocation.devices)
+    spec = new.setdefault("spec", {})
+    selector = spec.get("nodeSelector")
+    if selector is None:
+        selector = spec["nodeSelector"] = {}
+    selector.setdefault(constants.HOSTNAME_LABEL, allocation.node_name)
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    remaining = [g for g in gates if g.get("name") != constants.SCHEDULING_GATE]
+    if remaining:
+        spec["schedulingGates"] = remaining
+    else:
+        spec.pop("schedulingGates", None)
+    ops: list[Obj] = list(jsonpatch.make_patch(dict(pod), new))
+    if gates:
+        ops.insert(0, {"op": "test", "path": "/spec/schedulingGates", "value": gates})
+    return ops
