@@ -21,7 +21,6 @@ tests drive it with ``tests/unit/fake_pynvml.py``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import threading
 from collections.abc import Callable
@@ -69,7 +68,9 @@ class NvmlSource:
     def nvml(self) -> Any:
         if self._module is None:
             try:
-                self._module = importlib.import_module("pynvml")
+                import pynvml  # the only import of pynvml in gpualloc
+
+                self._module = pynvml
             except ImportError as exc:
                 raise inventory.SourceUnavailable(
                     f"the pynvml module (nvidia-ml-py) is missing: {exc}"

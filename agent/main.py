@@ -1,0 +1,411 @@
+"""``gpualloc agent``: scan the GPUs, watch their health, publish GpuNodeStatus.
+
+Tasks of a running agent (``Agent.run``), all in one event loop:
+
+* scanning: every ``--scan-interval`` (and at once when asked) read the source
+  in a worker thread, keep devices that vanished as lost, take samples for
+  /metrics, wake the publisher. When the source cannot be read (NVML not
+  initialised) it publishes ``NvmlReady=False`` with the error and retries with
+  backoff; with ``--fail-on-init-error`` the first such failure ends the agent
+  with exit code 1 instead.
+* health: NVML's event set in a thread (``health.EventThread``), or the XID
+  injection file of the simulated source; both feed one ``HealthTracker``.
+* publishing: ``publishing.Publisher.run`` (write on change, heartbeat).
+* leases: a Reflector on the device Leases labelled with this node, for
+  ``status.allocated`` and the lease gauges.
+* probes and metrics (``gpualloc.runtime.serving``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+from agent import health, inventory, publishing, simulated
+from agent import metrics as agent_metrics
+from gpualloc.api import constants, models
+from gpualloc.kube import client, errors, resources, transport, watching
+from gpualloc.runtime import logging as runtime_logging
+from gpualloc.runtime import options, serving, signals
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_INIT_FAILED = 1
+EXIT_USAGE = 2
+
+MAX_RETRY_SECONDS = 60.0
+
+
+def _xids(text: str) -> frozenset[int]:
+    try:
+        return health.parse_xids(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated XID numbers: {exc}") from exc
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpualloc agent",
+        description="Read this node's GPUs (NVML or a simulated profile) and publish its GpuNodeStatus.",
+    )
+    parser.add_argument("--node-name", default=None, help="the node this agent runs on (default $NODE_NAME)")
+    parser.add_argument(
+        "--source", choices=("nvml", "simulated"), default="nvml", help="where devices come from"
+    )
+    parser.add_argument(
+        "--profile",
+        default="h100-sxm-8",
+        help=f"simulated profile: a shipped name ({', '.join(simulated.profile_names())}) or a YAML path",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=_positive, default=30.0, help="seconds between heartbeats"
+    )
+    parser.add_argument(
+        "--scan-interval", type=_positive, default=10.0, help="seconds between device scans and samples"
+    )
+    parser.add_argument(
+        "--fail-on-init-error",
+        action="store_true",
+        help="exit non-zero when NVML cannot be initialised, instead of publishing NvmlReady=False",
+    )
+    parser.add_argument(
+        "--ignored-xids",
+        type=_xids,
+        default=health.DEFAULT_IGNORED_XIDS,
+        help="application XIDs that do not make a GPU Unhealthy (default 13,31,43,45,68,109)",
+    )
+    parser.add_argument(
+        "--xid-inject-file",
+        default=None,
+        help="simulated source: file of '<index> <xid|ecc|lost>' lines, applied in 1 s (SIGUSR1 re-reads)",
+    )
+    parser.add_argument(
+        "--node-labels",
+        action="store_true",
+        help="label the Node with gpu.scheduling/gpu.count, gpu.product, gpu.memory",
+    )
+    parser.add_argument(
+        "--lease-namespace",
+        default=None,
+        help="namespace of the device Leases (default $POD_NAMESPACE; empty: do not track Leases)",
+    )
+    options.add_common(parser, metrics_port=8080, health_port=8081)
+    options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "lease_namespace": "POD_NAMESPACE"})
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if not args.node_name:
+        parser.error("--node-name is required (or set NODE_NAME)")
+    return args
+
+
+def make_source(args: argparse.Namespace) -> inventory.Source:
+    if args.source == "simulated":
+        return simulated.SimulatedSource(simulated.load_profile(args.profile), args.node_name)
+    from agent import nvml  # only here: the simulated agent never loads pynvml
+
+    return nvml.NvmlSource()
+
+
+class Agent:
+    """One node's agent. ``run(stop)`` returns the exit code."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        source: inventory.Source | None = None,
+        api: Any | None = None,
+    ) -> None:
+        self.args = args
+        self.node_name: str = args.node_name
+        self.source = source if source is not None else make_source(args)
+        self._api = api
+        self._own_api = api is None
+        self.tracker = health.HealthTracker(args.ignored_xids)
+        self.metrics = agent_metrics.AgentMetrics(self.node_name)
+        self.facts: inventory.NodeFacts | None = None
+        self.source_error = ""
+        self.scans = 0
+        self.wake = asyncio.Event()  # publisher: something changed
+        self.rescan = asyncio.Event()  # scanner: look again now
+        self.publisher: publishing.Publisher | None = None
+        self.leases: watching.Reflector | None = None
+        self.injections: simulated.InjectionWatcher | None = None
+        self._holders: dict[str, agent_metrics.LeaseHolder] = {}
+        self._event_thread: health.EventThread | None = None
+        self._event_generation = -1
+        self._labels_applied: dict[str, str] | None = None
+        self._inventory: models.NodeInventory | None = None
+
+    # -- what to publish ------------------------------------------------------
+
+    def desired(self) -> models.NodeInventory:
+        facts = self.facts or inventory.NodeFacts(source=self.source.name)
+        uuids = [d.uuid for d in facts.devices]
+        allocated = sum(1 for u in uuids if u in self._holders)
+        inv = inventory.derive(facts, unhealthy=self.tracker.marks(uuids), allocated=allocated)
+        conds = publishing.conditions(
+            source=self.source.name, source_error=self.source_error, devices=inv.devices
+        )
+        inv = dataclasses.replace(inv, conditions=conds)
+        self._inventory = inv
+        self.metrics.inventory = inv
+        return inv
+
+    def on_health_event(self, event: health.HealthEvent) -> None:
+        if self.tracker.apply(event):
+            self.wake.set()
+
+    def _on_lease(self, kind: str, obj: dict[str, Any]) -> None:
+        self._recount_leases()
+
+    def _recount_leases(self) -> None:
+        if self.leases is None:
+            return
+        facts = self.facts
+        by_lease = {constants.lease_name(d.uuid): d.uuid for d in (facts.devices if facts else ())}
+        holders: dict[str, agent_metrics.LeaseHolder] = {}
+        for lease in self.leases.cache.values():
+            meta = lease.get("metadata") or {}
+            uuid = by_lease.get(str(meta.get("name", "")))
+            if uuid is None:
+                continue
+            labels = meta.get("labels") or {}
+            holders[uuid] = agent_metrics.LeaseHolder(
+                claim_namespace=str(labels.get(constants.LABEL_CLAIM_NAMESPACE, "")),
+                claim_name=str(labels.get(constants.LABEL_CLAIM_NAME, "")),
+                claim_uid=str(
+                    labels.get(constants.LABEL_CLAIM_UID, (lease.get("spec") or {}).get("holderIdentity", ""))
+                ),
+            )
+        if holders != self._holders:
+            self._holders = holders
+            self.metrics.leases = dict(holders)
+            self.wake.set()
+
+    # -- scanning -------------------------------------------------------------
+
+    async def scan_once(self) -> bool:
+        """One scan; False when the source could not be read."""
+        started = time.perf_counter()
+        try:
+            facts = await asyncio.to_thread(self.source.scan)
+        except inventory.SourceUnavailable as exc:
+            self.metrics.source_ready = False
+            if str(exc) != self.source_error:
+                log.error("device source unavailable", extra={"node": self.node_name, "error": str(exc)})
+            self.source_error = str(exc) or "source unavailable"
+            self.wake.set()
+            return False
+        finally:
+            self.metrics.scan_duration.observe(time.perf_counter() - started)
+        self.scans += 1
+        self.facts = health.carry_lost(self.facts, facts)
+        if self.source_error:
+            log.info("device source available again", extra={"node": self.node_name})
+        self.source_error = ""
+        self.metrics.source_ready = True
+        self._recount_leases()
+        try:
+            self.metrics.samples = await asyncio.to_thread(self.source.samples)
+        except Exception:
+            log.warning("sampling failed", exc_info=True)
+        await self._ensure_event_thread()
+        self.wake.set()
+        return True
+
+    async def _ensure_event_thread(self) -> None:
+        open_events = getattr(self.source, "open_events", None)
+        generation = int(getattr(self.source, "generation", 0))
+        if open_events is None or generation == self._event_generation:
+            return
+        await self._stop_event_thread()
+        try:
+            waiter = await asyncio.to_thread(open_events)
+        except Exception as exc:
+            log.warning("cannot watch health events", extra={"error": str(exc)})
+            return
+        self._event_thread = health.EventThread(waiter, asyncio.get_running_loop(), self.on_health_event)
+        self._event_thread.start()
+        self._event_generation = generation
+
+    async def _stop_event_thread(self) -> None:
+        thread, self._event_thread = self._event_thread, None
+        if thread is not None:
+            thread.stop()
+            await asyncio.to_thread(thread.join, 5.0)
+
+    async def scan_loop(self) -> None:
+        failures = 0
+        while True:
+            ok = await self.scan_once()
+            failures = 0 if ok else failures + 1
+            delay = self.args.scan_interval if ok else min(MAX_RETRY_SECONDS, 2.0 ** min(failures - 1, 6))
+            await self._label_node()
+            self.rescan.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rescan.wait(), delay)
+
+    # -- Kubernetes -----------------------------------------------------------
+
+    async def lookup_node(self, name: str) -> dict[str, Any] | None:
+        assert self._api is not None
+        try:
+            node = await transport.request(self._api, "GET", f"/api/v1/nodes/{quote(name, safe='')}")
+        except errors.NotFound:
+            return None
+        return node if isinstance(node, dict) else None
+
+    async def _label_node(self) -> None:
+        if not self.args.node_labels or self._api is None or self.facts is None:
+            return
+        labels = publishing.node_labels(self.desired())
+        if labels == self._labels_applied:
+            return
+        try:
+            await transport.request(
+                self._api,
+                "PATCH",
+                f"/api/v1/nodes/{quote(self.node_name, safe='')}",
+                body={"metadata": {"labels": labels}},
+                content_type=transport.MERGE_PATCH,
+            )
+            self._labels_applied = labels
+            log.info("node labelled", extra={"node": self.node_name, "labels": labels})
+        except errors.KubeError as exc:
+            log.warning("cannot label the Node", extra={"node": self.node_name, "error": str(exc)})
+
+    def ready(self) -> bool:
+        return self.publisher is not None and self.publisher.ready()
+
+    # -- the whole agent ------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        tasks: list[asyncio.Task[Any]] = []
+        runners: list[Any] = []
+        try:
+            # First scan before anything else: --fail-on-init-error decides here.
+            if not await self.scan_once() and self.args.fail_on_init_error:
+                log.error(
+                    "device source failed to initialise; exiting (--fail-on-init-error)",
+                    extra={"node": self.node_name, "error": self.source_error},
+                )
+                return EXIT_INIT_FAILED
+            if self._api is None:
+                self._api = await client.connect(self.args.kubeconfig)
+            self.publisher = publishing.Publisher(
+                resources.CustomResources(self._api),
+                self.node_name,
+                heartbeat_interval=self.args.heartbeat_interval,
+                node_lookup=self.lookup_node,
+                metrics=self.metrics,
+            )
+            runners.extend(await self._start_servers())
+            tasks.append(asyncio.create_task(self.publisher.run(self.desired, self.wake), name="publish"))
+            tasks.append(asyncio.create_task(self.scan_loop(), name="scan"))
+            if self.args.lease_namespace:
+                self.leases = watching.Reflector(
+                    self._api,
+                    watching.LEASES,
+                    namespace=self.args.lease_namespace,
+                    label_selector=f"{constants.LABEL_NODE}={self.node_name}",
+                    on_event=self._on_lease,
+                )
+                tasks.append(asyncio.create_task(self.leases.run(), name="leases"))
+            else:
+                log.info(
+                    "no --lease-namespace: device Leases are not tracked", extra={"node": self.node_name}
+                )
+            if self.args.xid_inject_file:
+                if isinstance(self.source, simulated.SimulatedSource):
+                    self.injections = simulated.InjectionWatcher(
+                        self.args.xid_inject_file,
+                        self.source,
+                        on_event=self.on_health_event,
+                        on_lost=self.rescan.set,
+                    )
+                    tasks.append(asyncio.create_task(self.injections.run(), name="xid-inject"))
+                else:
+                    log.warning("--xid-inject-file only applies to --source simulated")
+            log.info(
+                "agent running",
+                extra={
+                    "node": self.node_name,
+                    "source": self.source.name,
+                    "devices": len(self.desired().devices),
+                },
+            )
+            stopper = asyncio.create_task(stop.wait(), name="stop")
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            for task in done:
+                if task is not stopper and not task.cancelled() and task.exception() is not None:
+                    log.error("agent task failed", exc_info=task.exception())
+            return EXIT_OK
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop_event_thread()
+            for runner in runners:
+                await runner.cleanup()
+            await asyncio.to_thread(self.source.close)
+            if self._own_api and self._api is not None:
+                await self._api.close()
+
+    async def _start_servers(self) -> list[Any]:
+        args = self.args
+        runners = []
+        if args.health_port:
+            runners.append(
+                await serving.start_probes(
+                    args.bind_address, args.health_port, ready=self.ready, registry=self.metrics.registry
+                )
+            )
+        if args.metrics_port and args.metrics_port != args.health_port:
+            runners.append(
+                await serving.start_probes(
+                    args.bind_address, args.metrics_port, ready=self.ready, registry=self.metrics.registry
+                )
+            )
+        return runners
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    stop = signals.stop_event()
+    return await Agent(args).run(stop)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    runtime_logging.setup("agent", fmt=args.log_format, level=args.log_level)
+    try:
+        return asyncio.run(_amain(args))
+    except simulated.ProfileError as exc:
+        log.error("bad simulated profile", extra={"error": str(exc)})
+        print(f"gpualloc agent: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
