@@ -316,7 +316,7 @@ def test_controller_and_webhook_run_two_replicas_with_disruption_budgets() -> No
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     controller = one(objs, "Deployment", f"{FULLNAME}-controller")
-    assert "--leader-elect" in controller["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect=true" in controller["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
@@ -542,3 +542,54 @@ def test_service_monitor_scrapes_each_component_metrics_service() -> None:
     for svc in selected:
         assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
     assert "ServiceMonitor" not in kinds(render())
+
+
+# ----------------------------------------------------------------------------- flags vs programs
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args, from the container's plain and downward-API env."""
+    for name, value in env.items():
+        arg = arg.replace(f"$({name})", value)
+    return arg
+
+
+@pytest.mark.parametrize(
+    ("workload", "container_name", "module"),
+    [
+        ("Deployment/controller", "controller", "controller.main"),
+        ("Deployment/webhook", "webhook", "webhook.main"),
+        ("DaemonSet/agent", "agent", "agent.main"),
+        ("Job/certs", "certs", "certs.main"),
+    ],
+)
+def test_each_component_parses_the_flags_the_chart_gives_it(
+    workload: str, container_name: str, module: str
+) -> None:
+    """The rendered args go through the component's own argparse parser (a renamed flag fails here)."""
+    import importlib
+
+    objs = render(
+        certManager__enabled="false",
+        agent__nodeLabels__enabled="true",
+        agent__source="simulated",
+        agent__profile="x",
+    )
+    kind, component = workload.split("/")
+    spec = one(objs, kind, f"{FULLNAME}-{component}")["spec"]["template"]["spec"]
+    (container,) = [c for c in spec["containers"] if c["name"] == container_name]
+    env = {"NODE_NAME": "gpu-node-1", "POD_NAMESPACE": NAMESPACE, "POD_NAME": f"{component}-0"}
+    args = [_expand(a, env) for a in container["args"]]
+    assert args[0] == component
+    parser = importlib.import_module(module).build_parser()
+    parsed = parser.parse_args(args[1:])
+    if component == "controller":
+        assert parsed.namespace == NAMESPACE
+        assert parsed.leader_elect is True
+        assert parsed.metrics_port == 9400
+    if component == "webhook":
+        assert (parsed.port, parsed.pending, parsed.device_ids) == (8443, "deny", "uuid")
+        assert parsed.tls_cert_file == "/tls/tls.crt"
+    if component == "agent":
+        assert parsed.node_name == "gpu-node-1"
+        assert parsed.source == "simulated"
