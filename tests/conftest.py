@@ -1,0 +1,205 @@
+"""Shared fixtures: one real local control plane per test session.
+
+- ``control_plane`` (session): etcd + kube-apiserver built from the pinned Go
+  modules, with the CRDs from ``helm/gpualloc/crds/`` applied and Established.
+  If the binaries cannot be built the tests that need it fail with the build
+  error; they are never skipped.
+- ``kubeconfig`` (session), ``namespace`` (function), ``api`` (function, async).
+- Tests under tests/integration, tests/e2e and tests/gpu get the markers
+  ``integration``, ``e2e`` and ``gpu``.
+- With ``GPUALLOC_REQUIRE_INTEGRATION=1`` (set by .ci/run) the session fails
+  when no integration test ran, or when any was skipped or deselected.
+- A test that leaves asyncio tasks running fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+CRD_DIR = REPO_ROOT / "helm" / "gpualloc" / "crds"
+REQUIRE_INTEGRATION = "GPUALLOC_REQUIRE_INTEGRATION"
+
+_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "gpu": "gpu"}
+
+
+# ------------------------------------------------------------------ markers
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            top = Path(str(item.path)).resolve().relative_to(TESTS_DIR).parts[0]
+        except (ValueError, IndexError):
+            continue
+        marker = _DIRECTORY_MARKERS.get(top)
+        if marker is not None:
+            item.add_marker(getattr(pytest.mark, marker))
+
+
+# ------------------------------------------- GPUALLOC_REQUIRE_INTEGRATION=1
+
+
+class _IntegrationTally:
+    def __init__(self) -> None:
+        self.ran = 0
+        self.skipped: list[str] = []
+        self.deselected = 0
+        self.problems: list[str] = []
+
+
+_tally = _IntegrationTally()  # pytest_runtest_logreport gets no config; one session per process
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _tally
+    _tally = _IntegrationTally()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _tally.deselected += sum(1 for item in items if item.get_closest_marker("integration") is not None)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "integration" not in report.keywords:
+        return
+    if report.skipped:
+        _tally.skipped.append(report.nodeid)
+    elif report.when == "call":
+        _tally.ran += 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(REQUIRE_INTEGRATION) != "1" or session.config.option.collectonly:
+        return
+    tally = _tally
+    if tally.ran == 0:
+        tally.problems.append("no integration test ran")
+    if tally.skipped:
+        shown = ", ".join(tally.skipped[:5]) + (" ..." if len(tally.skipped) > 5 else "")
+        tally.problems.append(f"{len(tally.skipped)} integration test(s) skipped: {shown}")
+    if tally.deselected:
+        tally.problems.append(f"{tally.deselected} integration test(s) deselected")
+    if tally.problems and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    tally = _tally
+    for problem in tally.problems:
+        terminalreporter.write_line(f"{REQUIRE_INTEGRATION}=1: {problem}", red=True, bold=True)
+
+
+# ------------------------------------------------------------ control plane
+
+
+def _progress_printer(config: pytest.Config) -> Any:
+    """Print build/start progress even while pytest captures output (a cold build takes minutes)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def say(message: str) -> None:
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                print(f"[control plane] {message}", flush=True)
+        else:  # pragma: no cover
+            print(f"[control plane] {message}", flush=True)
+
+    return say
+
+
+@pytest.fixture(scope="session")
+def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running etcd + kube-apiserver with gpualloc's CRDs applied and Established."""
+    from gpualloc.devcluster import binaries, cluster
+
+    say = _progress_printer(request.config)
+    paths = binaries.ensure(progress=say)  # BuildError fails every test that needs it
+    plane = cluster.ControlPlane(tmp_path_factory.mktemp("controlplane"), binaries=paths, progress=say)
+    plane.start()
+    try:
+        plane.apply_crds(CRD_DIR)
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(control_plane: Any) -> str:
+    return str(control_plane.kubeconfig)
+
+
+def _namespace_name(node_name: str) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", node_name.lower()).strip("-")[:40].strip("-")
+    return f"t-{slug}-{uuid.uuid4().hex[:6]}" if slug else f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def namespace(control_plane: Any, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (with its ``default`` ServiceAccount), deleted after the test.
+
+    Without kube-controller-manager a deleted namespace stays Terminating, so the
+    test's GpuClaims are deleted first: a controller started by a later test then
+    only sees them as being deleted.
+    """
+    from gpualloc.devcluster import cluster
+
+    name = _namespace_name(request.node.name)
+    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    try:
+        control_plane.request(
+            "POST", f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
+        )
+    except cluster.RequestError as exc:
+        if exc.status != 409:  # kube-controller-manager made it first
+            raise
+    try:
+        yield name
+    finally:
+        for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
+            try:
+                control_plane.request("DELETE", path)
+            except cluster.RequestError as exc:
+                if exc.status != 404:
+                    raise
+
+
+@pytest.fixture
+async def api(kubeconfig: str) -> AsyncIterator[Any]:
+    """A kubernetes_asyncio ApiClient for the local control plane, closed after the test."""
+    from gpualloc.kube import client
+
+    api_client = await client.connect(kubeconfig)
+    try:
+        yield api_client
+    finally:
+        await api_client.close()
+
+
+# ------------------------------------------------------------ leaked tasks
+
+
+@pytest.fixture(autouse=True)
+async def _no_leaked_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves asyncio tasks running (after its fixtures are torn down)."""
+    before = asyncio.all_tasks()
+    yield
+    for _ in range(3):  # let tasks that were just cancelled finish
+        await asyncio.sleep(0)
+    current = asyncio.current_task()
+    leaked = [task for task in asyncio.all_tasks() - before if task is not current and not task.done()]
+    if not leaked:
+        return
+    for task in leaked:
+        task.cancel()
+    await asyncio.gather(*leaked, return_exceptions=True)
+    pytest.fail(f"the test left {len(leaked)} asyncio task(s) running: {leaked!r}"[:2000], pytrace=False)
