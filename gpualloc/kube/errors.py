@@ -26,49 +26,87 @@ MAX_BODY = 300
 
 
 class KubeError(Exception):
-    """A failed Kubernetes API call: HTTP ``status`` (0 when none came back), ``reason``, ``message``."""
+    """A failed Kubernetes API call: HTTP ``status`` (0 when none came back), ``reason``, ``message``.
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}" if status else f"{reason}: {message}")
-        self.status = status
-        self.reason = reason
+    Each subclass has a default status and reason, so a fake in a test can raise
+    ``errors.AlreadyExists(message="held by uid-1")``.
+    """
+
+    default_status = 0
+    default_reason = "Unknown"
+
+    def __init__(self, status: int | None = None, reason: str | None = None, message: str = "") -> None:
+        self.status = self.default_status if status is None else status
+        self.reason = self.default_reason if reason is None else reason
         self.message = message
+        head = f"{self.status} {self.reason}" if self.status else self.reason
+        super().__init__(f"{head}: {message}" if message else head)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.status, self.reason, self.message))
 
 
 class BadRequest(KubeError):
     """400: the request itself is malformed (e.g. a patch that does not apply)."""
 
+    default_status = 400
+    default_reason = "BadRequest"
+
 
 class Unauthorized(KubeError):
     """401: the credentials were not accepted."""
+
+    default_status = 401
+    default_reason = "Unauthorized"
 
 
 class Forbidden(KubeError):
     """403: RBAC (or an admission policy) denied the request."""
 
+    default_status = 403
+    default_reason = "Forbidden"
+
 
 class NotFound(KubeError):
     """404: the object (or its kind) does not exist."""
+
+    default_status = 404
+    default_reason = "NotFound"
 
 
 class AlreadyExists(KubeError):
     """409 with reason AlreadyExists: a create hit an existing name."""
 
+    default_status = 409
+    default_reason = "AlreadyExists"
+
 
 class Conflict(KubeError):
     """409 otherwise: a stale resourceVersion or a failed precondition."""
+
+    default_status = 409
+    default_reason = "Conflict"
 
 
 class Gone(KubeError):
     """410: the resourceVersion is too old (compacted); re-list."""
 
+    default_status = 410
+    default_reason = "Expired"
+
 
 class Invalid(KubeError):
     """422: the object failed validation (the CRD schema, a field's rules)."""
 
+    default_status = 422
+    default_reason = "Invalid"
+
 
 class Unavailable(KubeError):
     """5xx, 429, or no answer at all: the API server is down, restarting or overloaded. Retry."""
+
+    default_status = 503
+    default_reason = "ServiceUnavailable"
 
 
 _BY_STATUS: dict[int, type[KubeError]] = {

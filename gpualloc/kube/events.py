@@ -10,7 +10,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
-from gpualloc.kube import errors, transport
+from gpualloc.kube import transport
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def emit(
         await transport.request(
             api, "POST", transport.collection_path("", "v1", "events", namespace), body=body
         )
-    except errors.KubeError as exc:
+    except Exception as exc:  # best effort: an event is never worth failing the caller
         log.warning(
             "could not record event",
             extra={"reason": reason, "object": body["involvedObject"]["name"], "error": str(exc)},

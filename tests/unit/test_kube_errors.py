@@ -163,3 +163,12 @@ def test_every_error_is_a_kube_error_with_status_reason_message() -> None:
     assert isinstance(err, errors.KubeError)
     assert (err.status, err.reason, err.message) == (404, "NotFound", "nope")
     assert "404" in str(err) and "nope" in str(err)
+
+
+def test_errors_built_by_hand_get_their_class_status_and_reason() -> None:
+    # What a fake client in another component's unit test raises.
+    err = errors.AlreadyExists(message="held by uid-1")
+    assert (err.status, err.reason, err.message) == (409, "AlreadyExists", "held by uid-1")
+    assert (errors.NotFound().status, errors.Gone().status, errors.Invalid().status) == (404, 410, 422)
+    assert errors.Unavailable(0, "ServerDisconnectedError").status == 0
+    assert str(errors.Conflict(message="stale")) == "409 Conflict: stale"
