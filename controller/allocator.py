@@ -287,7 +287,7 @@ class _Screened:
     """A node that passed the node checks and has at least ``count`` usable devices."""
 
     view: NodeView
-    inventory: models.NodeInventory
+    prep: _Prepared
     position: int  # in sorted node names
     total: int
     free: int  # healthy and not taken
@@ -313,6 +313,57 @@ class _Choice:
         return f"gpus {idx} (min {self.least_bw} GB/s, {self.numa} NUMA node{'s' if self.numa != 1 else ''})"
 
 
+@dataclasses.dataclass(slots=True)
+class _Prepared:
+    """What screening and set search need from an inventory, computed once per inventory object."""
+
+    inventory: models.NodeInventory
+    healthy: tuple[models.Device, ...]  # sorted by index
+    by_index: Mapping[int, models.Device]
+    max_bw: int  # the fastest link on the node: no set can have a higher least bandwidth
+    # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
+    matrix: Mapping[int, Mapping[int, int]] | None = None
+    island: Mapping[int, int] | None = None
+
+    def topology(self) -> tuple[Mapping[int, Mapping[int, int]], Mapping[int, int]]:
+        if self.matrix is None or self.island is None:
+            ordered = sorted(self.by_index)
+            table = topology.bandwidths(self.inventory.links)
+            self.matrix = {
+                a: {b: topology.bandwidth(table, a, b) if a != b else 0 for b in ordered} for a in ordered
+            }
+            self.island = topology.island_ids(self.inventory)
+        return self.matrix, self.island
+
+
+# A memo keyed by object identity (an entry keeps its inventory alive, so the id
+# cannot be reused while cached). Inventories are frozen, so decisions depend only
+# on the arguments; the memo saves rebuilding the same tables for every decision
+# when the caller keeps its parsed inventories between decisions.
+_PREPARED: dict[int, _Prepared] = {}
+_PREPARED_MAX = 16384
+
+
+def _prepare(inv: models.NodeInventory) -> _Prepared:
+    cached = _PREPARED.get(id(inv))
+    if cached is not None and cached.inventory is inv:
+        return cached
+    by_index: dict[int, models.Device] = {}
+    for d in inv.devices:
+        by_index.setdefault(d.index, d)
+    ordered = sorted(by_index.values(), key=lambda d: d.index)
+    prepared = _Prepared(
+        inventory=inv,
+        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY),
+        by_index=by_index,
+        max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
+    )
+    if len(_PREPARED) >= _PREPARED_MAX:
+        _PREPARED.clear()
+    _PREPARED[id(inv)] = prepared
+    return prepared
+
+
 def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> _Screened | _Miss:
     if not view.node_present:
         return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
@@ -335,29 +386,25 @@ def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> 
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
 
+    prep = _prepare(inv)
     taken = view.taken
-    total = len(inv.devices)
-    unhealthy = n_taken = nomatch = free = 0
-    usable: list[models.Device] = []
-    for d in inv.devices:
-        if d.health != constants.HEALTHY:
-            unhealthy += 1
-        elif d.uuid in taken or d.uuid in extra_taken:
-            n_taken += 1
-        else:
-            free += 1
-            if _matches(ask, d):
-                usable.append(d)
-            else:
-                nomatch += 1
+    if extra_taken:
+        free_devs = [d for d in prep.healthy if d.uuid not in taken and d.uuid not in extra_taken]
+    else:
+        free_devs = [d for d in prep.healthy if d.uuid not in taken]
+    usable = [d for d in free_devs if _matches(ask, d)] if ask.filters else free_devs
+    total, free = len(prep.by_index), len(free_devs)
 
     if ask.prefer_ids:
-        return _screen_prefer_ids(view, inv, ask, position, total, free, usable, extra_taken)
+        return _screen_prefer_ids(view, prep, ask, position, free, usable, extra_taken)
 
     if len(usable) < ask.count:
-        parts = [f"{n} {what}" for n, what in ((n_taken, "taken"), (unhealthy, "unhealthy")) if n]
-        if nomatch:
-            parts.append(f"{nomatch} not matching")
+        counts = (
+            (len(prep.healthy) - free, "taken"),
+            (total - len(prep.healthy), "unhealthy"),
+            (free - len(usable), "not matching"),
+        )
+        parts = [f"{n} {what}" for n, what in counts if n]
         extra = f" ({', '.join(parts)})" if parts else ""
         phrase = f"fewer than {ask.count} free healthy GPUs{ask.filters}"
         return _Miss(
@@ -366,26 +413,24 @@ def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> 
             f"have {phrase}",
             f"{len(usable)} of {total} GPUs usable{extra}; need {ask.count}",
         )
-    usable.sort(key=lambda d: d.index)
-    return _Screened(view, inv, position, total, free, usable)
+    return _Screened(view, prep, position, total, free, usable)
 
 
 def _screen_prefer_ids(
     view: NodeView,
-    inv: models.NodeInventory,
+    prep: _Prepared,
     ask: _Ask,
     position: int,
-    total: int,
     free: int,
     usable: list[models.Device],
     extra_taken: set[str],
 ) -> _Screened | _Miss:
-    by_index = {d.index: d for d in inv.devices}
+    by_index = prep.by_index
     usable_idx = {d.index for d in usable}
     wanted = set(ask.prefer_ids)
-    pinned = sorted((d for d in usable if d.index in wanted), key=lambda d: d.index)
+    pinned = [d for d in usable if d.index in wanted]
     if len(pinned) >= ask.count:
-        return _Screened(view, inv, position, total, free, pinned)
+        return _Screened(view, prep, position, len(by_index), free, pinned)
     problems: dict[str, list[int]] = {"missing": [], "unhealthy": [], "taken": [], "not matching": []}
     for i in ask.prefer_ids:
         d = by_index.get(i)
@@ -409,12 +454,11 @@ def _screen_prefer_ids(
 def _best_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
     devs = node.usable
     m, k = len(devs), ask.count
-    table = topology.bandwidths(node.inventory.links)
-    isl = topology.island_ids(node.inventory)
+    matrix, isl = node.prep.topology()
     idx = [d.index for d in devs]
-    bw = [[topology.bandwidth(table, a, b) if a != b else 0 for b in idx] for a in idx]
+    bw = [[matrix[a][b] for b in idx] for a in idx]
     numa = [d.numa_node for d in devs]
-    island = [isl.get(i, -1 - n) for n, i in enumerate(idx)]
+    island = [isl[i] for i in idx]
     rowsum = [sum(row) for row in bw]
     topo = ask.mode != "Ignore"
     required = ask.mode == "Required" and k > 1
@@ -548,6 +592,14 @@ def _strategy_key(
     return (tier, -used, free)
 
 
+def _quality_bound(node: _Screened, ask: _Ask) -> _Key:
+    """A key no worse than ``(*_quality(best set), name)`` for any set on this node."""
+    if ask.mode == "Ignore":
+        return (node.view.name, node.position)
+    least = _NO_PAIRS if ask.count == 1 else node.prep.max_bw
+    return (-least, 1, node.view.name, node.position)
+
+
 def _quality(choice: _Choice, ask: _Ask) -> _Key:
     if ask.mode == "Ignore":
         return ()
@@ -584,8 +636,8 @@ def allocate(
     rng = random.Random(seed)
     extra: dict[str, set[str]] = {v.name: set() for v in views}
     screened: list[_Screened | _Miss] = [_screen(v, ask, i, extra[v.name]) for i, v in enumerate(views)]
-    per_node: dict[str, str] = {}
     chosen_notes: dict[str, list[str]] = {}
+    results: dict[str, _Choice | _Miss] = {}
     allocations: list[models.Allocation] = []
     cursor = round_robin_cursor % len(views)
 
@@ -595,25 +647,24 @@ def allocate(
             shuffled = list(names)
             rng.shuffle(shuffled)
             random_rank = {n: r for r, n in enumerate(shuffled)}
-        results: dict[str, _Choice | _Miss | None] = {}
+        results = {}
         fits = [s for s in screened if isinstance(s, _Screened)]
         ranked = sorted(
             (
-                (
-                    _strategy_key(
-                        s,
-                        ask,
-                        n_nodes=len(views),
-                        cursor=cursor,
-                        random_rank=random_rank,
-                        cost_label=cost_label,
-                        cost_rank=cost_rank,
-                    ),
+                _strategy_key(
                     s,
-                )
-                for s in fits
-            ),
-            key=lambda pair: (pair[0], pair[1].view.name),
+                    ask,
+                    n_nodes=len(views),
+                    cursor=cursor,
+                    random_rank=random_rank,
+                    cost_label=cost_label,
+                    cost_rank=cost_rank,
+                ),
+                s.view.name,
+                s.position,
+                s,
+            )
+            for s in fits
         )
         winner: tuple[_Screened, _Choice] | None = None
         i = 0
@@ -622,11 +673,15 @@ def allocate(
             while j < len(ranked) and ranked[j][0] == ranked[i][0]:
                 j += 1
             group_best: tuple[_Key, _Screened, _Choice] | None = None
-            for _, s in ranked[i:j]:
+            # Search the tied nodes in order of the best quality they could reach, and stop
+            # once no remaining node can beat the best set found (``explain`` searches all).
+            for bound, s in sorted((_quality_bound(s, ask), s) for *_, s in ranked[i:j]):
+                if group_best is not None and not explain and bound >= group_best[0]:
+                    break
                 res = _best_set(s, ask)
                 results[s.view.name] = res
                 if isinstance(res, _Choice):
-                    cand = ((*_quality(res, ask), s.view.name), s, res)
+                    cand = ((*_quality(res, ask), s.view.name, s.position), s, res)
                     if group_best is None or cand[0] < group_best[0]:
                         group_best = cand
             i = j
@@ -634,23 +689,6 @@ def allocate(
                 winner = (group_best[1], group_best[2])
                 if not explain:
                     break
-
-        # Every node's line for this round.
-        for idx, entry in enumerate(screened):
-            name = names[idx]
-            if isinstance(entry, _Miss):
-                per_node[name] = entry.detail
-            else:
-                found = results.get(name)
-                if isinstance(found, _Choice):
-                    per_node[name] = f"fits: {found.describe()}"
-                elif isinstance(found, _Miss):
-                    per_node[name] = found.detail
-                else:
-                    per_node[name] = (
-                        f"{len(entry.usable)} usable GPUs; not searched (a node ranked higher by "
-                        f"{ask.strategy} was chosen)"
-                    )
 
         if winner is None:
             misses = [s if isinstance(s, _Miss) else results[s.view.name] for s in screened]
@@ -660,6 +698,7 @@ def allocate(
                 reason = f"only {replica} of {replicas} replicas fit: of {of_nodes}, {summary}"
             else:
                 reason = f"0/{len(views)} nodes fit: {summary}"
+            per_node = _lines(names, screened, results, ask)
             for name, notes in chosen_notes.items():
                 per_node[name] = f"{per_node[name]} (after {'; '.join(notes)})"
             return Decision(allocations=(), reason=reason, per_node=per_node)
@@ -681,9 +720,35 @@ def allocate(
         screened[node.position] = _screen(node.view, ask, node.position, extra[name])
         cursor = (node.position + 1) % len(views)
 
+    per_node = _lines(names, screened, results, ask)
     for name, notes in chosen_notes.items():
         per_node[name] = "chosen: " + "; ".join(notes)
     return Decision(allocations=tuple(allocations), reason="", per_node=per_node)
+
+
+def _lines(
+    names: Sequence[str],
+    screened: Sequence[_Screened | _Miss],
+    results: Mapping[str, _Choice | _Miss],
+    ask: _Ask,
+) -> dict[str, str]:
+    """Each node's line for ``per_node``, from the last round of the search."""
+    lines: dict[str, str] = {}
+    for name, entry in zip(names, screened, strict=True):
+        if isinstance(entry, _Miss):
+            lines[name] = entry.detail
+            continue
+        found = results.get(name)
+        if isinstance(found, _Choice):
+            lines[name] = f"fits: {found.describe()}"
+        elif isinstance(found, _Miss):
+            lines[name] = found.detail
+        else:
+            lines[name] = (
+                f"{len(entry.usable)} usable GPUs; not searched "
+                f"(a node ranked higher by {ask.strategy} was chosen)"
+            )
+    return lines
 
 
 def _summarise(misses: Sequence[_Miss]) -> str:

@@ -1,0 +1,224 @@
+"""How long one allocation decision takes on a large cluster.
+
+1,000 nodes x 8 GPUs (half NVSwitch H100 boxes, half PCIe L40S boxes), half of
+all devices taken at random, claims of 1, 2, 4 and 8 GPUs and a 4 x 4-GPU gang.
+Each case runs ``--decisions`` times, cycling over several taken-sets, and
+reports p50/p99 in milliseconds; ``--explain`` cases search every node, as
+``gpualloc explain`` does. Writes ``bench/results/allocator_decision.json``.
+
+    .venv/bin/python bench/allocator_decision.py [--nodes 1000] [--decisions 200]
+
+The box builders here are reused by ``bench/quality_study.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+import platform
+import random
+import statistics
+import sys
+import time
+
+from controller import allocator
+from gpualloc.api import models
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def nvswitch_box(name: str, n: int = 8) -> models.NodeInventory:
+    """An HGX-style board: every GPU on the NVSwitch fabric, 900 GB/s between any two."""
+    devices = tuple(
+        models.Device(
+            index=i,
+            minor=i,
+            uuid=f"GPU-{name}-{i}",
+            product="NVIDIA H100 80GB HBM3",
+            memory_mib=81559,
+            compute_capability="9.0",
+            numa_node=i * 2 // n,
+        )
+        for i in range(n)
+    )
+    links = tuple(
+        models.Link(a=a, b=b, type="NV18", nvlinks=18, bandwidth_gbps=900)
+        for a, b in itertools.combinations(range(n), 2)
+    )
+    return models.NodeInventory(
+        devices=devices,
+        links=links,
+        islands=(tuple(range(n)),),
+        total=n,
+        healthy=n,
+        product=devices[0].product,
+    )
+
+
+def pcie_box(name: str, n: int = 8) -> models.NodeInventory:
+    """PCIe only: pairs behind one switch (PIX, 64 GB/s), NODE within a socket (32), SYS across (16)."""
+    devices = tuple(
+        models.Device(
+            index=i,
+            minor=i,
+            uuid=f"GPU-{name}-{i}",
+            product="NVIDIA L40S",
+            memory_mib=46068,
+            compute_capability="8.9",
+            numa_node=i * 2 // n,
+        )
+        for i in range(n)
+    )
+    links = []
+    for a, b in itertools.combinations(range(n), 2):
+        if a // 2 == b // 2:
+            links.append(models.Link(a=a, b=b, type="PIX", bandwidth_gbps=64))
+        elif a * 2 // n == b * 2 // n:
+            links.append(models.Link(a=a, b=b, type="NODE", bandwidth_gbps=32))
+        else:
+            links.append(models.Link(a=a, b=b, type="SYS", bandwidth_gbps=16))
+    return models.NodeInventory(
+        devices=devices, links=tuple(links), total=n, healthy=n, product=devices[0].product
+    )
+
+
+def cluster(n_nodes: int) -> list[tuple[str, models.NodeInventory]]:
+    """Node names and inventories, alternating NVSwitch and PCIe boxes."""
+    out = []
+    for i in range(n_nodes):
+        name = f"gpu-{i:04d}"
+        out.append((name, nvswitch_box(name) if i % 2 == 0 else pcie_box(name)))
+    return out
+
+
+def views(
+    boxes: list[tuple[str, models.NodeInventory]], taken: dict[str, frozenset[str]]
+) -> list[allocator.NodeView]:
+    return [
+        allocator.NodeView(
+            name=name,
+            labels={"kubernetes.io/hostname": name},
+            unschedulable=False,
+            node_present=True,
+            ready=True,
+            inventory=inv,
+            taken=taken.get(name, frozenset()),
+        )
+        for name, inv in boxes
+    ]
+
+
+def gpu_claim(
+    count: int, *, replicas: int = 1, strategy: str = "binpack", name: str = "bench"
+) -> models.GpuClaim:
+    return models.GpuClaim(
+        metadata=models.ObjectMeta(name=name, namespace="bench", creation_timestamp="2025-01-01T00:00:00Z"),
+        spec=models.GpuClaimSpec(
+            devices=models.DeviceRequest(count=count), strategy=strategy, replicas=replicas
+        ),
+    )
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    pos = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[pos]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--decisions", type=int, default=200)
+    parser.add_argument("--states", type=int, default=5, help="distinct random taken-sets to cycle over")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "allocator_decision.json")
+    args = parser.parse_args(argv)
+
+    boxes = cluster(args.nodes)
+    states = []
+    for s in range(args.states):
+        rng = random.Random(s)
+        taken = {name: frozenset(d.uuid for d in inv.devices if rng.random() < 0.5) for name, inv in boxes}
+        states.append(views(boxes, taken))
+
+    # (label, claim, explain, cold): cold = fresh inventory objects every decision, so the
+    # allocator's per-inventory memo never hits (a caller that re-parses every GpuNodeStatus).
+    cases: list[tuple[str, models.GpuClaim, bool, bool]] = [
+        ("1 GPU", gpu_claim(1), False, False),
+        ("2 GPUs", gpu_claim(2), False, False),
+        ("4 GPUs", gpu_claim(4), False, False),
+        ("8 GPUs", gpu_claim(8), False, False),
+        ("4 x 4-GPU gang", gpu_claim(4, replicas=4), False, False),
+        ("2 GPUs, spread", gpu_claim(2, strategy="spread"), False, False),
+        ("2 GPUs, explain (every node searched)", gpu_claim(2), True, False),
+        ("4 GPUs, explain (every node searched)", gpu_claim(4), True, False),
+        ("2 GPUs, cold (fresh inventories)", gpu_claim(2), False, True),
+    ]
+    rows = []
+    for label, claim, explain, cold in cases:
+        allocator.allocate(claim, states[0], explain=explain)  # warm-up
+        samples: list[float] = []
+        cpu: list[float] = []
+        placed = 0
+        for i in range(args.decisions):
+            nodes = states[i % len(states)]
+            if cold:
+                nodes = [
+                    dataclasses.replace(v, inventory=dataclasses.replace(v.inventory)) if v.inventory else v
+                    for v in nodes
+                ]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            decision = allocator.allocate(claim, nodes, explain=explain)
+            cpu.append((time.thread_time() - c0) * 1000)
+            samples.append((time.perf_counter() - t0) * 1000)
+            placed += bool(decision.allocations)
+        row = {
+            "case": label,
+            "explain": explain,
+            "cold": cold,
+            "decisions": args.decisions,
+            "placed": placed,
+            "p50_ms": round(statistics.median(samples), 2),
+            "p99_ms": round(_percentile(samples, 0.99), 2),
+            "mean_ms": round(statistics.fmean(samples), 2),
+            "cpu_p50_ms": round(statistics.median(cpu), 2),
+            "cpu_p99_ms": round(_percentile(cpu, 0.99), 2),
+        }
+        rows.append(row)
+        print(
+            f"{label:40s} wall p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
+            f"cpu p50 {row['cpu_p50_ms']:7.2f} ms  p99 {row['cpu_p99_ms']:7.2f} ms  "
+            f"placed {placed}/{args.decisions}"
+        )
+
+    free = sum(len(inv.devices) - len(v.taken) for v, (_, inv) in zip(states[0], boxes, strict=True))
+    result = {
+        "benchmark": "allocator_decision",
+        "nodes": args.nodes,
+        "gpus_per_node": 8,
+        "mix": "alternating NVSwitch H100 (900 GB/s all pairs) and PCIe L40S (PIX 64 / NODE 32 / SYS 16)",
+        "taken_fraction": 0.5,
+        "free_gpus_state0": free,
+        "states": args.states,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "note": (
+            "per allocate() call: wall clock (perf_counter) and the thread's CPU time (thread_time), "
+            "on a shared 2-core machine with other work running, so wall p99 includes waiting for a CPU; "
+            "explain=True searches every node; cold = fresh inventory objects (no memo hits)"
+        ),
+        "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
