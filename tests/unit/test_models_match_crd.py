@@ -190,3 +190,51 @@ def test_status_fields_the_printer_columns_read_exist_in_the_schema() -> None:
             if keys[0] == "metadata":
                 continue
             _at(schema, *keys)  # KeyError if the column reads a field the schema lacks
+
+
+# ------------------------------------------ what kube-apiserver refuses in a CRD
+
+
+def _nulls(node: Any, path: str) -> Iterator[str]:
+    if node is None:
+        yield path
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _nulls(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _nulls(value, f"{path}[{index}]")
+
+
+def _schema_nodes(node: Mapping[str, Any], path: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    yield path, node
+    for key, sub in node.get("properties", {}).items():
+        yield from _schema_nodes(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _schema_nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+@pytest.mark.parametrize("plural", [constants.CLAIM_PLURAL, constants.NODE_STATUS_PLURAL])
+def test_crd_yaml_has_no_null_values(plural: str) -> None:
+    # An unquoted comma inside a YAML flow mapping ({description: a, b}) makes "b" a key
+    # with a null value, which the API server refuses as an undeclared schema field.
+    crd = yaml.safe_load((CRD_DIR / f"{plural}.yaml").read_text())
+    assert list(_nulls(crd, plural)) == []
+
+
+@pytest.mark.parametrize(
+    ("plural", "schema"), [(constants.CLAIM_PLURAL, CLAIM), (constants.NODE_STATUS_PLURAL, NODE_STATUS)]
+)
+def test_no_crd_schema_combines_properties_with_additional_properties(
+    plural: str, schema: Mapping[str, Any]
+) -> None:
+    # "additionalProperties and properties are mutual exclusive" (kube-apiserver, structural schemas);
+    # unknown fields are pruned, or refused by clients that ask for fieldValidation=Strict.
+    both = [
+        path
+        for path, node in _schema_nodes(schema, plural)
+        if "properties" in node and "additionalProperties" in node
+    ]
+    assert both == []
