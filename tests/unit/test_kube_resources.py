@@ -1,4 +1,4 @@
-"""What CustomResources and leases put on the wire, captured at the aiohttp session (no server)."""
+"""What CustomResources, leases and events put on the wire, captured at the aiohttp session (no server)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
 
-from gpualloc.kube import errors, leases, resources
+from gpualloc.kube import errors, events, leases, resources
 
 
 class FakeResponse:
@@ -143,3 +143,36 @@ async def test_delete_lease_sends_uid_and_resource_version_preconditions(
     sent = recorder.requests[0]
     assert sent["method"] == "DELETE"
     assert json.loads(sent["data"])["preconditions"] == {"uid": "u-1", "resourceVersion": "9"}
+
+
+async def test_emit_posts_a_core_event_on_the_object_and_swallows_errors(
+    recorded: tuple[ApiClient, Recorder],
+) -> None:
+    api, recorder = recorded
+    recorder.status = 403
+    recorder.body = {"kind": "Status", "reason": "Forbidden", "message": "no", "code": 403}
+    obj = {
+        "apiVersion": "gpu.scheduling/v1",
+        "kind": "GpuClaim",
+        "metadata": {"name": "train", "namespace": "team-a", "uid": "u-1", "resourceVersion": "5"},
+    }
+    await events.emit(
+        api, obj=obj, reason="Allocated", message="ok", type_="Normal", component="gpualloc-controller"
+    )
+    (sent,) = recorder.requests
+    assert sent["method"] == "POST"
+    assert sent["url"].endswith("/api/v1/namespaces/team-a/events")
+    body = json.loads(sent["data"])
+    assert body["involvedObject"] == {
+        "apiVersion": "gpu.scheduling/v1",
+        "kind": "GpuClaim",
+        "name": "train",
+        "namespace": "team-a",
+        "uid": "u-1",
+        "resourceVersion": "5",
+    }
+    assert body["metadata"]["name"].startswith("train.") and len(body["metadata"]["name"]) > len("train.")
+    assert (body["reason"], body["type"], body["count"]) == ("Allocated", "Normal", 1)
+    assert body["source"] == {"component": "gpualloc-controller"}
+    assert body["reportingComponent"] == "gpualloc-controller"
+    assert body["firstTimestamp"] == body["lastTimestamp"]
