@@ -1,0 +1,237 @@
+"""Helpers for the controller's integration tests: fake GPU nodes, claims, a controller task, waiting.
+
+GPU nodes are a plain core/v1 Node (no kubelet) plus a GpuNodeStatus whose
+status is written through the status subresource with a fresh heartbeat and a
+Ready condition, as the agent would. UUIDs follow the CRD's pattern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from kubernetes_asyncio.client import ApiClient
+
+from controller import main as controller_main
+from gpualloc.api import constants
+from gpualloc.kube import errors, leases, resources, transport
+
+T = TypeVar("T")
+
+RUN_LABEL = "gpualloc.test/run"
+PRODUCT = "NVIDIA H100 80GB HBM3"
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    digest = hashlib.sha256(f"{node}/{index}".encode()).hexdigest()
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def _stamp(when: datetime.datetime | None = None) -> str:
+    return (when or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def inventory(
+    node: str, *, kind: str = "nvswitch", gpus: int = 8, unhealthy: Iterable[int] = ()
+) -> dict[str, Any]:
+    """The ``status`` of a GpuNodeStatus: an 8-GPU NVSwitch (all pairs NV18, 900 GB/s) or PCIe box.
+
+    The PCIe box has two NUMA nodes of four GPUs; pairs behind one switch are
+    PIX (0-1, 2-3, ...), same NUMA node NODE, across SYS.
+    """
+    bad = set(unhealthy)
+    devices = [
+        {
+            "index": i,
+            "minor": i,
+            "uuid": gpu_uuid(node, i),
+            "product": PRODUCT,
+            "memoryMiB": 81559,
+            "computeCapability": "9.0",
+            "pciBusId": f"0000:{0x18 + 0x10 * i:02x}:00.0",
+            "numaNode": i * 2 // gpus,
+            "health": constants.UNHEALTHY if i in bad else constants.HEALTHY,
+            "healthReason": "XID 79" if i in bad else "",
+        }
+        for i in range(gpus)
+    ]
+    links: list[dict[str, Any]] = []
+    for a in range(gpus):
+        for b in range(a + 1, gpus):
+            if kind == "nvswitch":
+                links.append({"a": a, "b": b, "type": "NV18", "nvlinks": 18, "bandwidthGBps": 900})
+            elif a // 2 == b // 2:
+                links.append({"a": a, "b": b, "type": "PIX", "bandwidthGBps": 64})
+            elif devices[a]["numaNode"] == devices[b]["numaNode"]:
+                links.append({"a": a, "b": b, "type": "NODE", "bandwidthGBps": 50})
+            else:
+                links.append({"a": a, "b": b, "type": "SYS", "bandwidthGBps": 40})
+    now = _stamp()
+    return {
+        "source": "simulated",
+        "driverVersion": "580.159.04",
+        "cudaVersion": "13.0",
+        "product": PRODUCT,
+        "devices": devices,
+        "links": links,
+        "islands": [list(range(gpus))] if kind == "nvswitch" else [],
+        "total": gpus,
+        "healthy": gpus - len(bad),
+        "allocated": 0,
+        "lastHeartbeatTime": now,
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Publishing",
+                "message": "",
+                "lastTransitionTime": now,
+            }
+        ],
+    }
+
+
+async def create_gpu_node(
+    api: ApiClient,
+    name: str,
+    *,
+    labels: dict[str, str] | None = None,
+    kind: str = "nvswitch",
+    gpus: int = 8,
+    unhealthy: Iterable[int] = (),
+) -> None:
+    """A Node and its GpuNodeStatus (status written through the status subresource)."""
+    node_labels = {constants.HOSTNAME_LABEL: name, **(labels or {})}
+    await transport.request(
+        api,
+        "POST",
+        "/api/v1/nodes",
+        body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}},
+    )
+    crs = resources.CustomResources(api)
+    await crs.create_node_status(
+        {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.NODE_STATUS_KIND,
+            "metadata": {"name": name, "labels": dict(labels or {})},
+            "spec": {"nodeName": name},
+        }
+    )
+    await crs.patch_node_status_status(
+        name, {"status": inventory(name, kind=kind, gpus=gpus, unhealthy=unhealthy)}
+    )
+
+
+async def delete_gpu_node(api: ApiClient, name: str) -> None:
+    with contextlib.suppress(errors.NotFound):
+        await resources.CustomResources(api).delete_node_status(name)
+    with contextlib.suppress(errors.NotFound):
+        await transport.request(api, "DELETE", f"/api/v1/nodes/{name}")
+
+
+def claim_body(
+    name: str,
+    count: int,
+    *,
+    run: str,
+    replicas: int = 1,
+    priority: int = 0,
+    strategy: str = "binpack",
+    backoff_seconds: int = 1,
+    max_retries: int = 0,
+    match_labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A GpuClaim restricted to the nodes labelled with this test's ``run``."""
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.CLAIM_KIND,
+        "metadata": {"name": name},
+        "spec": {
+            "devices": {"count": count},
+            "selector": {"matchLabels": {RUN_LABEL: run, **(match_labels or {})}},
+            "replicas": replicas,
+            "priority": priority,
+            "strategy": strategy,
+            "retryPolicy": {"backoffSeconds": backoff_seconds, "maxRetries": max_retries},
+        },
+    }
+
+
+async def wait_for(
+    probe: Callable[[], Awaitable[T]],
+    *,
+    within: float = 30.0,
+    interval: float = 0.2,
+    what: str = "condition",
+) -> T:
+    """Poll ``probe`` until it returns something truthy; that value. AssertionError on timeout."""
+    deadline = time.monotonic() + within
+    last: T | None = None
+    while True:
+        last = await probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:.0f} s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval)
+
+
+async def device_leases(api: ApiClient, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+    selector = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+    if label_selector:
+        selector += "," + label_selector
+    listing = await leases.list_leases(api, namespace, selector)
+    return list(listing.get("items") or [])
+
+
+def status_uuids(claim: dict[str, Any]) -> list[str]:
+    return [d["uuid"] for a in (claim.get("status") or {}).get("allocations") or [] for d in a["devices"]]
+
+
+def controller_argv(namespace: str, *extra: str) -> list[str]:
+    return [
+        "--namespace",
+        namespace,
+        "--leader-elect=false",
+        "--health-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--workers",
+        "4",
+        "--sweep-interval",
+        "2",
+        *extra,
+    ]
+
+
+@contextlib.asynccontextmanager
+async def running_controller(kubeconfig: str, argv: list[str]) -> AsyncIterator[asyncio.Task[int]]:
+    """``controller.main.run`` as an asyncio task in this process; stopped and awaited on exit."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller_main.run(["--kubeconfig", kubeconfig, *argv], stop=stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await _finish(task)
+
+
+async def _finish(task: asyncio.Task[int]) -> None:
+    if task.done():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            task.result()
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 15)
+    except (TimeoutError, asyncio.CancelledError):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    except Exception:
+        pass
