@@ -96,7 +96,7 @@ class NVMLError(Exception):
     _valClassMapping: dict[int, type[NVMLError]] = {}
     value: int
 
-    def __new__(cls, value: int) -> NVMLError:  # noqa: PYI034
+    def __new__(cls, value: int) -> NVMLError:
         if cls is NVMLError:
             cls = NVMLError._valClassMapping.get(value, cls)
         obj = Exception.__new__(cls)
@@ -426,7 +426,11 @@ class FakeNvml:
                 continue
             device = Handle(index) if index is not None else None
             event = types.SimpleNamespace(
-                device=device, eventType=event_type, eventData=data, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0
+                device=device,
+                eventType=event_type,
+                eventData=data,
+                gpuInstanceId=0xFFFFFFFF,
+                computeInstanceId=0,
             )
             with es.cond:
                 es.queue.append(event)
@@ -455,7 +459,9 @@ def h100_nvswitch_box() -> FakeMachine:
     gpus = []
     for i, bus in enumerate(buses):
         links = [
-            FakeLink(remote_bus_id=sw, remote_type=NVML_NVLINK_DEVICE_TYPE_SWITCH, version=NVML_NVLINK_VERSION_4_0)
+            FakeLink(
+                remote_bus_id=sw, remote_type=NVML_NVLINK_DEVICE_TYPE_SWITCH, version=NVML_NVLINK_VERSION_4_0
+            )
             for sw, n in zip(switches, per_switch, strict=True)
             for _ in range(n)
         ]
@@ -549,7 +555,9 @@ def a100_mig_box() -> FakeMachine:
         pcie_gen=4,
         nvlinks=[],
         mig=[
-            FakeMig(uuid="MIG-11111111-2222-3333-4444-555555555555", profile="3g.20gb", memory_mib=19968, slices=3),
+            FakeMig(
+                uuid="MIG-11111111-2222-3333-4444-555555555555", profile="3g.20gb", memory_mib=19968, slices=3
+            ),
             FakeMig(uuid="MIG-11111111-2222-3333-4444-666666666666", profile="1g.5gb", memory_mib=4864),
             FakeMig(uuid="MIG-11111111-2222-3333-4444-777777777777", profile="1g.5gb", memory_mib=4864),
         ],

@@ -1,0 +1,197 @@
+"""The agent's command line, NVML init failure handling, leases and metrics (no API server)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+import fake_pynvml as fake
+import prometheus_client
+import pytest
+
+from agent import health, main, nvml, simulated
+from gpualloc.api import constants
+
+
+def test_flags_read_the_environment_and_the_downward_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    monkeypatch.setenv("POD_NAMESPACE", "gpualloc-system")
+    monkeypatch.setenv("GPUALLOC_HEARTBEAT_INTERVAL", "12")
+    monkeypatch.setenv("GPUALLOC_SOURCE", "simulated")
+    monkeypatch.setenv("GPUALLOC_IGNORED_XIDS", "13,43")
+    args = main.parse_args([])
+    assert (args.node_name, args.lease_namespace, args.heartbeat_interval) == (
+        "gpu-node-7",
+        "gpualloc-system",
+        12.0,
+    )
+    assert args.source == "simulated"
+    assert args.ignored_xids == frozenset({13, 43})
+    args = main.parse_args(["--heartbeat-interval", "5", "--node-name", "other"])
+    assert (args.heartbeat_interval, args.node_name) == (5.0, "other")  # the flag wins
+
+
+def test_defaults_match_the_issue(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("NODE_NAME", "POD_NAMESPACE"):
+        monkeypatch.delenv(name, raising=False)
+    args = main.parse_args(["--node-name", "n"])
+    assert args.heartbeat_interval == 30.0
+    assert args.ignored_xids == frozenset({13, 31, 43, 45, 68, 109})
+    assert (args.source, args.fail_on_init_error, args.node_labels) == ("nvml", False, False)
+    assert args.lease_namespace is None
+
+
+def test_node_name_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main.parse_args([])
+    assert info.value.code == 2
+
+
+def test_bad_profile_exits_with_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    rc = main.main(
+        ["--node-name", "n", "--source", "simulated", "--profile", "no-such", "--health-port", "0"]
+    )
+    assert rc == main.EXIT_USAGE
+
+
+def _nvml_agent(machine: fake.FakeMachine, *extra: str) -> tuple[main.Agent, fake.FakeNvml]:
+    lib = fake.FakeNvml(machine)
+    args = main.parse_args(["--node-name", "n1", "--health-port", "0", "--metrics-port", "0", *extra])
+    return main.Agent(args, source=nvml.NvmlSource(nvml_module=lib, sysfs_root="/nonexistent")), lib
+
+
+async def test_fail_on_init_error_exits_non_zero_when_nvml_is_missing() -> None:
+    machine = fake.h100_nvswitch_box()
+    machine.init_error = fake.NVML_ERROR_LIBRARY_NOT_FOUND
+    agent, _ = _nvml_agent(machine, "--fail-on-init-error")
+    rc = await asyncio.wait_for(agent.run(asyncio.Event()), 10)
+    assert rc == main.EXIT_INIT_FAILED == 1
+
+
+async def test_nvml_init_failure_publishes_nvml_ready_false_and_recovers_on_retry() -> None:
+    machine = fake.h100_nvswitch_box()
+    machine.init_error = fake.NVML_ERROR_LIBRARY_NOT_FOUND
+    agent, lib = _nvml_agent(machine)
+    assert not await agent.scan_once()
+    inv = agent.desired()
+    conds = {c.type: c for c in inv.conditions}
+    assert conds[constants.CONDITION_NVML_READY].status == "False"
+    assert "NVML Shared Library Not Found" in conds[constants.CONDITION_NVML_READY].message
+    assert conds[constants.CONDITION_READY].status == "False"
+    assert inv.devices == () and inv.source == "nvml"
+    machine.init_error = None
+    assert await agent.scan_once()
+    conds = {c.type: c for c in agent.desired().conditions}
+    assert conds[constants.CONDITION_NVML_READY].status == "True"
+    assert len(agent.desired().devices) == 8
+    assert agent._event_thread is not None and agent._event_thread.alive  # health events watched
+    await agent._stop_event_thread()
+    assert lib.init_calls == 2
+
+
+async def test_nvml_events_reach_the_published_status() -> None:
+    machine = fake.h100_nvswitch_box()
+    agent, lib = _nvml_agent(machine)
+    assert await agent.scan_once()
+    try:
+        lib.inject_xid(6, 79)
+        lib.inject_xid(5, 31)  # application XID
+        for _ in range(100):
+            if agent.desired().healthy == 7:
+                break
+            await asyncio.sleep(0.02)
+        devices = agent.desired().devices
+        assert (devices[6].health, devices[6].health_reason) == ("Unhealthy", "XID 79")
+        assert devices[5].health == "Healthy"
+        assert agent.wake.is_set()
+    finally:
+        await agent._stop_event_thread()
+
+
+def _sim_agent(*extra: str) -> main.Agent:
+    args = main.parse_args(
+        [
+            "--node-name",
+            "sim-1",
+            "--source",
+            "simulated",
+            "--profile",
+            "a100-pcie-4-nvlink",
+            "--health-port",
+            "0",
+            *extra,
+        ]
+    )
+    return main.Agent(args)
+
+
+async def test_leases_of_this_nodes_devices_set_allocated_and_the_lease_gauges() -> None:
+    agent = _sim_agent()
+    await agent.scan_once()
+    uuids = [d.uuid for d in agent.desired().devices]
+    lease = {
+        "metadata": {
+            "name": constants.lease_name(uuids[1]),
+            "labels": {
+                constants.LABEL_NODE: "sim-1",
+                constants.LABEL_CLAIM_NAMESPACE: "team-a",
+                constants.LABEL_CLAIM_NAME: "train",
+                constants.LABEL_CLAIM_UID: "uid-1",
+            },
+        },
+        "spec": {"holderIdentity": "uid-1"},
+    }
+    stranger = {"metadata": {"name": "gpu-not-ours"}, "spec": {}}
+    agent.leases = types.SimpleNamespace(cache={"ns/a": lease, "ns/b": stranger})  # type: ignore[assignment]
+    agent.wake.clear()
+    agent._on_lease("ADDED", lease)
+    assert agent.wake.is_set()
+    inv = agent.desired()
+    assert inv.allocated == 1
+    text = prometheus_client.generate_latest(agent.metrics.registry).decode()
+    assert (
+        f'gpualloc_gpu_lease_info{{claim_name="train",claim_namespace="team-a",claim_uid="uid-1",gpu="1",'
+        f'node="sim-1",product="NVIDIA A100 80GB PCIe",uuid="{uuids[1]}"}} 1.0'
+    ) in text
+    assert (
+        f'gpualloc_gpu_allocated{{gpu="0",node="sim-1",product="NVIDIA A100 80GB PCIe",'
+        f'uuid="{uuids[0]}"}} 0.0' in text
+    )
+
+
+async def test_metrics_expose_dcgm_like_per_gpu_gauges_health_and_scan_histogram() -> None:
+    agent = _sim_agent()
+    await agent.scan_once()
+    agent.on_health_event(
+        health.HealthEvent(uuid=agent.desired().devices[2].uuid, kind=health.KIND_XID, xid=79)
+    )
+    agent.desired()
+    text = prometheus_client.generate_latest(agent.metrics.registry).decode()
+    for name in (
+        "gpualloc_gpu_utilization_percent",
+        "gpualloc_gpu_memory_used_bytes",
+        "gpualloc_gpu_memory_total_bytes",
+        "gpualloc_gpu_temperature_celsius",
+        "gpualloc_gpu_power_watts",
+    ):
+        assert sum(1 for line in text.splitlines() if line.startswith(name + "{")) == 4, name
+    health_lines = [line for line in text.splitlines() if line.startswith("gpualloc_gpu_health{")]
+    assert sorted(line.rsplit(" ", 1)[1] for line in health_lines) == ["0.0", "1.0", "1.0", "1.0"]
+    assert 'gpu="2"' in next(line for line in health_lines if line.endswith(" 0.0"))
+    assert "gpualloc_agent_scan_duration_seconds_count 1.0" in text
+    assert "gpualloc_agent_publish_errors_total 0.0" in text
+    assert 'gpualloc_agent_nvml_ready{node="sim-1"} 1.0' in text
+
+
+async def test_simulated_agent_lost_injection_is_rescanned_and_published_lost(tmp_path: Any) -> None:
+    agent = _sim_agent()
+    await agent.scan_once()
+    assert isinstance(agent.source, simulated.SimulatedSource)
+    agent.source.lose(3)
+    await agent.scan_once()
+    device = agent.desired().devices[3]
+    assert (device.health, device.health_reason) == ("Unhealthy", "lost: missing from re-scan")
+    conds = {c.type: c for c in agent.desired().conditions}
+    assert conds[constants.CONDITION_DEVICES_LOST].status == "True"
