@@ -160,7 +160,7 @@ class EventThread:
         self,
         waiter: EventWaiter,
         loop: asyncio.AbstractEventLoop,
-        on_event: Callable[[HealthEvent], None],
+        on_event: Callable[[HealthEvent], object],
         *,
         timeout_ms: int = 500,
     ) -> None:

@@ -391,7 +391,7 @@ class InjectionWatcher:
         path: str,
         source: SimulatedSource,
         *,
-        on_event: Callable[[health.HealthEvent], None],
+        on_event: Callable[[health.HealthEvent], object],
         on_lost: Callable[[], None],
         poll_seconds: float = 0.2,
     ) -> None:
