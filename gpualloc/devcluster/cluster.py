@@ -61,6 +61,9 @@ _AUDIT_POLICY = {
     "rules": [{"level": "Metadata"}],
 }
 
+# Taints that TaintNodesByCondition puts on a new Node until the node-lifecycle controller lifts them.
+_CONDITION_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"})
+
 # Order in which processes are stopped: dependants before what they depend on.
 _STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 
@@ -386,7 +389,28 @@ class ControlPlane:
         while True:
             node: dict[str, Any] = self.request("GET", f"/api/v1/nodes/{name}")
             conditions = node.get("status", {}).get("conditions") or []
-            if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+            taints = node.get("spec", {}).get("taints") or []
+            kept = [t for t in taints if t.get("key") not in _CONDITION_TAINTS]
+            if ready and kept != taints:
+                # The node-lifecycle controller lifts these once the node is Ready; without
+                # kube-controller-manager nothing would, and no pod could be scheduled there.
+                try:
+                    node = self.request(
+                        "PATCH",
+                        f"/api/v1/nodes/{name}",
+                        {
+                            "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                            "spec": {"taints": kept},
+                        },
+                        content_type="application/merge-patch+json",
+                    )
+                except RequestError as exc:
+                    if exc.status != 409:  # kwok wrote the node meanwhile: read it again
+                        raise
+                    continue
+                taints = kept
+            if ready and kept == taints:
                 return node
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"node {name} not Ready after {timeout:.0f} s (is kwok running?)")
