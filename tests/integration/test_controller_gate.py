@@ -1,0 +1,82 @@
+"""Gate mode: a pod held by the scheduling gate gets its devices and node once its claim is allocated."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    running_controller,
+    status_uuids,
+    wait_for,
+)
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.kube import resources, transport
+
+
+def gated_pod(name: str, claim: str, replica: int | None = None) -> dict[str, Any]:
+    annotations = {constants.ANNOTATION_CLAIM: claim}
+    if replica is not None:
+        annotations[constants.ANNOTATION_REPLICA] = str(replica)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "schedulingGates": [{"name": "example.com/other-gate"}, {"name": constants.SCHEDULING_GATE}],
+            "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}],
+        },
+    }
+
+
+async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses_only_our_gate(
+    api: ApiClient, kubeconfig: str, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    nodes = [f"gpu-{run}-a", f"gpu-{run}-b"]
+    for node in nodes:
+        await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    pods_path = f"/api/v1/namespaces/{namespace}/pods"
+    try:
+        async with running_controller(kubeconfig, controller_argv(namespace)):
+            # Pods first: they wait behind the gate for a claim that does not exist yet.
+            for replica in (0, 1):
+                await transport.request(
+                    api, "POST", pods_path, body=gated_pod(f"worker-{replica}", "gang", replica)
+                )
+            await resources.CustomResources(api).create_claim(
+                namespace, claim_body("gang", 8, replicas=2, run=run)
+            )
+
+            async def released() -> list[dict[str, Any]] | None:
+                pods = [await transport.request(api, "GET", f"{pods_path}/worker-{r}") for r in (0, 1)]
+                ungated = all(
+                    constants.SCHEDULING_GATE
+                    not in {g["name"] for g in p["spec"].get("schedulingGates") or []}
+                    for p in pods
+                )
+                return pods if ungated else None
+
+            pods = await wait_for(released, within=30, what="both pods un-gated")
+            claim = await resources.CustomResources(api).get_claim(namespace, "gang")
+            by_replica = {a["replica"]: a for a in claim["status"]["allocations"]}
+            assert sorted(status_uuids(claim)) == sorted(
+                d["uuid"] for a in by_replica.values() for d in a["devices"]
+            )
+            for replica, pod in enumerate(pods):
+                allocation = by_replica[replica]
+                assert pod["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == ",".join(
+                    d["uuid"] for d in allocation["devices"]
+                )
+                assert pod["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: allocation["nodeName"]}
+                assert pod["spec"]["schedulingGates"] == [{"name": "example.com/other-gate"}]
+    finally:
+        for node in nodes:
+            await delete_gpu_node(api, node)

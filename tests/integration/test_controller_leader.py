@@ -1,0 +1,132 @@
+"""Leader election: only the leader allocates; the standby takes over when the leader dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    running_controller,
+    wait_for,
+)
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import errors, leases, resources
+
+LEASE_DURATION = 4.0
+RETRY_PERIOD = 0.5
+ELECTION_ID = "gpualloc-controller"
+
+
+def election_argv(namespace: str, identity: str) -> list[str]:
+    argv = [a for a in controller_argv(namespace) if a != "--leader-elect=false"]
+    return [
+        *argv,
+        "--leader-elect=true",
+        "--identity",
+        identity,
+        "--leader-election-lease-duration",
+        str(LEASE_DURATION),
+        "--leader-election-renew-deadline",
+        "3",
+        "--leader-election-retry-period",
+        str(RETRY_PERIOD),
+        # A cancelled task here stands for a dead process: it must not hand the Lease over politely.
+        "--leader-election-release-on-cancel=false",
+    ]
+
+
+def status_writers(audit_log: Path, namespace: str) -> list[str]:
+    """User agents of the requests that wrote GpuClaim status in ``namespace``."""
+    agents = []
+    for line in audit_log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        ref = event.get("objectRef") or {}
+        if (
+            event.get("stage") == "ResponseComplete"
+            and ref.get("resource") == "gpuclaims"
+            and ref.get("subresource") == "status"
+            and ref.get("namespace") == namespace
+            and event.get("verb") in ("patch", "update")
+            and (event.get("responseStatus") or {}).get("code", 0) < 300
+        ):
+            agents.append(str(event.get("userAgent", "")))
+    return agents
+
+
+async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_lease_duration(
+    api: ApiClient, kubeconfig: str, namespace: str, control_plane: Any
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    node = f"gpu-{run}-a"
+    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    crs = resources.CustomResources(api)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            tasks = {}
+            for identity in ("ctl-a", "ctl-b"):
+                tasks[identity] = await stack.enter_async_context(
+                    running_controller(kubeconfig, election_argv(namespace, identity))
+                )
+
+            async def holder() -> str:
+                try:
+                    lease = await leases.get_lease(api, namespace, ELECTION_ID)
+                except errors.NotFound:
+                    return ""
+                return str(lease["spec"].get("holderIdentity") or "")
+
+            leader = await wait_for(holder, within=20, what="a leader")
+            standby = "ctl-b" if leader == "ctl-a" else "ctl-a"
+
+            await crs.create_claim(namespace, claim_body("first", 2, run=run))
+
+            async def allocated(name: str) -> bool:
+                claim = await crs.get_claim(namespace, name)
+                return (claim.get("status") or {}).get("phase") == "Allocated"
+
+            await wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
+            writers = status_writers(control_plane.audit_log, namespace)
+            assert writers and all(agent.endswith(f"/{leader}") for agent in writers), writers
+
+            # Kill the leader: its Lease is not released, the standby must wait for it to expire.
+            killed_at = time.monotonic()
+            tasks[leader].cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tasks[leader]
+
+            async def standby_leads() -> bool:
+                return await holder() == standby
+
+            await wait_for(
+                standby_leads, within=LEASE_DURATION * 3, interval=0.1, what="the standby to take over"
+            )
+            took = time.monotonic() - killed_at
+            assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 1.0, f"took over after {took:.1f} s"
+
+            await crs.create_claim(namespace, claim_body("second", 2, run=run))
+            await wait_for(
+                lambda: allocated("second"), within=30, what="second claim allocated by the new leader"
+            )
+            later = status_writers(control_plane.audit_log, namespace)[len(writers) :]
+            assert later and all(agent.endswith(f"/{standby}") for agent in later), later
+            first = await crs.get_claim(namespace, "first")
+            second = await crs.get_claim(namespace, "second")
+            assert not {d["uuid"] for a in first["status"]["allocations"] for d in a["devices"]} & {
+                d["uuid"] for a in second["status"]["allocations"] for d in a["devices"]
+            }
+    finally:
+        await delete_gpu_node(api, node)
