@@ -347,6 +347,16 @@ def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
     )
 
 
+@BOTH_MODES
+def test_webhook_mounts_only_the_serving_pair_never_the_ca_key(cert_manager: str) -> None:
+    deployment = one(render(certManager__enabled=cert_manager), "Deployment", f"{FULLNAME}-webhook")
+    (tls,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["items"] == [
+        {"key": "tls.crt", "path": "tls.crt"},
+        {"key": "tls.key", "path": "tls.key"},
+    ]
+
+
 def test_agent_runs_on_gpu_nodes_through_the_nvidia_runtime_by_default() -> None:
     ds = one(render(), "DaemonSet", f"{FULLNAME}-agent")
     spec = ds["spec"]["template"]["spec"]
