@@ -1,0 +1,277 @@
+"""The agent against the real local kube-apiserver: it runs in-process as a task.
+
+What the API server proves here: the published GpuNodeStatus passes the CRD's
+schema (a write that did not would be refused with 422) and survives pruning
+(what is read back equals what was derived); the ownerReference points at the
+Node; with nothing changing only heartbeats are written (counted in the API
+server's own audit log); an injected XID reaches the API within 2 s; an API
+server restart does not stop publishing; NVML init failure is published as
+NvmlReady=False and recovery follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import inventory, main, nvml, publishing
+from gpualloc.api import codecs, constants
+from gpualloc.devcluster import cluster
+from gpualloc.kube import leases
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import fake_pynvml as fake
+
+GNS = "/apis/gpu.scheduling/v1/gpunodestatuses"
+
+
+def _node_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+async def _get(control_plane: Any, node: str) -> dict[str, Any] | None:
+    try:
+        obj: dict[str, Any] = await asyncio.to_thread(control_plane.request, "GET", f"{GNS}/{node}")
+        return obj
+    except cluster.RequestError as exc:
+        if exc.status == 404:
+            return None
+        raise
+    except (OSError, cluster.ControlPlaneError):  # the API server is restarting
+        return None
+
+
+async def _until(
+    control_plane: Any, node: str, check: Callable[[dict[str, Any]], bool], seconds: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    last: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        last = await _get(control_plane, node)
+        if last is not None and check(last):
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"condition not met in {seconds} s; last object: {json.dumps(last)[:2000]}")
+
+
+def _device(obj: dict[str, Any], index: int) -> dict[str, Any]:
+    devices: list[dict[str, Any]] = obj.get("status", {}).get("devices", [])
+    return next(d for d in devices if d["index"] == index)
+
+
+@contextlib.asynccontextmanager
+async def _running_agent(
+    control_plane: Any, kubeconfig: str, node: str, *flags: str, source: inventory.Source | None = None
+) -> AsyncIterator[main.Agent]:
+    args = main.parse_args(
+        [
+            "--node-name",
+            node,
+            "--kubeconfig",
+            kubeconfig,
+            "--health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            *flags,
+        ]
+    )
+    agent = main.Agent(args, source=source)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop), name=f"agent-{node}")
+    try:
+        yield agent
+        assert not task.done(), f"the agent ended early: {task}"
+    finally:
+        stop.set()
+        rc = await asyncio.wait_for(task, 20)
+        assert rc == main.EXIT_OK
+        for path in (f"{GNS}/{node}", f"/api/v1/nodes/{node}"):
+            with contextlib.suppress(cluster.RequestError):
+                await asyncio.to_thread(control_plane.request, "DELETE", path)
+
+
+def _create_node(control_plane: Any, node: str) -> dict[str, Any]:
+    obj: dict[str, Any] = control_plane.request(
+        "POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+    )
+    return obj
+
+
+def _published(total: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda obj: obj.get("status", {}).get("total") == total
+
+
+async def test_agent_publishes_a_schema_valid_status_owned_by_its_node(
+    control_plane: Any, kubeconfig: str, api: Any, namespace: str
+) -> None:
+    node = _node_name("agent-owned")
+    node_obj = _create_node(control_plane, node)
+    flags = ["--source", "simulated", "--profile", "h100-sxm-8", "--lease-namespace", namespace]
+    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        obj = await _until(control_plane, node, _published(8), 15)
+        assert obj["spec"] == {"nodeName": node}
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_obj["metadata"]["uid"]}
+        ]
+        parsed = codecs.parse_node_status(obj)
+        # Nothing was pruned or rejected: what the server holds is what the agent derived.
+        assert publishing.comparable(parsed.status) == publishing.comparable(agent.desired())
+        status = parsed.status
+        assert status.source == "simulated" and status.product == "8x NVIDIA H100 80GB HBM3"
+        assert {(ln.type, ln.bandwidth_gbps) for ln in status.links} == {("NV18", 900)}
+        assert len(status.links) == 28 and status.islands == ((0, 1, 2, 3, 4, 5, 6, 7),)
+        assert status.last_heartbeat_time
+        ready = {c.type: c for c in status.conditions}[constants.CONDITION_READY]
+        assert (ready.status, ready.reason) == ("True", "Publishing")
+
+        # A device Lease for one GPU of this node (as the controller writes it) shows in status.allocated.
+        gpu = status.devices[5]
+        await leases.create_lease(
+            api,
+            namespace,
+            constants.lease_name(gpu.uuid),
+            holder="claim-uid-1",
+            labels={
+                constants.LABEL_NODE: node,
+                constants.LABEL_CLAIM_NAMESPACE: namespace,
+                constants.LABEL_CLAIM_NAME: "train",
+                constants.LABEL_CLAIM_UID: "claim-uid-1",
+            },
+        )
+        obj = await _until(control_plane, node, lambda o: o["status"].get("allocated") == 1, 10)
+        assert obj["status"]["total"] == 8
+
+
+async def test_agent_without_a_node_object_creates_the_status_without_owner(
+    control_plane: Any, kubeconfig: str
+) -> None:
+    node = _node_name("agent-orphan")
+    flags = ["--source", "simulated", "--profile", "consumer-8"]
+    async with _running_agent(control_plane, kubeconfig, node, *flags):
+        obj = await _until(control_plane, node, _published(8), 15)
+        assert "ownerReferences" not in obj["metadata"]
+        assert {ln["type"] for ln in obj["status"]["links"]} == {"PIX", "NODE", "SYS"}
+
+
+def _audit_writes(audit_log: Path, node: str) -> list[dt.datetime]:
+    """Times of create/update/patch requests on this node's GpuNodeStatus, from the audit log."""
+    out = []
+    for line in audit_log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ref = event.get("objectRef") or {}
+        if (
+            event.get("stage") == "ResponseComplete"
+            and event.get("verb") in ("create", "update", "patch")
+            and ref.get("resource") == constants.NODE_STATUS_PLURAL
+            and ref.get("name") == node
+        ):
+            out.append(dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00")))
+    return out
+
+
+async def test_two_minutes_without_change_write_only_heartbeats(control_plane: Any, kubeconfig: str) -> None:
+    node = _node_name("agent-quiet")
+    _create_node(control_plane, node)
+    interval, window = 10.0, 120.0
+    flags = ["--source", "simulated", "--profile", "a100-sxm-8", "--heartbeat-interval", str(interval)]
+    flags += ["--scan-interval", "2"]  # scans wake the publisher often; none of them may write
+    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        await _until(control_plane, node, _published(8), 15)
+        start = dt.datetime.now(dt.UTC)
+        await asyncio.sleep(window)
+        end = dt.datetime.now(dt.UTC)
+        assert agent.publisher is not None
+        writes = dict(agent.publisher.writes)
+    in_window = [t for t in _audit_writes(control_plane.audit_log, node) if start <= t < end]
+    expected = window / interval
+    print(
+        f"writes to GpuNodeStatus/{node} in {window:.0f} s: {len(in_window)}"
+        f" (expected {expected:.0f} heartbeats)"
+    )
+    assert abs(len(in_window) - expected) <= 1, (len(in_window), in_window)
+    # The agent's own tally: one create, one full status write at start, the rest heartbeats.
+    assert (writes["create"], writes["status"]) == (1, 1)
+    assert agent.scans >= 50
+
+
+async def test_injected_xid_turns_the_device_unhealthy_in_the_api_within_2_s(
+    control_plane: Any, kubeconfig: str, tmp_path: Path
+) -> None:
+    node = _node_name("agent-xid")
+    inject = tmp_path / "xids"
+    flags = ["--source", "simulated", "--profile", "h100-sxm-8", "--xid-inject-file", str(inject)]
+    async with _running_agent(control_plane, kubeconfig, node, *flags):
+        await _until(control_plane, node, _published(8), 15)
+        started = time.monotonic()
+        inject.write_text("3 79\n5 13\n")  # 13 is an application XID: ignored
+        obj = await _until(control_plane, node, lambda o: _device(o, 3)["health"] == "Unhealthy", 5)
+        elapsed = time.monotonic() - started
+        assert elapsed < 2.0, elapsed
+        assert _device(obj, 3)["healthReason"] == "XID 79"
+        assert _device(obj, 5)["health"] == "Healthy"
+        assert (obj["status"]["healthy"], obj["status"]["total"]) == (7, 8)
+
+
+async def test_publishing_continues_after_an_apiserver_restart(
+    control_plane: Any, kubeconfig: str, tmp_path: Path
+) -> None:
+    node = _node_name("agent-restart")
+    inject = tmp_path / "xids"
+    flags = ["--source", "simulated", "--profile", "a100-pcie-4-nvlink", "--xid-inject-file", str(inject)]
+    flags += ["--heartbeat-interval", "5"]
+    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        await _until(control_plane, node, _published(4), 15)
+        await asyncio.to_thread(control_plane.restart_apiserver)
+        inject.write_text("2 ecc\n")  # a change made after the restart
+        obj = await _until(control_plane, node, lambda o: _device(o, 2)["health"] == "Unhealthy", 30)
+        assert _device(obj, 2)["healthReason"] == "double-bit ECC error"
+        before = obj["status"]["lastHeartbeatTime"]
+        obj = await _until(control_plane, node, lambda o: o["status"]["lastHeartbeatTime"] != before, 15)
+        assert agent.ready()
+
+
+async def test_nvml_init_failure_is_published_as_nvml_ready_false_then_recovers(
+    control_plane: Any, kubeconfig: str
+) -> None:
+    node = _node_name("agent-nvml")
+    machine = fake.h100_nvswitch_box()
+    machine.init_error = fake.NVML_ERROR_LIBRARY_NOT_FOUND
+    source = nvml.NvmlSource(nvml_module=fake.FakeNvml(machine), sysfs_root="/nonexistent")
+
+    def nvml_ready(status: str) -> Callable[[dict[str, Any]], bool]:
+        def check(obj: dict[str, Any]) -> bool:
+            conds = {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
+            return conds.get(constants.CONDITION_NVML_READY, {}).get("status") == status
+
+        return check
+
+    async with _running_agent(control_plane, kubeconfig, node, "--source", "nvml", source=source):
+        obj = await _until(control_plane, node, nvml_ready("False"), 15)
+        conds = {c["type"]: c for c in obj["status"]["conditions"]}
+        assert "NVML Shared Library Not Found" in conds[constants.CONDITION_NVML_READY]["message"]
+        assert conds[constants.CONDITION_READY]["status"] == "False"
+        assert (obj["status"]["source"], obj["status"]["total"]) == ("nvml", 0)
+        machine.init_error = None  # the driver comes back; the agent's retry picks it up
+        obj = await _until(control_plane, node, nvml_ready("True"), 15)
+        assert obj["status"]["total"] == 8
+        assert {ln["type"] for ln in obj["status"]["links"]} == {"NV18"}
+        assert obj["status"]["cudaVersion"] == "13.0"
+
+
+@pytest.fixture(autouse=True)
+def _control_plane_alive(control_plane: Any) -> None:
+    control_plane.check_alive()
