@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
+import socket
+import ssl
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -445,3 +450,191 @@ async def test_certs_token_writes_only_its_secret_and_its_webhook_configuration(
         await refused(lambda: core.read_namespaced_secret("anything", "default"))
     finally:
         await admission.delete_mutating_webhook_configuration(config_name)
+
+
+# ----------------------------------------------------------------------------- the programs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Program:
+    """``gpualloc <args>`` as a child process, its output in a log file; stopped with SIGTERM."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GPUALLOC_", "KUBECONFIG", "POD_", "NODE_"))
+        }
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gpualloc.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def alive(self) -> None:
+        assert self.process.poll() is None, f"{self.name} exited {self.process.returncode}:\n{self.tail()}"
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def _http_status(port: int, path: str, *, tls: ssl.SSLContext | None = None, server_name: str = "") -> int:
+    """GET http(s)://127.0.0.1:port/path; 0 when nothing answers. TLS checks the name ``server_name``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+            sock = tls.wrap_socket(raw, server_hostname=server_name) if tls is not None else raw
+            with sock:
+                host = server_name or "localhost"
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                head = sock.recv(64).decode(errors="replace")
+        return int(head.split()[1]) if head.startswith("HTTP/") else 0
+    except OSError:
+        return 0
+
+
+async def _eventually(
+    what: str, check: Callable[[], Awaitable[Any]], programs: list[Program], within: float = 60.0
+) -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        for program in programs:
+            program.alive()
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {p.name}\n{p.tail()}" for p in programs)
+            raise AssertionError(f"timed out after {within:.0f} s waiting for {what}\n{logs}")
+        await asyncio.sleep(0.5)
+
+
+async def test_components_run_and_sync_with_only_their_own_tokens(
+    control_plane: Any, installed: Installed, api: k8s.ApiClient, tmp_path: Path
+) -> None:
+    """certs makes the Secret and caBundle; agent publishes; the controller allocates; the webhook
+    serves with that certificate. Each authenticates with its chart ServiceAccount's token only."""
+    ns = installed.namespace
+    kc = {component: str(path) for component, path in installed.kubeconfigs.items()}
+    admin = k8s.CustomObjectsApi(api)
+    admission = k8s.AdmissionregistrationV1Api(api)
+    service, secret_name, config_name = (
+        installed.name("webhook"),
+        installed.name("webhook-tls"),
+        installed.fullname,
+    )
+    node = f"rbac-gpu-{uuid.uuid4().hex[:6]}"
+    control_plane.add_kwok_node(node, {"nvidia.com/gpu.present": "true"})
+
+    # The chart's webhook configuration, as the certs hook finds it after an install.
+    (mwc,) = [o for o in _render(installed.release, ns, "--set", "certManager.enabled=false")
+              if o["kind"] == "MutatingWebhookConfiguration"]  # fmt: skip
+    control_plane.request("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", mwc)
+    programs: list[Program] = []
+    try:
+        # certs: the same arguments the hook Job gets.
+        certs = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gpualloc.cli", "certs", f"--service={service}", f"--namespace={ns}",
+            f"--secret={secret_name}", f"--webhook-config={config_name}", f"--kubeconfig={kc['certs']}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(certs.communicate(), timeout=60)
+        assert certs.returncode == 0, output.decode()
+        secret = await k8s.CoreV1Api(api).read_namespaced_secret(secret_name, ns)
+        files = {k: base64.b64decode(v) for k, v in secret.data.items()}
+        live = await admission.read_mutating_webhook_configuration(config_name)
+        assert base64.b64decode(live.webhooks[0].client_config.ca_bundle) == files["ca.crt"]
+        for name in ("tls.crt", "tls.key"):
+            (tmp_path / name).write_bytes(files[name])
+
+        agent_port, controller_port, webhook_port = _free_port(), _free_port(), _free_port()
+        programs.append(Program("agent", [
+            "agent", f"--kubeconfig={kc['agent']}", f"--node-name={node}", "--source=simulated",
+            "--profile=h100-sxm-8", f"--lease-namespace={ns}", "--heartbeat-interval=5",
+            f"--health-port={agent_port}", "--metrics-port=0", "--log-format=text",
+        ], tmp_path))  # fmt: skip
+        programs.append(Program("controller", [
+            "controller", f"--kubeconfig={kc['controller']}", f"--namespace={ns}", "--leader-elect=true",
+            f"--health-port={controller_port}", "--metrics-port=0", "--log-format=text",
+        ], tmp_path))  # fmt: skip
+        programs.append(Program("webhook", [
+            "webhook", f"--kubeconfig={kc['webhook']}", f"--tls-cert-file={tmp_path / 'tls.crt'}",
+            f"--tls-key-file={tmp_path / 'tls.key'}", f"--port={webhook_port}", "--pending=deny",
+            "--metrics-port=0", "--health-port=0", "--log-format=text",
+        ], tmp_path))  # fmt: skip
+
+        async def status_published() -> bool:
+            try:
+                gns = await admin.get_cluster_custom_object(GROUP, VERSION, "gpunodestatuses", node)
+            except ApiException:
+                return False
+            return (gns.get("status") or {}).get("total") == 8
+
+        await _eventually("the agent's GpuNodeStatus with 8 GPUs", status_published, programs)
+
+        async def http_ready(port: int) -> bool:
+            return _http_status(port, "/readyz") == 200
+
+        await _eventually("agent /readyz", lambda: http_ready(agent_port), programs)
+        await _eventually("controller /readyz", lambda: http_ready(controller_port), programs)
+        tls = ssl.create_default_context(cadata=files["ca.crt"].decode())
+        server_name = f"{service}.{ns}.svc"
+
+        async def webhook_ready() -> bool:
+            return _http_status(webhook_port, "/readyz", tls=tls, server_name=server_name) == 200
+
+        # TLS verified against the caBundle, for the Service's DNS name: the chain certs made works.
+        await _eventually("webhook /readyz over TLS", webhook_ready, programs)
+
+        claim = _claim("first")
+        claim["spec"]["devices"]["count"] = 2
+        created = await allowed(
+            lambda: admin.create_namespaced_custom_object(GROUP, VERSION, ns, "gpuclaims", claim)
+        )
+
+        async def allocated() -> dict[str, Any] | None:
+            got = await admin.get_namespaced_custom_object(GROUP, VERSION, ns, "gpuclaims", "first")
+            return got if (got.get("status") or {}).get("phase") == "Allocated" else None
+
+        done = await _eventually("the claim Allocated", allocated, programs)
+        (allocation,) = done["status"]["allocations"]
+        assert allocation["nodeName"] == node
+        assert len(allocation["devices"]) == 2
+        leases = await k8s.CoordinationV1Api(api).list_namespaced_lease(
+            ns, label_selector=f"gpu.scheduling/claim-uid={created['metadata']['uid']}"
+        )
+        assert len(leases.items) == 2
+        assert {lease.spec.holder_identity for lease in leases.items} == {created["metadata"]["uid"]}
+        for program in programs:
+            program.alive()
+        # Nothing in any log says the API server refused a call.
+        for program in programs:
+            assert "403" not in program.log.read_text() and "Forbidden" not in program.log.read_text(), (
+                program.tail()
+            )
+    finally:
+        codes = {program.name: program.stop() for program in programs}
+        control_plane.request(
+            "DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{config_name}"
+        )
+        try:
+            await admin.delete_cluster_custom_object(GROUP, VERSION, "gpunodestatuses", node)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    assert all(code == 0 for code in codes.values()), codes
