@@ -1,0 +1,143 @@
+"""The real NvmlSource on a machine with NVIDIA GPUs, checked against nvidia-smi.
+
+Skipped, with the reason, where ``nvidia-smi`` is missing or ``pynvml.nvmlInit()``
+fails (no driver, no GPU). Compared:
+
+* ``nvidia-smi -q -x``: driver and CUDA versions; per GPU the UUID, product
+  name, minor number, PCI bus id (NVML's form, normalised) and framebuffer total;
+* ``nvidia-smi topo -m``: the link type of every GPU pair (NV<n>, PIX, PXB, PHB,
+  NODE, SYS), which is what ``inventory.derive`` must reproduce from NVML facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent import health, inventory, nvml
+
+
+def _nvidia_smi(*args: str) -> str:
+    path = shutil.which("nvidia-smi")
+    if path is None:
+        pytest.skip("nvidia-smi is not on PATH: no NVIDIA driver on this machine")
+    done = subprocess.run([path, *args], capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"nvidia-smi {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[:300]}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[nvml.NvmlSource]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        pytest.skip(f"pynvml.nvmlInit() failed, so there is no usable NVIDIA GPU here: {exc}")
+    src = nvml.NvmlSource()
+    try:
+        yield src
+    finally:
+        src.close()
+
+
+@pytest.fixture(scope="module")
+def smi_xml() -> ET.Element:
+    return ET.fromstring(_nvidia_smi("-q", "-x"))
+
+
+def _mib(text: str) -> int:
+    return int(text.split()[0])
+
+
+def test_devices_match_nvidia_smi_query(source: nvml.NvmlSource, smi_xml: ET.Element) -> None:
+    facts = source.scan()
+    inv = inventory.derive(facts)
+    assert inv.driver_version == smi_xml.findtext("driver_version")
+    smi_cuda = (smi_xml.findtext("cuda_version") or "").strip()
+    if smi_cuda and smi_cuda != "Not Found":
+        assert inv.cuda_version == smi_cuda
+    gpus = smi_xml.findall("gpu")
+    assert len(inv.devices) == len(gpus)
+    by_uuid = {g.findtext("uuid"): g for g in gpus}
+    for device in inv.devices:
+        gpu = by_uuid[device.uuid]
+        assert device.product == gpu.findtext("product_name")
+        assert device.minor == int(gpu.findtext("minor_number") or -1)
+        assert device.pci_bus_id == inventory.normalize_bus_id(gpu.findtext("pci/pci_bus_id") or "")
+        assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]", device.pci_bus_id)
+        smi_total = _mib(gpu.findtext("fb_memory_usage/total") or "0")
+        # nvidia-smi reads the same NVML memory info; drivers that report reserved memory
+        # separately can round differently, hence the 1 % allowance.
+        assert abs(device.memory_mib - smi_total) <= max(1, smi_total // 100), (device.memory_mib, smi_total)
+        assert re.fullmatch(r"GPU-[0-9a-f-]{36}", device.uuid)
+        assert re.fullmatch(r"\d{1,2}\.\d{1,2}", device.compute_capability)
+
+
+def _topo_matrix(text: str) -> dict[tuple[int, int], str]:
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    header = next(ln for ln in lines if re.search(r"\bGPU0\b", ln))
+    columns = header.split()
+    gpu_columns = [c for c in columns if re.fullmatch(r"GPU\d+", c)]
+    matrix: dict[tuple[int, int], str] = {}
+    for line in lines[lines.index(header) + 1 :]:
+        cells = line.split()
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        row = int(cells[0][3:])
+        for col_name, value in zip(gpu_columns, cells[1:], strict=False):
+            col = int(col_name[3:])
+            if row < col:
+                matrix[(row, col)] = value
+    return matrix
+
+
+def test_link_types_match_nvidia_smi_topo(source: nvml.NvmlSource) -> None:
+    inv = inventory.derive(source.scan())
+    if len(inv.devices) < 2:
+        pytest.skip("one GPU: there are no pairs to compare with nvidia-smi topo -m")
+    smi = _topo_matrix(_nvidia_smi("topo", "-m"))
+    ours = {(ln.a, ln.b): ln.type for ln in inv.links}
+    assert ours == smi
+
+
+def test_mig_devices_match_nvidia_smi(source: nvml.NvmlSource, smi_xml: ET.Element) -> None:
+    inv = inventory.derive(source.scan())
+    by_uuid = {g.findtext("uuid"): g for g in smi_xml.findall("gpu")}
+    for device in inv.devices:
+        mode = (by_uuid[device.uuid].findtext("mig_mode/current_mig") or "N/A").strip()
+        if mode == "N/A":
+            assert device.mig is None or not device.mig.enabled
+        else:
+            assert device.mig is not None and device.mig.enabled == (mode == "Enabled")
+
+
+async def test_health_events_can_be_registered_and_the_thread_stops(source: nvml.NvmlSource) -> None:
+    source.scan()
+    waiter = source.open_events()
+    assert waiter.registered or waiter.unsupported
+    got: list[Any] = []
+    thread = health.EventThread(waiter, asyncio.get_running_loop(), got.append, timeout_ms=100)
+    thread.start()
+    await asyncio.sleep(0.3)
+    thread.stop()
+    await asyncio.to_thread(thread.join, 2.0)
+    assert not thread.alive
+    assert all(isinstance(e, health.HealthEvent) for e in got)
+
+
+def test_samples_read_every_device(source: nvml.NvmlSource) -> None:
+    facts = source.scan()
+    samples = source.samples()
+    assert [s.uuid for s in samples] == [d.uuid for d in facts.devices]
+    for s in samples:
+        assert s.memory_total_bytes is not None and s.memory_total_bytes > 0
