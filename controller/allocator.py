@@ -73,8 +73,11 @@ Reasons
     4 free healthy GPUs, 4 have no 4-GPU set with >=600 GB/s, 1 is cordoned``;
     for gangs ``only 4 of 5 replicas fit: of 12 nodes, ...``. ``per_node``
     has each node's own line (``fits: ...`` for nodes that could take it).
-    For speed, nodes ranked below the winner are not searched unless
-    ``explain=True``; the decision is the same either way.
+    For speed, nodes ranked below the winner are not searched, and nodes tied
+    with it are searched in order of the best set they could reach (their
+    fastest link) until none can win, unless ``explain=True``; the decision is
+    the same either way. Per-inventory tables (bandwidth matrix, islands) are
+    memoised by object identity: keep parsed inventories between decisions.
 """
 
 from __future__ import annotations
@@ -339,12 +342,14 @@ class _Prepared:
 # A memo keyed by object identity (an entry keeps its inventory alive, so the id
 # cannot be reused while cached). Inventories are frozen, so decisions depend only
 # on the arguments; the memo saves rebuilding the same tables for every decision
-# when the caller keeps its parsed inventories between decisions.
+# when the caller keeps its parsed inventories between decisions. It is emptied
+# when it holds more than twice the nodes of the current call (at least
+# _PREPARED_MIN), which bounds what a caller that re-parses every time leaves behind.
 _PREPARED: dict[int, _Prepared] = {}
-_PREPARED_MAX = 16384
+_PREPARED_MIN = 1024
 
 
-def _prepare(inv: models.NodeInventory) -> _Prepared:
+def _prepare(inv: models.NodeInventory, limit: int) -> _Prepared:
     cached = _PREPARED.get(id(inv))
     if cached is not None and cached.inventory is inv:
         return cached
@@ -358,13 +363,15 @@ def _prepare(inv: models.NodeInventory) -> _Prepared:
         by_index=by_index,
         max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
     )
-    if len(_PREPARED) >= _PREPARED_MAX:
+    if len(_PREPARED) >= limit:
         _PREPARED.clear()
     _PREPARED[id(inv)] = prepared
     return prepared
 
 
-def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> _Screened | _Miss:
+def _screen(
+    view: NodeView, ask: _Ask, position: int, extra_taken: set[str], memo_limit: int
+) -> _Screened | _Miss:
     if not view.node_present:
         return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
     if view.unschedulable:
@@ -386,7 +393,7 @@ def _screen(view: NodeView, ask: _Ask, position: int, extra_taken: set[str]) -> 
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
 
-    prep = _prepare(inv)
+    prep = _prepare(inv, memo_limit)
     taken = view.taken
     if extra_taken:
         free_devs = [d for d in prep.healthy if d.uuid not in taken and d.uuid not in extra_taken]
@@ -635,7 +642,10 @@ def allocate(
     cost_rank = {tier: r for r, tier in reversed(list(enumerate(cost_preference)))}
     rng = random.Random(seed)
     extra: dict[str, set[str]] = {v.name: set() for v in views}
-    screened: list[_Screened | _Miss] = [_screen(v, ask, i, extra[v.name]) for i, v in enumerate(views)]
+    memo_limit = max(_PREPARED_MIN, 2 * len(views))
+    screened: list[_Screened | _Miss] = [
+        _screen(v, ask, i, extra[v.name], memo_limit) for i, v in enumerate(views)
+    ]
     chosen_notes: dict[str, list[str]] = {}
     results: dict[str, _Choice | _Miss] = {}
     allocations: list[models.Allocation] = []
@@ -717,7 +727,7 @@ def allocate(
         )
         chosen_notes.setdefault(name, []).append(f"replica {replica} took {choice.describe()}")
         extra[name].update(d.uuid for d in choice.devices)
-        screened[node.position] = _screen(node.view, ask, node.position, extra[name])
+        screened[node.position] = _screen(node.view, ask, node.position, extra[name], memo_limit)
         cursor = (node.position + 1) % len(views)
 
     per_node = _lines(names, screened, results, ask)

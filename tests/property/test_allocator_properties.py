@@ -82,13 +82,15 @@ def clusters(draw: st.DrawFn, max_nodes: int = 4, healthy_nodes: bool = False) -
 @st.composite
 def claims(draw: st.DrawFn, *, single: bool = False) -> models.GpuClaim:
     mode = draw(st.sampled_from(constants.TOPOLOGY_MODES))
+    count = draw(st.integers(1, 8))
+    policy = draw(st.sampled_from(constants.POLICIES))
+    prefer_ids: tuple[int, ...] = ()
+    if policy == "preferIds":  # index 8 never exists on these nodes
+        prefer_ids = tuple(draw(st.lists(st.integers(0, 8), min_size=count, max_size=9, unique=True)))
     return models.GpuClaim(
         metadata=models.ObjectMeta(name="c", namespace="ns"),
         spec=models.GpuClaimSpec(
-            devices=models.DeviceRequest(
-                count=draw(st.integers(1, 8)),
-                policy=draw(st.sampled_from(("packed", "spread", "contiguous"))),
-            ),
+            devices=models.DeviceRequest(count=count, policy=policy, prefer_ids=prefer_ids),
             topology=models.Topology(mode=mode, min_bandwidth_gbps=draw(st.sampled_from((0, 32, 112, 600)))),
             strategy=draw(st.sampled_from(constants.STRATEGIES)),
             replicas=1 if single else draw(st.integers(1, 3)),
@@ -114,9 +116,18 @@ def _same_island(inv: models.NodeInventory, indices: Sequence[int]) -> bool:
     return any(set(indices) <= set(island) for island in islands)
 
 
-def _free(view: allocator.NodeView) -> list[models.Device]:
+def _free(view: allocator.NodeView, claim: models.GpuClaim | None = None) -> list[models.Device]:
     assert view.inventory is not None
-    return [d for d in view.inventory.devices if d.health == constants.HEALTHY and d.uuid not in view.taken]
+    pinned = None
+    if claim is not None and claim.spec.devices.policy == "preferIds":
+        pinned = set(claim.spec.devices.prefer_ids)
+    return [
+        d
+        for d in view.inventory.devices
+        if d.health == constants.HEALTHY
+        and d.uuid not in view.taken
+        and (pinned is None or d.index in pinned)
+    ]
 
 
 def _eligible(view: allocator.NodeView) -> bool:
@@ -135,7 +146,7 @@ def _meets(claim: models.GpuClaim, inv: models.NodeInventory, indices: Sequence[
 
 def _has_valid_set(claim: models.GpuClaim, view: allocator.NodeView) -> bool:
     assert view.inventory is not None
-    free = [d.index for d in _free(view)]
+    free = [d.index for d in _free(view, claim)]
     return any(
         _meets(claim, view.inventory, s) for s in itertools.combinations(free, claim.spec.devices.count)
     )
@@ -170,6 +181,8 @@ def test_allocations_are_safe_exact_and_respect_required_topology(
         assert not seen & set(uuids)  # never twice across replicas
         seen |= set(uuids)
         indices = [ref.index for ref in alloc.devices]
+        if claim.spec.devices.policy == "preferIds":
+            assert set(indices) <= set(claim.spec.devices.prefer_ids)  # pinned
         assert _meets(claim, view.inventory, indices)  # Required never violated
         assert alloc.min_bandwidth_gbps == (_least(view.inventory, indices) or 0)
 
