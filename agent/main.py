@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_INIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_TASK_FAILED = 3
 
 MAX_RETRY_SECONDS = 60.0
 
@@ -210,11 +211,16 @@ class Agent:
         started = time.perf_counter()
         try:
             facts = await asyncio.to_thread(self.source.scan)
-        except inventory.SourceUnavailable as exc:
+        except Exception as exc:  # a bad NVML state must never end the agent
+            why = str(exc) if isinstance(exc, inventory.SourceUnavailable) else f"scan failed: {exc!r}"
             self.metrics.source_ready = False
-            if str(exc) != self.source_error:
-                log.error("device source unavailable", extra={"node": self.node_name, "error": str(exc)})
-            self.source_error = str(exc) or "source unavailable"
+            if why != self.source_error:
+                log.error(
+                    "device source unavailable",
+                    extra={"node": self.node_name, "error": why},
+                    exc_info=not isinstance(exc, inventory.SourceUnavailable),
+                )
+            self.source_error = why or "source unavailable"
             self.wake.set()
             return False
         finally:
@@ -358,10 +364,11 @@ class Agent:
             stopper = asyncio.create_task(stop.wait(), name="stop")
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-            for task in done:
-                if task is not stopper and not task.cancelled() and task.exception() is not None:
-                    log.error("agent task failed", exc_info=task.exception())
-            return EXIT_OK
+            failed = [t for t in done if t is not stopper and (t.cancelled() or t.exception() is not None)]
+            for task in failed:
+                exc = None if task.cancelled() else task.exception()
+                log.error("agent task ended unexpectedly", extra={"task": task.get_name()}, exc_info=exc)
+            return EXIT_TASK_FAILED if failed else EXIT_OK
         finally:
             for task in tasks:
                 task.cancel()

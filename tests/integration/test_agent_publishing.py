@@ -117,7 +117,15 @@ async def test_agent_publishes_a_schema_valid_status_owned_by_its_node(
 ) -> None:
     node = _node_name("agent-owned")
     node_obj = _create_node(control_plane, node)
-    flags = ["--source", "simulated", "--profile", "h100-sxm-8", "--lease-namespace", namespace]
+    flags = [
+        "--source",
+        "simulated",
+        "--profile",
+        "h100-sxm-8",
+        "--lease-namespace",
+        namespace,
+        "--node-labels",
+    ]
     async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
         obj = await _until(control_plane, node, _published(8), 15)
         assert obj["spec"] == {"nodeName": node}
@@ -151,6 +159,13 @@ async def test_agent_publishes_a_schema_valid_status_owned_by_its_node(
         )
         obj = await _until(control_plane, node, lambda o: o["status"].get("allocated") == 1, 10)
         assert obj["status"]["total"] == 8
+
+        labels = (await asyncio.to_thread(control_plane.request, "GET", f"/api/v1/nodes/{node}"))["metadata"][
+            "labels"
+        ]
+        assert labels["gpu.scheduling/gpu.count"] == "8"
+        assert labels["gpu.scheduling/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        assert labels["gpu.scheduling/gpu.memory"] == "81559"
 
 
 async def test_agent_without_a_node_object_creates_the_status_without_owner(

@@ -195,3 +195,16 @@ async def test_simulated_agent_lost_injection_is_rescanned_and_published_lost(tm
     assert (device.health, device.health_reason) == ("Unhealthy", "lost: missing from re-scan")
     conds = {c.type: c for c in agent.desired().conditions}
     assert conds[constants.CONDITION_DEVICES_LOST].status == "True"
+
+
+async def test_an_unexpected_scan_error_is_published_not_fatal() -> None:
+    agent = _sim_agent()
+
+    def broken() -> Any:
+        raise RuntimeError("driver returned garbage")
+
+    agent.source.scan = broken  # type: ignore[method-assign]
+    assert not await agent.scan_once()
+    ready = {c.type: c for c in agent.desired().conditions}[constants.CONDITION_READY]
+    assert ready.status == "False"
+    assert "driver returned garbage" in ready.message
