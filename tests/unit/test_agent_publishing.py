@@ -1,7 +1,7 @@
 """The publisher's decisions (what to write, when), against a recording stub of CustomResources.
 
 The stub only records calls and applies merge patches to a dict; what the API
-server really does with them is proven in tests/integration/test_agent_publishing.py.
+server really does with them is proven in tests/integration/test_agent_apiserver.py.
 """
 
 from __future__ import annotations
