@@ -409,7 +409,7 @@ def _screen(
         counts = (
             (len(prep.healthy) - free, "taken"),
             (total - len(prep.healthy), "unhealthy"),
-            (free - len(usable), "not matching"),
+            (free - len(usable), "not" + ask.filters if ask.filters else "not matching"),
         )
         parts = [f"{n} {what}" for n, what in counts if n]
         extra = f" ({', '.join(parts)})" if parts else ""

@@ -391,7 +391,7 @@ def test_product_memory_and_compute_capability_filters() -> None:
     assert (
         d.reason == "0/3 nodes fit: 3 have fewer than 2 free healthy GPUs matching compute capability >=10.0"
     )
-    assert d.per_node["h100"] == "0 of 8 GPUs usable (8 not matching); need 2"
+    assert d.per_node["h100"] == "0 of 8 GPUs usable (8 not matching compute capability >=10.0); need 2"
 
 
 def test_compute_capability_compares_as_integers_not_strings() -> None:

@@ -1,0 +1,134 @@
+"""`gpualloc explain claim NAME [-n NS]`: why a claim is pending, node by node.
+
+It reads what the controller reads (claims, GpuNodeStatus, Nodes), builds the
+same node views, and runs the same allocator with ``explain=True`` so every
+node gets its own verdict. Devices count as taken when another claim's status
+lists them. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from controller import allocator, planning
+from gpualloc import views
+from gpualloc.api import codecs, constants, models
+
+STALE_AFTER_S = 120.0
+
+
+def describe_request(claim: models.GpuClaim) -> str:
+    spec = claim.spec
+    parts = [f"{spec.replicas} x {spec.devices.count} GPU{'s' if spec.devices.count > 1 else ''}"]
+    if spec.devices.product:
+        parts.append(f'product "{spec.devices.product}"')
+    if spec.devices.min_memory_mib:
+        parts.append(f">= {spec.devices.min_memory_mib} MiB")
+    if spec.devices.min_compute_capability:
+        parts.append(f"compute capability >= {spec.devices.min_compute_capability}")
+    if spec.devices.policy != "packed":
+        parts.append(f"policy {spec.devices.policy}")
+    topology = spec.topology
+    if topology.mode != "Ignore":
+        bar = f" >= {topology.min_bandwidth_gbps} GB/s" if topology.min_bandwidth_gbps else ""
+        parts.append(f"topology {topology.mode}{bar}")
+    if spec.node_name:
+        parts.append(f"node {spec.node_name}")
+    if spec.selector and (spec.selector.match_labels or spec.selector.match_expressions):
+        parts.append("a node selector")
+    parts.append(f"strategy {spec.strategy}")
+    return ", ".join(parts)
+
+
+def holders_from_claims(claims: Sequence[models.GpuClaim]) -> dict[str, set[str]]:
+    """Lease name -> claim UIDs, from what Allocated claims record in their status."""
+    holders: dict[str, set[str]] = {}
+    for claim in claims:
+        for allocation in claim.status.allocations:
+            for device in allocation.devices:
+                holders.setdefault(constants.lease_name(device.uuid), set()).add(claim.metadata.uid)
+    return holders
+
+
+def explain(
+    claim: models.GpuClaim,
+    *,
+    claims: Sequence[models.GpuClaim],
+    statuses: Mapping[str, models.GpuNodeStatus],
+    nodes: Mapping[str, planning.NodeFacts],
+    now: dt.datetime,
+) -> str:
+    """The report `gpualloc explain` prints (pure)."""
+    lines = [f"Claim {claim.key}: {claim.status.phase or constants.PHASE_PENDING}"]
+    lines.append(f"  wants:   {describe_request(claim)}")
+    if claim.status.phase == constants.PHASE_ALLOCATED:
+        for a in claim.status.allocations:
+            devices = ", ".join(f"gpu-{d.index}/{d.uuid}" for d in a.devices)
+            lines.append(
+                f"  replica {a.replica}: {a.node_name} [{devices}] least {a.min_bandwidth_gbps} GB/s"
+            )
+        return "\n".join(lines)
+    if claim.status.message:
+        lines.append(f"  status:  {claim.status.message}")
+    node_views = planning.build_node_views(
+        statuses=statuses,
+        nodes=nodes,
+        holders=holders_from_claims([c for c in claims if c.metadata.uid != claim.metadata.uid]),
+        claim_uid=claim.metadata.uid,
+        now=now,
+        stale_after=STALE_AFTER_S,
+    )
+    decision = allocator.allocate(claim, node_views, explain=True)
+    lines.append(f"  now:     {'would fit' if decision.ok else decision.reason}")
+    lines.append("")
+    rows = [[name, verdict] for name, verdict in sorted(decision.per_node.items())]
+    lines.append(views.table(["NODE", "VERDICT"], rows) if rows else "No GPU nodes are published.")
+    return "\n".join(lines)
+
+
+async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
+    from kubernetes_asyncio.client import CoreV1Api
+
+    from gpualloc.kube import client, resources
+
+    api = await client.connect(views.kubeconfig_path(kubeconfig))
+    try:
+        crs = resources.CustomResources(api)
+        node_list = await CoreV1Api(api).list_node()
+        return {
+            "claims": (await crs.list_claims())["items"],
+            "statuses": (await crs.list_node_statuses())["items"],
+            "nodes": api.sanitize_for_serialization(node_list)["items"],
+        }
+    finally:
+        await api.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    from gpualloc.kube import errors
+
+    parser = argparse.ArgumentParser(prog="gpualloc explain")
+    parser.add_argument("kind", choices=["claim"], help="what to explain")
+    parser.add_argument("name", help="the GpuClaim's name")
+    parser.add_argument("-n", "--namespace", default="default", help="the claim's namespace")
+    parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
+    args = parser.parse_args(argv)
+    try:
+        raw = asyncio.run(_fetch(args.kubeconfig))
+    except errors.KubeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    claims = [codecs.parse_claim(c) for c in raw["claims"]]
+    claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
+    if claim is None:
+        print(f"error: GpuClaim {args.namespace}/{args.name} not found", file=sys.stderr)
+        return 1
+    statuses = {s.spec.node_name: s for s in (codecs.parse_node_status(r) for r in raw["statuses"])}
+    nodes = {f.name: f for f in (planning.node_facts(r) for r in raw["nodes"])}
+    print(explain(claim, claims=claims, statuses=statuses, nodes=nodes, now=dt.datetime.now(dt.UTC)))
+    return 0

@@ -1,0 +1,102 @@
+"""`gpualloc explain`: a per-node reason for a claim that cannot fit."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from controller import explaining, planning
+from gpualloc.api import models
+
+NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
+READY = models.Condition(type="Ready", status="True", reason="Heartbeat")
+
+
+def _node(
+    name: str, product: str, nvlink_pairs: set[tuple[int, int]] | None, n: int = 4
+) -> models.GpuNodeStatus:
+    devices = tuple(
+        models.Device(
+            index=i,
+            minor=i,
+            uuid=f"GPU-{name[-1] * 8}-0000-0000-0000-{i:012x}",
+            product=product,
+            memory_mib=81920,
+            numa_node=0,
+        )
+        for i in range(n)
+    )
+    links = []
+    for a in range(n):
+        for b in range(a + 1, n):
+            nv = nvlink_pairs is None or (a, b) in nvlink_pairs
+            links.append(
+                models.Link(
+                    a=a,
+                    b=b,
+                    type="NV12" if nv else "SYS",
+                    nvlinks=12 if nv else 0,
+                    bandwidth_gbps=600 if nv else 32,
+                )
+            )
+    inv = models.NodeInventory(
+        devices=devices,
+        links=tuple(links),
+        total=n,
+        healthy=n,
+        last_heartbeat_time="2026-11-23T11:59:50Z",
+        conditions=(READY,),
+    )
+    return models.GpuNodeStatus(
+        metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name), status=inv
+    )
+
+
+def _claim(name: str, uid: str, **devices: object) -> models.GpuClaim:
+    spec = models.GpuClaimSpec(
+        devices=models.DeviceRequest(count=4, **devices),  # type: ignore[arg-type]
+        topology=models.Topology(mode="Required", min_bandwidth_gbps=600),
+    )
+    return models.GpuClaim(metadata=models.ObjectMeta(name=name, namespace="default", uid=uid), spec=spec)
+
+
+def test_explain_gives_each_node_its_own_reason() -> None:
+    statuses = {
+        "gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None),
+        "gpu-node-b": _node("gpu-node-b", "NVIDIA A100-PCIE-80GB", {(0, 1), (2, 3)}),
+    }
+    nodes = {name: planning.NodeFacts(name=name, labels={}, unschedulable=False) for name in statuses}
+    claim = _claim("a100-quad", "u1", product="NVIDIA A100*")
+    out = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("gpu-node-")}
+    assert set(rows) == {"gpu-node-a", "gpu-node-b"}
+    assert "A100" in rows["gpu-node-a"]  # no device matches the product glob
+    assert "600" in rows["gpu-node-b"]  # bridged pairs only: no 4-set reaches 600 GB/s
+    assert rows["gpu-node-a"] != rows["gpu-node-b"]
+    assert "0/2 nodes fit" in out
+
+
+def test_explain_counts_devices_other_claims_hold() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    nodes = {"gpu-node-a": planning.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    holder_devices = statuses["gpu-node-a"].status.devices[:1]
+    holder = models.GpuClaim(
+        metadata=models.ObjectMeta(name="holder", namespace="default", uid="u0"),
+        spec=models.GpuClaimSpec(devices=models.DeviceRequest(count=1)),
+        status=models.GpuClaimStatus(
+            phase="Allocated",
+            allocations=(
+                models.Allocation(
+                    replica=0,
+                    node_name="gpu-node-a",
+                    devices=tuple(
+                        models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in holder_devices
+                    ),
+                ),
+            ),
+        ),
+    )
+    claim = _claim("quad", "u1")
+    out = explaining.explain(claim, claims=[holder, claim], statuses=statuses, nodes=nodes, now=NOW)
+    assert "would fit" not in out and "0/1 nodes fit" in out
+    free = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
+    assert "would fit" in free
