@@ -208,6 +208,11 @@ class Controller:
                 self._errors.pop(key, None)
             except asyncio.CancelledError:
                 raise
+            except errors.Conflict as exc:
+                # Our cache was behind a write (another controller's, or the user's); its watch
+                # event re-queues the key too. Not an error worth a backoff.
+                log.debug("stale claim, retrying", extra={"claim": key, "error": str(exc)})
+                self.queue.add_after(key, 0.05 + 0.2 * self._rng.random())
             except Exception as exc:
                 self._errors[key] += 1
                 delay = work_queue.backoff_delay(

@@ -107,21 +107,47 @@ async def create_gpu_node(
 ) -> None:
     """A Node and its GpuNodeStatus (status written through the status subresource)."""
     node_labels = {constants.HOSTNAME_LABEL: name, **(labels or {})}
-    await transport.request(
-        api,
-        "POST",
-        "/api/v1/nodes",
-        body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}},
-    )
+    await _retry_unavailable(lambda: _create_gpu_node(api, name, node_labels, labels, kind, gpus, unhealthy))
+
+
+async def _retry_unavailable(call: Callable[[], Awaitable[None]], attempts: int = 20) -> None:
+    """Retry 429/5xx: right after a CRD is Established its storage may still say "(re)initializing"."""
+    for attempt in range(attempts):
+        try:
+            await call()
+            return
+        except errors.Unavailable:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _create_gpu_node(
+    api: ApiClient,
+    name: str,
+    node_labels: dict[str, str],
+    labels: dict[str, str] | None,
+    kind: str,
+    gpus: int,
+    unhealthy: Iterable[int],
+) -> None:
+    with contextlib.suppress(errors.AlreadyExists):
+        await transport.request(
+            api,
+            "POST",
+            "/api/v1/nodes",
+            body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}},
+        )
     crs = resources.CustomResources(api)
-    await crs.create_node_status(
-        {
-            "apiVersion": constants.API_VERSION,
-            "kind": constants.NODE_STATUS_KIND,
-            "metadata": {"name": name, "labels": dict(labels or {})},
-            "spec": {"nodeName": name},
-        }
-    )
+    with contextlib.suppress(errors.AlreadyExists):
+        await crs.create_node_status(
+            {
+                "apiVersion": constants.API_VERSION,
+                "kind": constants.NODE_STATUS_KIND,
+                "metadata": {"name": name, "labels": dict(labels or {})},
+                "spec": {"nodeName": name},
+            }
+        )
     await crs.patch_node_status_status(
         name, {"status": inventory(name, kind=kind, gpus=gpus, unhealthy=unhealthy)}
     )
