@@ -36,17 +36,15 @@ A review with no uid to answer raises ``BadReview`` (the server answers HTTP
 from __future__ import annotations
 
 import base64
-import copy
 import dataclasses
+import functools
 import json
 import re
-from collections.abc import Mapping
-from typing import Any, Literal, Protocol
-
-import jsonpatch
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, TypeVar
 
 from gpualloc.api import codecs, constants, models
-from webhook import mutations
+from webhook import mutations, patches
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -303,9 +301,22 @@ def _replica(pod: Mapping[str, Any], claim: models.GpuClaim, claim_words: str) -
     return replica.index
 
 
-def _patched(uid: str, original: dict[str, Any], mutated: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-    ops = jsonpatch.make_patch(original, mutated).patch
-    return allow(uid, patch=ops, **kwargs)
+T = TypeVar("T")
+
+
+def patch_for(pod: Mapping[str, Any], edit: Callable[[dict[str, Any]], T]) -> tuple[list[dict[str, Any]], T]:
+    """The JSON Patch that ``edit`` (made of ``mutations`` functions) makes to ``pod``, and what it returned.
+
+    The patch comes from diffing a deep copy before and after the edit
+    (``patches.diff``: keys with ``/`` are escaped as ``~1``, a missing
+    ``env`` is added whole), made on ``mutations.touched_parts`` of the pod,
+    so a big pod costs no more than its env lists and annotations. ``pod``
+    is left alone.
+    """
+    before = mutations.touched_parts(pod)
+    after = patches.copy_json(before)
+    result = edit(after)
+    return patches.diff(before, after), result
 
 
 def _allocated(req: _PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
@@ -338,17 +349,13 @@ def _allocated(req: _PodCreate, claim: models.GpuClaim, claim_words: str, option
     else:
         entries = [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
 
-    mutated = copy.deepcopy(pod)
-    mutations.remove_scheduling_gate(mutated)
-    mutations.pin_to_node(mutated, node)
-    replaced = mutations.set_env_everywhere(mutated, entries)
-    mutations.set_annotation(mutated, constants.ANNOTATION_DEVICES, uuids)
+    ops, replaced = patch_for(pod, functools.partial(edit_allocated, node=node, entries=entries, uuids=uuids))
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {claim_words}"]
         if replaced
         else None
     )
-    return Decision(response=_patched(uid, pod, mutated, warnings=warnings), outcome=MUTATED)
+    return Decision(response=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
 
 
 def _gated(req: _PodCreate, claim: models.GpuClaim | None, claim_words: str, why: str) -> Decision:
@@ -364,10 +371,22 @@ def _gated(req: _PodCreate, claim: models.GpuClaim | None, claim_words: str, why
         replica = _replica(pod, claim, claim_words)
         if isinstance(replica, str):
             return _denied(uid, replica)
-    mutated = copy.deepcopy(pod)
+    ops, _ = patch_for(pod, edit_gated)
+    return Decision(response=allow(uid, patch=ops), outcome=GATED)
+
+
+def edit_allocated(pod: dict[str, Any], *, node: str, entries: list[dict[str, Any]], uuids: str) -> list[str]:
+    """The edits for an allocated claim; returns the user-set env entries replaced (``container/NAME``)."""
+    mutations.remove_scheduling_gate(pod)
+    mutations.pin_to_node(pod, node)
+    replaced = mutations.set_env_everywhere(pod, entries)
+    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids)
+    return replaced
+
+
+def edit_gated(pod: dict[str, Any]) -> None:
+    """The edits for a claim not allocated yet, in gate mode."""
     # Only the controller may say which devices the pod gets: drop a user-set value.
-    mutations.remove_annotation(mutated, constants.ANNOTATION_DEVICES)
-    mutations.add_scheduling_gate(mutated)
-    entries = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
-    mutations.set_env_everywhere(mutated, entries)
-    return Decision(response=_patched(uid, pod, mutated), outcome=GATED)
+    mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES)
+    mutations.add_scheduling_gate(pod)
+    mutations.set_env_everywhere(pod, [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES])

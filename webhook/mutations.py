@@ -209,6 +209,45 @@ def replica_of(pod: Mapping[str, Any]) -> Replica | None:
     return None
 
 
+# ------------------------------------------------------------------ the parts edited
+
+# Everything the edits below may change: diffing only these keeps a patch cheap on big pods.
+TOUCHED_METADATA = ("annotations",)
+TOUCHED_SPEC = ("nodeSelector", "schedulingGates")
+TOUCHED_CONTAINER = ("name", "env")  # the name only for messages
+
+
+def touched_parts(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of ``pod`` the edits here may change, at the same paths, and no more.
+
+    A key is in the result exactly when it is in the pod, and container lists
+    keep their length and order (each container cut down to its name and
+    env), so an edit of a copy of the result, diffed against the result,
+    gives a JSON Patch with the same effect on the whole pod. The result
+    shares its values with ``pod``: copy it before editing.
+    """
+    view: dict[str, Any] = {}
+    meta = pod.get("metadata")
+    if isinstance(meta, dict):
+        view["metadata"] = {k: meta[k] for k in TOUCHED_METADATA if k in meta}
+    spec = pod.get("spec")
+    if isinstance(spec, dict):
+        part = {k: spec[k] for k in TOUCHED_SPEC if k in spec}
+        for key in CONTAINER_LISTS:
+            if key not in spec:
+                continue
+            items = spec[key]
+            if isinstance(items, list):
+                part[key] = [
+                    {k: c[k] for k in TOUCHED_CONTAINER if k in c} if isinstance(c, dict) else c
+                    for c in items
+                ]
+            else:
+                part[key] = items
+        view["spec"] = part
+    return view
+
+
 # ------------------------------------------------------------------ editing
 
 
