@@ -50,6 +50,7 @@ def test_node_name_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_profile_exits_with_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(main.runtime_logging, "setup", lambda *args, **kwargs: None)  # keep pytest's logging
     rc = main.main(
         ["--node-name", "n", "--source", "simulated", "--profile", "no-such", "--health-port", "0"]
     )
