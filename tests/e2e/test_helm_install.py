@@ -283,7 +283,10 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
     assert f"MutatingWebhookConfiguration/{fullname}" in accepted
 
     # 2. helm install (no --wait: no image is pulled here). Hooks are always waited for.
-    helm.ok("install", release, str(CHART), "--namespace", namespace, "--timeout", "180s", *_sets(values))
+    installed = helm.ok(
+        "install", release, str(CHART), "--namespace", namespace, "--timeout", "180s", *_sets(values)
+    )
+    assert f"get secret {fullname}-webhook-tls" in installed  # NOTES.txt rendered, for this TLS mode
     status = json.loads(helm.ok("status", release, "--namespace", namespace, "-o", "json"))
     assert status["info"]["status"] == "deployed"
     manifest = [
@@ -387,7 +390,8 @@ def test_helm_install_with_cert_manager_crds(cluster: Any, helm: Helm, release: 
     assert f"Certificate/{fullname}-webhook-serving" in accepted
     assert not [a for a in accepted if a.startswith("Job/")]
 
-    helm.ok("install", release, str(CHART), "--namespace", namespace, "--timeout", "120s")
+    installed = helm.ok("install", release, str(CHART), "--namespace", namespace, "--timeout", "120s")
+    assert f"get certificate {fullname}-webhook-serving" in installed  # NOTES.txt, cert-manager mode
     serving = cluster.request(
         "GET", f"/apis/cert-manager.io/v1/namespaces/{namespace}/certificates/{fullname}-webhook-serving"
     )
