@@ -101,11 +101,17 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _PodCreate:
+class PodCreate:
+    """A Pod CREATE with a claim annotation: the case that needs a claim to decide."""
+
     uid: str
     namespace: str
     pod: dict[str, Any]
     claim_name: str
+
+    @property
+    def claim_ref(self) -> tuple[str, str]:
+        return (self.namespace, self.claim_name)
 
 
 def lookup_from(claims: Mapping[str, models.GpuClaim]) -> ClaimLookup:
@@ -175,8 +181,12 @@ def request_uid(review: Any) -> str:
     return uid
 
 
-def _parse(review: Any) -> _PodCreate | Decision:
-    """The Pod CREATE with a claim annotation to decide on, or the early answer for everything else."""
+def prepare(review: Any) -> PodCreate | Decision:
+    """The Pod CREATE with a claim annotation to decide on, or the answer for everything else.
+
+    Raises BadReview when there is no uid to answer. The server calls this
+    once, looks the claim up (``PodCreate.claim_ref``), then ``decide_prepared``.
+    """
     uid = request_uid(review)
     if review.get("apiVersion") != API_VERSION or review.get("kind") != KIND:
         got = f"apiVersion {review.get('apiVersion')!r} kind {review.get('kind')!r}"
@@ -214,18 +224,16 @@ def _parse(review: Any) -> _PodCreate | Decision:
     namespace = request.get("namespace") or mutations.section(pod, "metadata").get("namespace")
     if not isinstance(namespace, str) or not namespace:
         return _invalid(uid, "the request names no namespace for the pod")
-    return _PodCreate(uid=uid, namespace=namespace, pod=pod, claim_name=claim_name)
+    return PodCreate(uid=uid, namespace=namespace, pod=pod, claim_name=claim_name)
 
 
 def claim_ref(review: Any) -> tuple[str, str] | None:
     """``(namespace, name)`` of the claim ``admit`` would look up for this review, else None. Never raises."""
     try:
-        parsed = _parse(review)
+        prepared = prepare(review)
     except BadReview:
         return None
-    if isinstance(parsed, Decision):
-        return None
-    return (parsed.namespace, parsed.claim_name)
+    return prepared.claim_ref if isinstance(prepared, PodCreate) else None
 
 
 # ------------------------------------------------------------------ deciding
@@ -238,7 +246,13 @@ def admit(review: Any, claims: ClaimLookup, options: Options = Options()) -> dic
 
 def decide(review: Any, claims: ClaimLookup, options: Options = Options()) -> Decision:
     """``admit`` with the outcome (for metrics and logs)."""
-    parsed = _parse(review)
+    return decide_prepared(prepare(review), claims, options)
+
+
+def decide_prepared(
+    parsed: PodCreate | Decision, claims: ClaimLookup, options: Options = Options()
+) -> Decision:
+    """The decision for what ``prepare`` returned."""
     if isinstance(parsed, Decision):
         return parsed
     uid, namespace, pod, name = parsed.uid, parsed.namespace, parsed.pod, parsed.claim_name
@@ -307,19 +321,20 @@ T = TypeVar("T")
 def patch_for(pod: Mapping[str, Any], edit: Callable[[dict[str, Any]], T]) -> tuple[list[dict[str, Any]], T]:
     """The JSON Patch that ``edit`` (made of ``mutations`` functions) makes to ``pod``, and what it returned.
 
-    The patch comes from diffing a deep copy before and after the edit
-    (``patches.diff``: keys with ``/`` are escaped as ``~1``, a missing
-    ``env`` is added whole), made on ``mutations.touched_parts`` of the pod,
-    so a big pod costs no more than its env lists and annotations. ``pod``
-    is left alone.
+    The patch comes from diffing the pod's ``mutations.touched_parts`` before
+    and after the edit (``patches.diff``: keys with ``/`` are escaped as
+    ``~1``, a missing ``env`` is added whole), so a big pod costs no more than
+    its env lists and annotations. The edits replace what they change instead
+    of changing it in place, so the two views share what is unchanged, which
+    the diff skips at once; ``pod`` is left alone.
     """
     before = mutations.touched_parts(pod)
-    after = patches.copy_json(before)
+    after = mutations.touched_parts(pod)
     result = edit(after)
     return patches.diff(before, after), result
 
 
-def _allocated(req: _PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
+def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
     uid, pod = req.uid, req.pod
     replica = _replica(pod, claim, claim_words)
     if isinstance(replica, str):
@@ -358,7 +373,7 @@ def _allocated(req: _PodCreate, claim: models.GpuClaim, claim_words: str, option
     return Decision(response=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
 
 
-def _gated(req: _PodCreate, claim: models.GpuClaim | None, claim_words: str, why: str) -> Decision:
+def _gated(req: PodCreate, claim: models.GpuClaim | None, claim_words: str, why: str) -> Decision:
     uid, pod = req.uid, req.pod
     spec = mutations.section(pod, "spec")
     if spec.get("nodeName"):

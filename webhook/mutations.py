@@ -7,6 +7,12 @@ and diffs the result into a JSON Patch; nothing here builds patch paths.
 All edits are idempotent: applying one to a pod it was already applied to
 changes nothing, which is what makes the webhook's reinvocation (and the
 API server's ``reinvocationPolicy: IfNeeded``) yield an empty second patch.
+
+Sharing: the edits change the pod's ``metadata``, ``spec`` and container
+objects in place, but anything below them (annotations, nodeSelector,
+schedulingGates, env lists and their entries) is replaced by a new object,
+never changed. So an edit of ``touched_parts(pod)`` leaves the pod alone, and
+a diff of the parts before and after may skip what they still share.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from gpualloc.api import constants
+from webhook import patches
 
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -270,12 +277,13 @@ def set_env(container: dict[str, Any], entries: Sequence[Mapping[str, Any]]) -> 
     A user's entry of the same name (``value`` or ``valueFrom``) is replaced in
     place, so later entries referring to it with ``$(NAME)`` still see it;
     duplicates are dropped; names not present are appended; a missing ``env``
-    is created. Returns the names whose user-set definition was different.
+    is created. The container gets a new list (see the module's note on
+    sharing); entries that stay are the same objects. Returns the names whose
+    user-set definition was different.
     """
     env = container.get("env")
     if not isinstance(env, list):
         env = []
-        container["env"] = env
     wanted = {str(e["name"]): e for e in entries}
     placed: set[str] = set()
     replaced: list[str] = []
@@ -287,12 +295,15 @@ def set_env(container: dict[str, Any], entries: Sequence[Mapping[str, Any]]) -> 
             continue
         if name in placed:
             continue
-        if item != wanted[name]:
+        if patches.same(item, wanted[name]):
+            out.append(item)
+        else:
             replaced.append(name)
-        out.append(dict(wanted[name]))
+            out.append(dict(wanted[name]))
         placed.add(name)
     out.extend(dict(e) for e in entries if e["name"] not in placed)
-    env[:] = out
+    if "env" not in container or not patches.same(env, out):
+        container["env"] = out
     return replaced
 
 
@@ -307,6 +318,7 @@ def set_env_everywhere(pod: dict[str, Any], entries: Sequence[Mapping[str, Any]]
 
 
 def _ensure_section(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    """``obj[key]``, created when missing: only for ``metadata`` and ``spec`` (changed in place)."""
     value = obj.get(key)
     if not isinstance(value, dict):
         value = {}
@@ -314,29 +326,37 @@ def _ensure_section(obj: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+def _with(mapping: Any, key: str, value: str) -> dict[str, Any]:
+    return {**(mapping if isinstance(mapping, dict) else {}), key: value}
+
+
 def set_annotation(pod: dict[str, Any], key: str, value: str) -> None:
-    _ensure_section(_ensure_section(pod, "metadata"), "annotations")[key] = value
+    meta = _ensure_section(pod, "metadata")
+    current = meta.get("annotations")
+    if not (isinstance(current, dict) and current.get(key) == value):
+        meta["annotations"] = _with(current, key, value)
 
 
 def remove_annotation(pod: dict[str, Any], key: str) -> None:
     meta = pod.get("metadata")
-    if isinstance(meta, dict) and isinstance(meta.get("annotations"), dict):
-        meta["annotations"].pop(key, None)
+    if isinstance(meta, dict) and isinstance(meta.get("annotations"), dict) and key in meta["annotations"]:
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != key}
 
 
 def pin_to_node(pod: dict[str, Any], node: str) -> None:
     """Add ``nodeSelector kubernetes.io/hostname=<node>`` (other selector keys are kept)."""
-    _ensure_section(_ensure_section(pod, "spec"), "nodeSelector")[constants.HOSTNAME_LABEL] = node
+    spec = _ensure_section(pod, "spec")
+    current = spec.get("nodeSelector")
+    if not (isinstance(current, dict) and current.get(constants.HOSTNAME_LABEL) == node):
+        spec["nodeSelector"] = _with(current, constants.HOSTNAME_LABEL, node)
 
 
 def add_scheduling_gate(pod: dict[str, Any], name: str = constants.SCHEDULING_GATE) -> None:
     spec = _ensure_section(pod, "spec")
     gates = spec.get("schedulingGates")
-    if not isinstance(gates, list):
-        gates = []
-        spec["schedulingGates"] = gates
+    gates = gates if isinstance(gates, list) else []
     if not any(isinstance(g, dict) and g.get("name") == name for g in gates):
-        gates.append({"name": name})
+        spec["schedulingGates"] = [*gates, {"name": name}]
 
 
 def remove_scheduling_gate(pod: dict[str, Any], name: str = constants.SCHEDULING_GATE) -> None:

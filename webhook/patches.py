@@ -24,11 +24,15 @@ Op = dict[str, Any]
 
 def escape(key: str) -> str:
     """One JSON Pointer reference token (RFC 6901): ``~`` -> ``~0``, ``/`` -> ``~1``."""
+    if "~" not in key and "/" not in key:
+        return key
     return key.replace("~", "~0").replace("/", "~1")
 
 
 def same(a: Any, b: Any) -> bool:
     """JSON equality that tells ``true`` from ``1`` and ``1`` from ``1.0`` (Python's ``==`` does not)."""
+    if a is b:
+        return True
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -46,20 +50,22 @@ def diff(src: Any, dst: Any) -> list[Op]:
 
 
 def _diff(src: Any, dst: Any, path: str, ops: list[Op]) -> None:
+    if src is dst:  # shared, so unchanged: the webhook's edits replace what they change
+        return
     if isinstance(src, dict) and isinstance(dst, dict):
         for key in src:
             if key not in dst:
                 ops.append({"op": "remove", "path": f"{path}/{escape(key)}"})
         for key, value in dst.items():
-            where = f"{path}/{escape(key)}"
-            if key in src:
-                _diff(src[key], value, where, ops)
-            else:
-                ops.append({"op": "add", "path": where, "value": value})
+            if key not in src:
+                ops.append({"op": "add", "path": f"{path}/{escape(key)}", "value": value})
+            elif src[key] is not value:
+                _diff(src[key], value, f"{path}/{escape(key)}", ops)
     elif isinstance(src, list) and isinstance(dst, list):
         common = min(len(src), len(dst))
         for i in range(common):
-            _diff(src[i], dst[i], f"{path}/{i}", ops)
+            if src[i] is not dst[i]:
+                _diff(src[i], dst[i], f"{path}/{i}", ops)
         for i in range(common, len(dst)):
             ops.append({"op": "add", "path": f"{path}/{i}", "value": dst[i]})
         for i in range(len(src) - 1, common - 1, -1):

@@ -98,8 +98,10 @@ async def mutate(request: web.Request) -> web.Response:
     except admission.BadReview as exc:
         return _bad_request(state, started, str(exc))
     try:
-        lookup = await state.claims.lookup_for(admission.claim_ref(review))
-        decision = admission.decide(review, lookup, state.options)
+        prepared = admission.prepare(review)
+        ref = prepared.claim_ref if isinstance(prepared, admission.PodCreate) else None
+        lookup = await state.claims.lookup_for(ref)
+        decision = admission.decide_prepared(prepared, lookup, state.options)
         payload, outcome = decision.response, decision.outcome
     except Exception as exc:  # never a 500: the API server shows the denial to the user
         log.exception("admission failed", extra={"uid": uid})
