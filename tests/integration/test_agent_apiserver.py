@@ -30,7 +30,7 @@ from gpualloc.devcluster import cluster
 from gpualloc.kube import leases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-import fake_pynvml as fake
+from tests.unit import fake_pynvml as fake
 
 GNS = "/apis/gpu.scheduling/v1/gpunodestatuses"
 

@@ -6,7 +6,7 @@ import asyncio
 import types
 from typing import Any
 
-import fake_pynvml as fake
+from tests.unit import fake_pynvml as fake
 import prometheus_client
 import pytest
 

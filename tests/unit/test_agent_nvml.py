@@ -6,7 +6,7 @@ import asyncio
 import time
 from pathlib import Path
 
-import fake_pynvml as fake
+from tests.unit import fake_pynvml as fake
 import pytest
 
 from agent import health, inventory, nvml

@@ -26,15 +26,28 @@ def _node(name: str, n: int, *, unhealthy: int = -1) -> models.GpuNodeStatus:
         for i in range(n)
     )
     links = tuple(
-        models.Link(a=a, b=b, type="NV18" if (a < 2 and b < 2) else "SYS", nvlinks=18 if b < 2 else 0,
-                    bandwidth_gbps=900 if b < 2 else 32)
+        models.Link(
+            a=a,
+            b=b,
+            type="NV18" if (a < 2 and b < 2) else "SYS",
+            nvlinks=18 if b < 2 else 0,
+            bandwidth_gbps=900 if b < 2 else 32,
+        )
         for a in range(n)
         for b in range(a + 1, n)
     )
-    inv = models.NodeInventory(devices=devices, links=links, islands=((0, 1),), total=n, healthy=n,
-                               product=f"{n}x NVIDIA H100", last_heartbeat_time="2026-11-23T11:59:30Z")
-    return models.GpuNodeStatus(metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name),
-                                status=inv)
+    inv = models.NodeInventory(
+        devices=devices,
+        links=links,
+        islands=((0, 1),),
+        total=n,
+        healthy=n,
+        product=f"{n}x NVIDIA H100",
+        last_heartbeat_time="2026-11-23T11:59:30Z",
+    )
+    return models.GpuNodeStatus(
+        metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name), status=inv
+    )
 
 
 def test_age_uses_kubectl_units() -> None:
