@@ -41,7 +41,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 demo: build
-	$(BIN)/gpualloc dev demo
+	$(BIN)/python -m gpualloc.demo
 
 bench: build
 	$(BIN)/python bench/allocator_decision.py
