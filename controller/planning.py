@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -46,6 +47,8 @@ REASON_DEVICES_HEALTHY = "DevicesHealthy"
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 _NOBODY: frozenset[str] = frozenset()
 _INDEX = re.compile(r"[0-9]{1,9}")
+# Lease names are a pure function of the UUID; planning asks for every device's on every reconcile.
+_lease_name = functools.lru_cache(maxsize=1 << 16)(constants.lease_name)
 
 
 # ------------------------------------------------------------------- time
@@ -155,7 +158,7 @@ def build_node_views(
         taken = frozenset(
             device.uuid
             for device in inventory.devices
-            if holders.get(constants.lease_name(device.uuid), _NOBODY) - {claim_uid}
+            if holders.get(_lease_name(device.uuid), _NOBODY) - {claim_uid}
         )
         views.append(
             allocator.NodeView(

@@ -64,7 +64,8 @@ import datetime
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
@@ -239,6 +240,8 @@ class Controller:
                 await self.sweep()
             except errors.KubeError as exc:
                 log.warning("sweep failed", extra={"error": str(exc)})
+            except Exception:
+                log.exception("sweep crashed")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -366,7 +369,10 @@ class Controller:
             self._pods_by_claim[old].discard(key)
             if not self._pods_by_claim[old]:
                 del self._pods_by_claim[old]
-        if type_ == watching.DELETED or not planning.is_gated(raw):
+        if type_ == watching.DELETED:
+            self._pod_event.pop(key, None)
+            return
+        if not planning.is_gated(raw):
             return
         claim_key = planning.pod_claim(raw)
         if claim_key is None:
@@ -384,12 +390,9 @@ class Controller:
     def _is_ready(self, inventory: models.NodeInventory) -> bool:
         return planning.node_ready(inventory, now=_now(), stale_after=self.settings.node_stale_after)
 
-    def holders(self) -> dict[str, set[str]]:
-        """Lease name -> the holders the cache and the overlay know of."""
-        out: dict[str, set[str]] = {name: {info.holder} for name, info in self._lease_info.items()}
-        for name, holder in self.overlay.holders().items():
-            out.setdefault(name, set()).add(holder)
-        return out
+    def holders(self) -> Mapping[str, AbstractSet[str]]:
+        """Lease name -> the holders the cache and the overlay know of (a live view, not a copy)."""
+        return _Holders(self._lease_info, self.overlay.holders())
 
     def held_by(self, uid: str) -> dict[str, str]:
         """Lease name -> Lease uid of every Lease ``uid`` holds, as far as this process knows."""
@@ -625,8 +628,8 @@ class Controller:
             bumped = str(_meta(written).get("resourceVersion", "")) != claim.metadata.resource_version
             if held and bumped:
                 await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
-            if counted and state.failures > 1:
-                self.metrics.allocation_retries.inc()
+        if counted and not exhausted:
+            self.metrics.allocation_retries.inc()  # one more retry scheduled with backoff
         if counted:
             self.metrics.allocation_failures.labels(reason=cond_reason).inc()
             last = self._failed_event.get(key)
@@ -805,6 +808,31 @@ class Controller:
         except errors.NotFound:
             return False
         return str(_meta(raw).get("uid", "")) == uid
+
+
+class _Holders(Mapping[str, AbstractSet[str]]):
+    """The Lease cache and the overlay seen as one mapping, without copying the cache."""
+
+    def __init__(self, cache: Mapping[str, planning.LeaseInfo], overlay: Mapping[str, str]) -> None:
+        self._cache = cache
+        self._overlay = overlay
+
+    def __getitem__(self, name: str) -> AbstractSet[str]:
+        info = self._cache.get(name)
+        extra = self._overlay.get(name)
+        if info is None and extra is None:
+            raise KeyError(name)
+        found = {info.holder} if info is not None else set()
+        if extra is not None:
+            found.add(extra)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._cache
+        yield from (name for name in self._overlay if name not in self._cache)
+
+    def __len__(self) -> int:
+        return len(self._cache) + sum(1 for name in self._overlay if name not in self._cache)
 
 
 def make_ready_check(controller: Controller, lost: Callable[[], bool] = lambda: False) -> Callable[[], bool]:

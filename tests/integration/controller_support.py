@@ -107,19 +107,19 @@ async def create_gpu_node(
 ) -> None:
     """A Node and its GpuNodeStatus (status written through the status subresource)."""
     node_labels = {constants.HOSTNAME_LABEL: name, **(labels or {})}
-    await _retry_unavailable(lambda: _create_gpu_node(api, name, node_labels, labels, kind, gpus, unhealthy))
+    await retry_unavailable(lambda: _create_gpu_node(api, name, node_labels, labels, kind, gpus, unhealthy))
 
 
-async def _retry_unavailable(call: Callable[[], Awaitable[None]], attempts: int = 20) -> None:
+async def retry_unavailable(call: Callable[[], Awaitable[T]], attempts: int = 20) -> T:
     """Retry 429/5xx: right after a CRD is Established its storage may still say "(re)initializing"."""
     for attempt in range(attempts):
         try:
-            await call()
-            return
+            return await call()
         except errors.Unavailable:
             if attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 async def _create_gpu_node(

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_support import RUN_LABEL, claim_body, create_gpu_node, delete_gpu_node, device_leases
+from controller_support import (
+    RUN_LABEL,
+    claim_body,
+    create_gpu_node,
+    delete_gpu_node,
+    device_leases,
+    retry_unavailable,
+)
 from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
@@ -109,9 +116,9 @@ class Controllers:
 
 
 async def snapshot(api: ApiClient, namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    claims = (await resources.CustomResources(api).list_claims(namespace))["items"]
-    leases = await device_leases(api, namespace)
-    return claims, leases
+    listing = await retry_unavailable(lambda: resources.CustomResources(api).list_claims(namespace))
+    leases = await retry_unavailable(lambda: device_leases(api, namespace))
+    return listing["items"], leases
 
 
 def recorded(claim: dict[str, Any]) -> list[str]:
@@ -199,15 +206,15 @@ async def test_three_racing_controllers_and_a_sigkill_never_double_book(
         sizes = [rng.choice(SIZES) for _ in range(CLAIMS)]
         priorities = [rng.choice((0, 0, 0, 10)) for _ in range(CLAIMS)]
         victim = rng.randrange(CONTROLLERS)
-        # The kill lands while the controllers allocate: once a seeded number of claims is Allocated.
-        kill_at = rng.randint(1, 60)
+        # The kill lands while the controllers allocate: once a seeded number of claims is Allocated
+        # (160 GPUs hold 20 claims at the very least, so this happens before they are done).
+        kill_at = rng.randint(1, 20)
         limit = asyncio.Semaphore(16)
 
         async def create(i: int) -> None:
             async with limit:
-                await crs.create_claim(
-                    namespace, claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
-                )
+                body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
+                await retry_unavailable(lambda: crs.create_claim(namespace, body))
 
         async def crash() -> None:
             give_up = time.monotonic() + 60
