@@ -1,0 +1,678 @@
+"""Latency and throughput of the admission webhook over TLS, against a do-nothing aiohttp TLS handler.
+
+    .venv/bin/python bench/webhook_latency.py [--rate 500] [--duration 10] [--concurrency 32]
+
+What runs: three processes on 127.0.0.1. The orchestrator (this script) makes
+a CA and a serving certificate, then for each target starts a server process
+and a separate load-generator process:
+
+* ``webhook``: the real app (``webhook.server.make_app``) with TLS 1.2+, the
+  real decision, and claims served from an in-memory lookup
+  (``cache.StaticStore``): no API server is involved, the claim is always a
+  cache hit, as in the steady state;
+* ``minimal``: an aiohttp TLS handler that reads the body and answers a fixed
+  "allowed" AdmissionReview: the ceiling of the stack (Python, asyncio,
+  aiohttp, TLS) on this machine.
+
+The request is a realistic AdmissionReview: a Job's pod with 3 containers and
+1 init container (images, resources, probes, mounts, env), whose claim is
+Allocated with 4 GPUs; the webhook answers it with a JSON Patch.
+
+Figures per target:
+* open loop: requests sent on a fixed schedule (``--rate`` per second for
+  ``--duration`` seconds, over keep-alive connections, as the API server
+  does); latency is counted from each request's scheduled time, so a server
+  that falls behind shows it (no coordinated omission);
+* closed loop: ``--concurrency`` workers sending back to back for
+  ``--duration`` seconds: the saturation throughput.
+Server CPU (from /proc) is given per phase, and the load average of the
+machine before and after, since the cores may be shared.
+
+Writes bench/results/webhook_latency.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = ROOT / "bench" / "results" / "webhook_latency.json"
+NAMESPACE = "ml-team"
+CLAIM = "trainer"
+UUIDS = [f"GPU-{i:08x}-1c2d-4e5f-8a9b-0c1d2e3f4a5b" for i in (0x5F1C0001, 0x5F1C0002, 0x5F1C0003, 0x5F1C0004)]
+
+TARGET_P99_MS = 10.0
+TARGET_RATIO = 0.6
+
+
+# ------------------------------------------------------------------ the request
+
+
+def container(name: str, image: str, *, gpu_env: bool = False) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "command": ["python", "-m", "train"],
+        "args": ["--epochs=10", "--batch-size=256", "--data=/data/imagenet"],
+        "ports": [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}],
+        "env": [
+            {
+                "name": "POD_NAME",
+                "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+            },
+            {"name": "MASTER_ADDR", "value": "trainer-0.trainer"},
+            {"name": "MASTER_PORT", "value": "29500"},
+            {"name": "NCCL_DEBUG", "value": "WARN"},
+        ],
+        "resources": {"limits": {"cpu": "16", "memory": "128Gi"}, "requests": {"cpu": "8", "memory": "64Gi"}},
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/data", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {
+                "name": "kube-api-access-x7k2p",
+                "readOnly": True,
+                "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            },
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": 9090, "scheme": "HTTP"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 1,
+            "successThreshold": 1,
+            "failureThreshold": 3,
+        },
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+        "imagePullPolicy": "IfNotPresent",
+    }
+    if gpu_env:
+        c["env"].append({"name": "CUDA_VISIBLE_DEVICES", "value": "0"})
+    return c
+
+
+def review_body() -> bytes:
+    pod = {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "generateName": "trainer-",
+            "namespace": NAMESPACE,
+            "labels": {
+                "batch.kubernetes.io/controller-uid": "8b0f2a4e-7c1d-4f6a-9e3b-2d5c8a1f0b7e",
+                "batch.kubernetes.io/job-name": "trainer",
+                "controller-uid": "8b0f2a4e-7c1d-4f6a-9e3b-2d5c8a1f0b7e",
+                "job-name": "trainer",
+                "app.kubernetes.io/name": "trainer",
+            },
+            "annotations": {"gpu.scheduling/claim": CLAIM, "prometheus.io/scrape": "true"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": "trainer",
+                    "uid": "8b0f2a4e-7c1d-4f6a-9e3b-2d5c8a1f0b7e",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "volumes": [
+                {"name": "data", "persistentVolumeClaim": {"claimName": "imagenet", "readOnly": True}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                {
+                    "name": "kube-api-access-x7k2p",
+                    "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]},
+                },
+            ],
+            "initContainers": [container("fetch-weights", "registry.example.com/tools/fetch:1.4")],
+            "containers": [
+                container("trainer", "nvcr.io/nvidia/pytorch:24.05-py3", gpu_env=True),
+                container("sidecar-metrics", "registry.example.com/tools/dcgm-exporter:3.3"),
+                container("log-shipper", "registry.example.com/tools/fluent-bit:3.0"),
+            ],
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 30,
+            "dnsPolicy": "ClusterFirst",
+            "serviceAccountName": "default",
+            "serviceAccount": "default",
+            "securityContext": {},
+            "schedulerName": "default-scheduler",
+            "tolerations": [
+                {
+                    "key": "node.kubernetes.io/not-ready",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 300,
+                },
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            ],
+            "priority": 0,
+            "enableServiceLinks": True,
+            "preemptionPolicy": "PreemptLowerPriority",
+        },
+        "status": {},
+    }
+    review = {
+        "kind": "AdmissionReview",
+        "apiVersion": "admission.k8s.io/v1",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": NAMESPACE,
+            "operation": "CREATE",
+            "userInfo": {
+                "username": "system:serviceaccount:kube-system:job-controller",
+                "uid": "1e3f6a2b-9c8d-4e7f-a6b5-c4d3e2f1a0b9",
+                "groups": [
+                    "system:serviceaccounts",
+                    "system:serviceaccounts:kube-system",
+                    "system:authenticated",
+                ],
+            },
+            "object": pod,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"},
+        },
+    }
+    return json.dumps(review).encode()
+
+
+def raw_claim() -> dict[str, Any]:
+    return {
+        "apiVersion": "gpu.scheduling/v1",
+        "kind": "GpuClaim",
+        "metadata": {
+            "name": CLAIM,
+            "namespace": NAMESPACE,
+            "uid": "c1",
+            "resourceVersion": "42",
+            "generation": 1,
+        },
+        "spec": {"devices": {"count": 4}, "replicas": 1},
+        "status": {
+            "phase": "Allocated",
+            "allocations": [
+                {
+                    "replica": 0,
+                    "nodeName": "gpu-node-3",
+                    "devices": [{"index": 4 + i, "minor": 4 + i, "uuid": u} for i, u in enumerate(UUIDS)],
+                    "minBandwidthGBps": 900,
+                }
+            ],
+            "message": "allocated 4 GPUs on gpu-node-3",
+        },
+    }
+
+
+# ------------------------------------------------------------------ servers
+
+
+MINIMAL_ANSWER = json.dumps(
+    {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": {"uid": "x", "allowed": True},
+    }
+).encode()
+
+
+def serve(target: str, cert: str, key: str) -> None:
+    """Run one server on 127.0.0.1 (a free port, printed as ``PORT <n>``) until SIGTERM."""
+    from aiohttp import web
+
+    from webhook import admission, cache, server
+
+    async def main() -> None:
+        context = server.make_ssl_context(cert, key)
+        if target == "webhook":
+            claims = cache.ClaimCache(cache.StaticStore([raw_claim()]), _no_fetch)
+            app = server.make_app(claims=claims, options=admission.Options())
+        else:
+
+            async def allowed(request: web.Request) -> web.Response:
+                await request.read()
+                return web.Response(body=MINIMAL_ANSWER, content_type="application/json")
+
+            app = web.Application()
+            app.router.add_post("/mutate", allowed)
+        runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1)
+        print(f"PORT {runner.addresses[0][1]}", flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    profile = os.environ.get("WEBHOOK_BENCH_PROFILE")
+    if not profile:
+        asyncio.run(main())
+        return
+    import cProfile
+
+    cProfile.runctx(
+        "asyncio.run(main())", globals(), {"main": main, "asyncio": asyncio}, profile + "." + target
+    )
+
+
+async def _no_fetch(namespace: str, name: str) -> dict[str, Any] | None:
+    return None
+
+
+# ------------------------------------------------------------------ load
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def summary(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+
+    def pct(p: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000, 3)
+
+    return {
+        "p50_ms": pct(0.50),
+        "p90_ms": pct(0.90),
+        "p99_ms": pct(0.99),
+        "p999_ms": pct(0.999),
+        "max_ms": round(ordered[-1] * 1000, 3),
+        "mean_ms": round(statistics.fmean(ordered) * 1000, 3),
+    }
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection over TLS, written by hand to keep the client cheap.
+
+    A Python HTTP client costs about as much CPU per request as the server it
+    measures; on two shared cores an aiohttp client saturates before a
+    minimal server does, and the comparison would measure the client.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, port: int, context: ssl.SSLContext) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        return cls(reader, writer)
+
+    async def post(self, request: bytes) -> tuple[int, bytes]:
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        at = lower.find(b"content-length:")
+        length = int(lower[at + 15 : lower.index(b"\r\n", at)]) if at >= 0 else 0
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+def http_request(port: int, body: bytes) -> bytes:
+    head = (
+        f"POST /mutate?timeout=5s HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\nAccept: application/json, */*\r\n"
+        f"User-Agent: kube-apiserver-admission\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def load(
+    port: int, ca: str, server_pid: int, rate: float, duration: float, concurrency: int
+) -> dict[str, Any]:
+    body = review_body()
+    request = http_request(port, body)
+    context = ssl.create_default_context(cafile=ca)
+    loop = asyncio.get_running_loop()
+    idle: list[Connection] = []
+    opened: list[Connection] = []
+
+    async def checkout() -> Connection:
+        if idle:
+            return idle.pop()
+        conn = await Connection.open(port, context)
+        opened.append(conn)
+        return conn
+
+    async def one(errors: list[str]) -> None:
+        conn = await checkout()
+        try:
+            status, answer = await conn.post(request)
+        except Exception as exc:
+            errors.append(repr(exc))
+            return
+        idle.append(conn)
+        if status != 200:
+            errors.append(f"HTTP {status}: {answer[:100]!r}")
+
+    try:
+        first = await checkout()
+        status, answer = await first.post(request)
+        idle.append(first)
+        check = json.loads(answer)["response"] if status == 200 else {}
+
+        # Warm up: connections, caches.
+        warm_errors: list[str] = []
+        for _ in range(10):
+            await asyncio.gather(*(one(warm_errors) for _ in range(concurrency)))
+
+        # Open loop at a fixed rate: latency from each request's scheduled time.
+        n = int(rate * duration)
+        latencies: list[float] = []
+        errors: list[str] = []
+
+        async def scheduled(at: float) -> None:
+            await one(errors)
+            latencies.append(time.perf_counter() - at)
+
+        tasks = []
+        cpu0, start = cpu_seconds(server_pid), time.perf_counter() + 0.05
+        for i in range(n):
+            at = start + i / rate
+            delay = at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(loop.create_task(scheduled(at)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+        open_loop = {
+            "target_rps": rate,
+            "requests": n,
+            "achieved_rps": round(n / elapsed, 1),
+            "errors": len(errors),
+            "connections": len(opened),
+            "server_cpu_pct": round(100 * (cpu_seconds(server_pid) - cpu0) / elapsed, 1),
+            "server_cpu_us_per_request": round(1e6 * (cpu_seconds(server_pid) - cpu0) / n, 1),
+            **summary(latencies),
+        }
+
+        # Closed loop: saturation; each worker keeps one connection busy.
+        closed_latencies: list[float] = []
+        closed_errors: list[str] = []
+        deadline = time.perf_counter() + duration
+
+        async def worker() -> None:
+            while time.perf_counter() < deadline:
+                t = time.perf_counter()
+                await one(closed_errors)
+                closed_latencies.append(time.perf_counter() - t)
+
+        cpu0, t0 = cpu_seconds(server_pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+        closed_loop = {
+            "concurrency": concurrency,
+            "requests": len(closed_latencies),
+            "throughput_rps": round(len(closed_latencies) / elapsed, 1),
+            "errors": len(closed_errors),
+            "server_cpu_pct": round(100 * (cpu_seconds(server_pid) - cpu0) / elapsed, 1),
+            "server_cpu_us_per_request": round(
+                1e6 * (cpu_seconds(server_pid) - cpu0) / max(1, len(closed_latencies)), 1
+            ),
+            **summary(closed_latencies),
+        }
+    finally:
+        for conn in opened:
+            await conn.close()
+    return {
+        "first_response": {"allowed": check.get("allowed"), "patched": "patch" in check},
+        "open_loop": open_loop,
+        "closed_loop": closed_loop,
+    }
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+def make_certs(directory: Path) -> tuple[str, str, str]:
+    from certs import building, keys
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = keys.generate_key("ecdsa"), keys.generate_key("ecdsa")
+    ca = building.build_ca(ca_key, now=now, serial=keys.random_serial())
+    cert = building.build_serving_cert(
+        key,
+        ca_cert=ca,
+        ca_key=ca_key,
+        dns_names=[],
+        ip_addresses=["127.0.0.1"],
+        now=now,
+        serial=keys.random_serial(),
+    )
+    paths = directory / "ca.crt", directory / "tls.crt", directory / "tls.key"
+    paths[0].write_bytes(building.cert_pem(ca))
+    paths[1].write_bytes(building.cert_pem(cert))
+    paths[2].write_bytes(building.key_pem(key))
+    return str(paths[0]), str(paths[1]), str(paths[2])
+
+
+def run_target(target: str, certs: tuple[str, str, str], args: argparse.Namespace) -> dict[str, Any]:
+    ca, cert, key = certs
+    me = [sys.executable, str(Path(__file__).resolve())]
+    server = subprocess.Popen(
+        [*me, "--serve", target, "--cert", cert, "--key", key], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"{target} server did not start: {line!r}")
+        port = int(line.split()[1])
+        load_args = [
+            *me,
+            "--load",
+            f"--port={port}",
+            f"--ca={ca}",
+            f"--server-pid={server.pid}",
+            f"--rate={args.rate}",
+            f"--duration={args.duration}",
+            f"--concurrency={args.concurrency}",
+        ]
+        out = subprocess.run(
+            load_args, check=True, capture_output=True, text=True, timeout=args.duration * 4 + 120
+        )
+        result: dict[str, Any] = json.loads(out.stdout)
+        return result
+    finally:
+        server.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(10)
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def breakdown() -> dict[str, float]:
+    """CPU time of each step of an admission, in process (best of several runs, in microseconds)."""
+    import timeit
+
+    from webhook import admission, cache
+
+    body = review_body()
+    review = json.loads(body)
+    claims = cache.ClaimCache(cache.StaticStore([raw_claim()]), _no_fetch)
+    options = admission.Options()
+    prepared = admission.prepare(review)
+    response = admission.decide_prepared(prepared, claims.get, options).response
+    steps = {
+        "json_loads_review": lambda: json.loads(body),
+        "prepare": lambda: admission.prepare(review),
+        "decide": lambda: admission.decide_prepared(prepared, claims.get, options),
+        "json_dumps_response": lambda: json.dumps(response, separators=(",", ":")),
+    }
+    out = {}
+    for name, step in steps.items():
+        out[name] = round(min(timeit.repeat(step, number=500, repeat=5)) / 500 * 1e6, 1)
+    return out
+
+
+def median_round(rounds: list[dict[str, Any]], loop: str, key: str) -> dict[str, Any]:
+    """The round whose ``loop`` figure ``key`` is the median: its figures are reported together."""
+    ordered = sorted(rounds, key=lambda r: r[loop][key])
+    return dict(ordered[len(ordered) // 2][loop])
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    before = os.getloadavg()
+    rounds: dict[str, list[dict[str, Any]]] = {"webhook": [], "minimal": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = make_certs(Path(tmp))
+        for i in range(args.rounds):
+            # Alternate the order, so a load that changes during the run falls on both alike.
+            for target in ("webhook", "minimal") if i % 2 == 0 else ("minimal", "webhook"):
+                print(f"round {i + 1}/{args.rounds}: {target} ...", file=sys.stderr, flush=True)
+                rounds[target].append(run_target(target, certs, args))
+    after = os.getloadavg()
+    results = {
+        target: {
+            "first_response": runs[0]["first_response"],
+            "open_loop": median_round(runs, "open_loop", "p99_ms"),
+            "closed_loop": median_round(runs, "closed_loop", "throughput_rps"),
+            "rounds": [{"open_loop": r["open_loop"], "closed_loop": r["closed_loop"]} for r in runs],
+        }
+        for target, runs in rounds.items()
+    }
+    webhook, minimal = results["webhook"], results["minimal"]
+    ratio = webhook["closed_loop"]["throughput_rps"] / minimal["closed_loop"]["throughput_rps"]
+    cpu_ratio = (
+        minimal["closed_loop"]["server_cpu_us_per_request"]
+        / webhook["closed_loop"]["server_cpu_us_per_request"]
+    )
+    p99 = webhook["open_loop"]["p99_ms"]
+    report = {
+        "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(["bench/webhook_latency.py", *sys.argv[1:]]),
+        "note": "claims served from an in-memory lookup (webhook.cache.StaticStore): no API server; "
+        "server and load generator are separate processes on 127.0.0.1 over TLS with keep-alive; "
+        "figures are from the median of the rounds (open loop: by p99; closed loop: by throughput)",
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": [round(x, 2) for x in before],
+            "loadavg_after": [round(x, 2) for x in after],
+            "python": platform.python_version(),
+            "aiohttp": aiohttp.__version__,
+            "openssl": ssl.OPENSSL_VERSION,
+        },
+        "request": {
+            "bytes": len(review_body()),
+            "containers": 3,
+            "init_containers": 1,
+            "devices": len(UUIDS),
+            "answered_with_patch": webhook["first_response"]["patched"],
+        },
+        "settings": {
+            "rate": args.rate,
+            "duration_s": args.duration,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+        },
+        "webhook": webhook,
+        "minimal": minimal,
+        "breakdown_cpu_us": breakdown(),
+        "saturation_ratio": round(ratio, 3),
+        "server_cpu_per_request_ratio": round(cpu_ratio, 3),
+        "targets": {
+            "p99_ms_at_rate": {"limit": TARGET_P99_MS, "measured": p99, "met": p99 < TARGET_P99_MS},
+            "saturation_ratio": {
+                "limit": TARGET_RATIO,
+                "measured": round(ratio, 3),
+                "met": ratio >= TARGET_RATIO,
+            },
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_summary(report, args)
+    return 0
+
+
+def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
+    host = report["host"]
+    print(
+        f"webhook latency ({report['request']['bytes']} B AdmissionReview, 3+1 containers; "
+        f"{args.rounds} rounds of {args.duration:g} s per phase, median round shown; "
+        f"{host['cpus']} CPUs, load average {host['loadavg_before'][0]} -> {host['loadavg_after'][0]})"
+    )
+    rate = f"open loop @ {int(args.rate)}/s"
+    closed = f"closed loop, {args.concurrency} connections"
+    print(f"{'':10} {rate:>35}   {closed:>45}")
+    print(
+        f"{'':10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>8}   "
+        f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'srv cpu':>8} {'us/req':>8}"
+    )
+    for name in ("webhook", "minimal"):
+        o, c = report[name]["open_loop"], report[name]["closed_loop"]
+        print(
+            f"{name:10} {o['p50_ms']:8.2f} {o['p99_ms']:8.2f} {o['max_ms']:8.2f} {o['errors']:8d}   "
+            f"{c['throughput_rps']:8.0f} {c['p50_ms']:8.2f} {c['p99_ms']:8.2f} {c['server_cpu_pct']:7.0f}% "
+            f"{c['server_cpu_us_per_request']:8.0f}"
+        )
+    steps = ", ".join(f"{k} {v:g}" for k, v in report["breakdown_cpu_us"].items())
+    print(f"in-process CPU per admission (us): {steps}")
+    targets = report["targets"]
+    p99, ratio = targets["p99_ms_at_rate"], targets["saturation_ratio"]
+    verdict = "met" if p99["met"] else "NOT met"
+    print(f"p99 at {int(args.rate)}/s: {p99['measured']:.2f} ms (target < {p99['limit']:g} ms): {verdict}")
+    verdict = "met" if ratio["met"] else "NOT met"
+    print(f"saturation vs minimal: {ratio['measured']:.0%} (target >= {ratio['limit']:.0%}): {verdict}")
+    print(f"server CPU per request, minimal / webhook: {report['server_cpu_per_request_ratio']:.0%}")
+    print(f"wrote {args.out}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each target, alternating")
+    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--serve", choices=("webhook", "minimal"), help=argparse.SUPPRESS)
+    parser.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cert", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--ca", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.cert, args.key)
+        return 0
+    if args.load:
+        result = asyncio.run(
+            load(args.port, args.ca, args.server_pid, args.rate, args.duration, args.concurrency)
+        )
+        print(json.dumps(result))
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
