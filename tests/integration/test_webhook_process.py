@@ -1,0 +1,108 @@
+"""``gpualloc webhook`` as a process against the real API server: readiness, metrics, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import signal
+import socket
+import ssl
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from certs import building, keys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_certs(directory: Path) -> Path:
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = keys.generate_key("ecdsa"), keys.generate_key("ecdsa")
+    ca = building.build_ca(ca_key, now=now, serial=keys.random_serial())
+    cert = building.build_serving_cert(
+        key,
+        ca_cert=ca,
+        ca_key=ca_key,
+        dns_names=[],
+        ip_addresses=["127.0.0.1"],
+        now=now,
+        serial=keys.random_serial(),
+    )
+    (directory / "ca.crt").write_bytes(building.cert_pem(ca))
+    (directory / "tls.crt").write_bytes(building.cert_pem(cert))
+    (directory / "tls.key").write_bytes(building.key_pem(key))
+    return directory / "ca.crt"
+
+
+async def status_of(session: aiohttp.ClientSession, url: str) -> int | None:
+    try:
+        async with session.get(url) as resp:
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientError:
+        return None
+
+
+async def test_webhook_process_becomes_ready_serves_metrics_and_stops_gracefully_on_sigterm(
+    kubeconfig: str, tmp_path: Path
+) -> None:
+    ca = write_certs(tmp_path)
+    port, metrics_port = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpualloc.cli",
+        "webhook",
+        f"--tls-cert-file={tmp_path / 'tls.crt'}",
+        f"--tls-key-file={tmp_path / 'tls.key'}",
+        f"--port={port}",
+        "--host=127.0.0.1",
+        f"--metrics-port={metrics_port}",
+        "--bind-address=127.0.0.1",
+        f"--kubeconfig={kubeconfig}",
+        "--shutdown-delay=1",
+        "--log-format=json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    context = ssl.create_default_context(cafile=str(ca))
+    base = f"https://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
+            for _ in range(300):
+                if await status_of(session, f"{base}/readyz") == 200:
+                    break
+                assert proc.returncode is None, "the webhook exited"
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the webhook never became ready")
+            assert await status_of(session, f"{base}/healthz") == 200
+            async with session.get(f"{base}/metrics") as resp:
+                assert "gpualloc_webhook_admissions_total" in await resp.text()
+            async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+                assert "gpualloc_webhook_admission_duration_seconds" in await resp.text()
+
+            proc.send_signal(signal.SIGTERM)
+            # Readiness goes false first, while requests are still served (the drain delay).
+            seen = None
+            for _ in range(20):
+                seen = await status_of(session, f"{base}/readyz")
+                if seen == 503:
+                    break
+                await asyncio.sleep(0.05)
+            assert seen == 503
+            assert await status_of(session, f"{base}/healthz") == 200
+        code = await asyncio.wait_for(proc.wait(), 15)
+        assert code == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    output = (await proc.stdout.read()).decode() if proc.stdout else ""
+    assert '"msg": "shutting down"' in output, output[-2000:]
