@@ -11,6 +11,12 @@ from cryptography import x509
 from certs import main as certs_main
 
 
+@pytest.fixture(autouse=True)
+def _keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() sets up process logging; in a test process that would replace pytest's handlers."""
+    monkeypatch.setattr(certs_main.runtime_logging, "setup", lambda *args, **kwargs: None)
+
+
 def serial(path: Path) -> int:
     return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
 
