@@ -1,0 +1,424 @@
+"""`make demo`: gpualloc end to end on a laptop, with simulated GPUs.
+
+Starts the local control plane (etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager, kwok), three fake GPU nodes, one simulated agent per
+node with a different hardware profile, the controller, and the webhook with a
+certificate from `gpualloc certs`; applies `examples/`, waits for the pods to
+land, prints what a user wants to see, then waits for Ctrl-C and tears it all
+down (or exits at once with `--exit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpualloc import views
+from gpualloc.api import codecs, constants
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+NAMESPACE = "gpualloc-system"
+DEMO_NAMESPACE = "default"
+NODES = (
+    ("gpu-node-a", "h100-sxm-8", {"gpu.scheduling/cost-tier": "high"}),
+    ("gpu-node-b", "a100-pcie-4-nvlink", {"gpu.scheduling/cost-tier": "medium"}),
+    ("gpu-node-c", "consumer-8", {"gpu.scheduling/cost-tier": "low"}),
+)
+WEBHOOK_CONFIG = "gpualloc-demo"
+
+
+def say(message: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Processes:
+    """The component processes the demo starts; all stopped on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, args: Sequence[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - kept open for the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpualloc.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append((name, proc))
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def wait_for(what: str, check: Any, limit_s: float, procs: Processes) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        procs.check()
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {limit_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+async def list_claims(api: Any) -> list[Any]:
+    from gpualloc.kube import resources
+
+    raw = await resources.CustomResources(api).list_claims(DEMO_NAMESPACE)
+    return [codecs.parse_claim(item) for item in raw["items"]]
+
+
+async def list_pods(api: Any) -> list[dict[str, Any]]:
+    from kubernetes_asyncio import client as k8s
+
+    pods = await k8s.CoreV1Api(api).list_namespaced_pod(DEMO_NAMESPACE)
+    return [api.sanitize_for_serialization(p) for p in pods.items]
+
+
+def pod_rows(pods: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        claim = pod["metadata"].get("annotations", {}).get(constants.ANNOTATION_CLAIM, "-")
+        spec = pod["spec"]
+        selector = (spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL, "-")
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+            rows.append(
+                [
+                    pod["metadata"]["name"],
+                    container["name"],
+                    claim,
+                    selector,
+                    spec.get("nodeName") or "-",
+                    pod.get("status", {}).get("phase", "-"),
+                    env.get("CUDA_VISIBLE_DEVICES", "-"),
+                ]
+            )
+    return rows
+
+
+async def summary(api: Any, kubeconfig: Path) -> bool:
+    """Print pods, claims and nodes; True when every pod sits where its claim says."""
+    from gpualloc.kube import resources
+
+    now = dt.datetime.now(dt.UTC)
+    claims = await list_claims(api)
+    by_name = {c.metadata.name: c for c in claims}
+    pods = await list_pods(api)
+    print("\n=== Pods: where they landed and which GPUs they see")
+    print(
+        views.table(
+            ["POD", "CONTAINER", "CLAIM", "NODESELECTOR", "NODE", "PHASE", "CUDA_VISIBLE_DEVICES"],
+            pod_rows(pods),
+        )
+    )
+    ok = True
+    for pod in pods:
+        name = pod["metadata"].get("annotations", {}).get(constants.ANNOTATION_CLAIM)
+        claim = by_name.get(name or "")
+        if claim is None or not claim.status.allocations:
+            continue
+        devices = pod["metadata"]["annotations"].get(constants.ANNOTATION_DEVICES, "")
+        allocation = next(
+            (a for a in claim.status.allocations if ",".join(d.uuid for d in a.devices) == devices), None
+        )
+        if allocation is None or pod["spec"].get("nodeName") != allocation.node_name:
+            ok = False
+    print("\n=== Claims")
+    print(views.format_claims(claims, now, all_namespaces=False))
+    raw_nodes = (await resources.CustomResources(api).list_node_statuses())["items"]
+    nodes = [codecs.parse_node_status(n) for n in raw_nodes]
+    print("\n=== GPU nodes")
+    print(views.format_nodes(nodes, views.allocated_uuids(claims), now))
+    print("\n=== Topology of gpu-node-b (gpualloc topo gpu-node-b)")
+    node_b = next(n for n in nodes if n.metadata.name == "gpu-node-b")
+    print("\n".join(views.format_topology(node_b).splitlines()[:6]))
+    print("\n=== Why is a100-quad pending? (gpualloc explain claim a100-quad)")
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "gpualloc.cli",
+            "explain",
+            "claim",
+            "a100-quad",
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    print(out.stdout.rstrip() or out.stderr.rstrip())
+    print()
+    return ok
+
+
+def start_components(procs: Processes, kubeconfig: str, certs_dir: Path, webhook_port: int) -> None:
+    """One simulated agent per node, the controller, and the webhook with fresh certificates."""
+
+    def ports() -> list[str]:
+        return ["--metrics-port", str(free_port()), "--health-port", str(free_port())]
+
+    for name, profile, _ in NODES:
+        agent = ["agent", "--source", "simulated", "--profile", profile, "--node-name", name]
+        agent += ["--kubeconfig", kubeconfig, "--lease-namespace", NAMESPACE, "--heartbeat-interval", "10"]
+        procs.start(f"agent-{name}", agent + ports())
+    controller = ["controller", "--kubeconfig", kubeconfig, "--namespace", NAMESPACE, "--leader-elect=false"]
+    procs.start("controller", controller + ports())
+    certs = ["certs", "--out-dir", str(certs_dir), "--ip-address", "127.0.0.1", "--dns-name", "localhost"]
+    subprocess.run([sys.executable, "-m", "gpualloc.cli", *certs], check=True, stdout=subprocess.DEVNULL)
+    say(f"  webhook certificate from `gpualloc certs` in {certs_dir}")
+    webhook = ["webhook", "--kubeconfig", kubeconfig, "--host", "127.0.0.1", "--port", str(webhook_port)]
+    webhook += ["--tls-cert-file", str(certs_dir / "tls.crt"), "--tls-key-file", str(certs_dir / "tls.key")]
+    procs.start("webhook", webhook)
+
+
+async def drive(
+    cp: Any, procs: Processes, webhook_port: int, ca_bundle: bytes, docs: list[dict[str, Any]], stay: bool
+) -> int:
+    """Apply the examples, wait, print the summary; then wait for Ctrl-C if asked."""
+    from gpualloc.kube import client
+
+    api = await client.connect(str(cp.kubeconfig))
+    try:
+        await register_webhook(api, webhook_port, ca_bundle)
+        await wait_for_nodes(api, procs)
+        await wait_for_webhook(webhook_port, procs)
+        say("applying the claims in examples/")
+        for doc in docs:
+            if doc["kind"] == constants.CLAIM_KIND:
+                await apply_claim_doc(api, doc)
+        await wait_for("the claims to be decided", lambda: claims_decided(api), 60, procs)
+        say("applying the pods and the Indexed Job that use them")
+        for doc in docs:
+            if doc["kind"] != constants.CLAIM_KIND:
+                await apply_workload_doc(api, doc)
+        await wait_for("the pods to be scheduled and started", lambda: pods_running(api, 4), 120, procs)
+        if not await summary(api, cp.kubeconfig):
+            say("ERROR: a pod is not on the node or devices its claim names")
+            return 1
+        say(f"try: gpualloc get nodes --kubeconfig {cp.kubeconfig}")
+        if not stay:
+            return 0
+        say("running; press Ctrl-C to tear everything down")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        while not stop.is_set():
+            procs.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 2)
+        return 0
+    finally:
+        await api.close()
+
+
+async def apply_claim_doc(api: Any, doc: dict[str, Any]) -> None:
+    from gpualloc.kube import resources
+
+    await resources.CustomResources(api).create_claim(DEMO_NAMESPACE, doc)
+    say(f"  GpuClaim {doc['metadata']['name']}")
+
+
+async def apply_workload_doc(api: Any, doc: dict[str, Any]) -> None:
+    from kubernetes_asyncio import client as k8s
+
+    if doc["kind"] == "Pod":
+        await k8s.CoreV1Api(api).create_namespaced_pod(DEMO_NAMESPACE, doc)
+    elif doc["kind"] == "Job":
+        await k8s.BatchV1Api(api).create_namespaced_job(DEMO_NAMESPACE, doc)
+    else:
+        raise ValueError(f"the demo does not apply {doc['kind']}")
+    say(f"  {doc['kind']} {doc['metadata']['name']}")
+
+
+async def claims_decided(api: Any) -> bool:
+    claims = await list_claims(api)
+    return bool(claims) and all(
+        c.status.phase == constants.PHASE_ALLOCATED or c.status.message for c in claims
+    )
+
+
+async def pods_running(api: Any, expected: int) -> bool:
+    pods = await list_pods(api)
+    # kwok completes pods owned by a Job (its pod-complete stage), so Succeeded counts as landed.
+    landed = ("Running", "Succeeded")
+    return len(pods) >= expected and all(p.get("status", {}).get("phase") in landed for p in pods)
+
+
+async def wait_for_nodes(api: Any, procs: Processes) -> None:
+    from gpualloc.kube import resources
+
+    async def published() -> bool:
+        items = (await resources.CustomResources(api).list_node_statuses())["items"]
+        return len(items) == len(NODES) and all((i.get("status") or {}).get("total") for i in items)
+
+    await wait_for("the agents to publish their GpuNodeStatus", published, 60, procs)
+    say("  3 GpuNodeStatus published")
+
+
+async def wait_for_webhook(port: int, procs: Processes) -> None:
+    import ssl
+
+    import aiohttp
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+
+    async def ready() -> bool:
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(
+                    f"https://127.0.0.1:{port}/readyz", ssl=context, timeout=aiohttp.ClientTimeout(total=2)
+                ) as resp,
+            ):
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    await wait_for("the webhook to be ready", ready, 60, procs)
+    say("  webhook ready")
+
+
+async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
+    """The MutatingWebhookConfiguration the chart installs, pointed at 127.0.0.1."""
+    from kubernetes_asyncio import client as k8s
+
+    body = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": WEBHOOK_CONFIG},
+        "webhooks": [
+            {
+                "name": "pods.gpu.scheduling",
+                "admissionReviewVersions": ["v1"],
+                "clientConfig": {
+                    "url": f"https://127.0.0.1:{port}/mutate",
+                    "caBundle": base64.b64encode(ca_bundle).decode(),
+                },
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ],
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "timeoutSeconds": 5,
+                "reinvocationPolicy": "IfNeeded",
+                "namespaceSelector": {
+                    "matchExpressions": [
+                        {
+                            "key": "kubernetes.io/metadata.name",
+                            "operator": "NotIn",
+                            "values": ["kube-system", NAMESPACE],
+                        }
+                    ]
+                },
+                "matchConditions": [
+                    {
+                        "name": "has-claim-annotation",
+                        "expression": "has(object.metadata.annotations) && "
+                        "'gpu.scheduling/claim' in object.metadata.annotations",
+                    }
+                ],
+            }
+        ],
+    }
+    await k8s.AdmissionregistrationV1Api(api).create_mutating_webhook_configuration(body)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gpualloc.devcluster import binaries, cluster
+
+    parser = argparse.ArgumentParser(prog="gpualloc-demo", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--state-dir", help="where the control plane keeps its files (default: a temp dir)")
+    parser.add_argument("--exit", action="store_true", help="tear down right after the summary")
+    args = parser.parse_args(argv)
+    docs = [d for path in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+
+    say("building what is missing (cached in ~/.cache/gpualloc after the first run)")
+    bins = binaries.ensure(progress=lambda line: say("  " + line))
+    state = Path(args.state_dir or tempfile.mkdtemp(prefix="gpualloc-demo-"))
+    state.mkdir(parents=True, exist_ok=True)
+    say(f"starting the local control plane in {state}")
+    cp = cluster.ControlPlane(state_dir=state, binaries=bins)
+    procs = Processes(state)
+    try:
+        cp.start()
+        cp.apply_crds()
+        say("  CRDs applied from helm/gpualloc/crds/")
+        cp.ensure_scheduler()
+        cp.ensure_controller_manager()
+        cp.ensure_kwok()
+        for name, profile, labels in NODES:
+            cp.add_kwok_node(name, {**labels, "gpualloc.dev/profile": profile})
+            say(f"  node {name}: a kwok node with a simulated {profile}")
+        cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        say(f"starting 3 agents, the controller (device Leases in {NAMESPACE}) and the webhook")
+        port = free_port()
+        certs_dir = state / "webhook-certs"
+        start_components(procs, str(cp.kubeconfig), certs_dir, port)
+        ca_bundle = (certs_dir / "ca.crt").read_bytes()
+        return asyncio.run(drive(cp, procs, port, ca_bundle, docs, stay=not args.exit))
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        say("tearing down")
+        procs.stop()
+        cp.stop()
+        say("stopped every process the demo started")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
