@@ -8,7 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from controller_support import (
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.kube import errors, resources, transport
+from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
@@ -20,10 +24,6 @@ from controller_support import (
     status_uuids,
     wait_for,
 )
-from kubernetes_asyncio.client import ApiClient
-
-from gpualloc.api import constants
-from gpualloc.kube import errors, resources, transport
 
 NodeFactory = Callable[..., Awaitable[str]]
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from controller_support import (
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.kube import resources, transport
+from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
@@ -15,10 +19,6 @@ from controller_support import (
     status_uuids,
     wait_for,
 )
-from kubernetes_asyncio.client import ApiClient
-
-from gpualloc.api import constants
-from gpualloc.kube import resources, transport
 
 
 def gated_pod(name: str, claim: str, replica: int | None = None) -> dict[str, Any]:

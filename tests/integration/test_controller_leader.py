@@ -10,7 +10,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from controller_support import (
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import errors, leases, resources
+from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
@@ -19,9 +22,6 @@ from controller_support import (
     running_controller,
     wait_for,
 )
-from kubernetes_asyncio.client import ApiClient
-
-from gpualloc.kube import errors, leases, resources
 
 LEASE_DURATION = 4.0
 RETRY_PERIOD = 0.5

@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_support import (
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.kube import resources, transport
+from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     create_gpu_node,
@@ -37,10 +41,6 @@ from controller_support import (
     device_leases,
     retry_unavailable,
 )
-from kubernetes_asyncio.client import ApiClient
-
-from gpualloc.api import constants
-from gpualloc.kube import resources, transport
 
 RUNS = int(os.environ.get("GPUALLOC_RACE_RUNS", "1"))
 BASE_SEED = int(os.environ.get("GPUALLOC_RACE_SEED", "0"))

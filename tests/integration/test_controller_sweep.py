@@ -1,0 +1,186 @@
+"""The sweep and allocated claims: orphaned Leases, unhealthy devices, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import prometheus_client
+from kubernetes_asyncio.client import ApiClient
+
+from controller import metrics as controller_metrics
+from controller import reconciling
+from gpualloc.api import constants
+from gpualloc.kube import errors, leases, resources, transport
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    claim_body,
+    create_gpu_node,
+    delete_gpu_node,
+    device_leases,
+    status_uuids,
+    wait_for,
+)
+
+
+@contextlib.asynccontextmanager
+async def controller_in_process(api: ApiClient, namespace: str) -> AsyncIterator[reconciling.Controller]:
+    ctl = reconciling.Controller(
+        api, reconciling.Settings(namespace=namespace, sweep_interval=1.0), controller_metrics.Metrics()
+    )
+    caches = asyncio.create_task(ctl.run_caches())
+    active = asyncio.create_task(ctl.run_active())
+    try:
+        yield ctl
+    finally:
+        for task in (active, caches):
+            task.cancel()
+        for task in (active, caches):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def sample(ctl: reconciling.Controller, name: str, labels: dict[str, str] | None = None) -> float | None:
+    value = ctl.metrics.registry.get_sample_value(name, labels or {})
+    return None if value is None else float(value)
+
+
+async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_live_claims(
+    api: ApiClient, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    node = f"gpu-{run}-a"
+    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    crs = resources.CustomResources(api)
+    try:
+        live = await crs.create_claim(namespace, claim_body("live", 1, run=run))
+        labels = {
+            constants.LABEL_NODE: node,
+            constants.LABEL_CLAIM_NAMESPACE: namespace,
+            constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
+        }
+        # A Lease left by a claim that no longer exists (a crash between its deletion and the release).
+        await leases.create_lease(
+            api,
+            namespace,
+            "gpu-orphan",
+            holder="uid-of-a-deleted-claim",
+            labels={
+                **labels,
+                constants.LABEL_CLAIM_NAME: "deleted",
+                constants.LABEL_CLAIM_UID: "uid-of-a-deleted-claim",
+            },
+        )
+        async with controller_in_process(api, namespace) as ctl:
+            got = await wait_for(
+                lambda: _allocated(crs, namespace, "live"), within=30, what="live claim allocated"
+            )
+
+            async def orphan_gone() -> bool:
+                names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
+                return "gpu-orphan" not in names
+
+            await wait_for(orphan_gone, within=15, what="the orphaned lease to be swept")
+            held = await device_leases(api, namespace)
+            assert [lease["spec"]["holderIdentity"] for lease in held] == [live["metadata"]["uid"]]
+            assert [lease["metadata"]["name"] for lease in held] == [
+                constants.lease_name(u) for u in status_uuids(got)
+            ]
+            assert ctl.sweeps >= 1
+    finally:
+        await delete_gpu_node(api, node)
+
+
+async def _allocated(crs: resources.CustomResources, namespace: str, name: str) -> dict[str, Any] | None:
+    claim = await crs.get_claim(namespace, name)
+    return claim if (claim.get("status") or {}).get("phase") == "Allocated" else None
+
+
+async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_reallocating_and_metrics_follow(
+    api: ApiClient, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    node = f"gpu-{run}-a"
+    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    crs = resources.CustomResources(api)
+    try:
+        async with controller_in_process(api, namespace) as ctl:
+            await crs.create_claim(namespace, claim_body("job", 2, run=run))
+            before = await wait_for(lambda: _allocated(crs, namespace, "job"), within=30, what="allocation")
+            assert sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0
+            assert sample(ctl, "gpualloc_time_to_allocated_seconds_count") == 1.0
+            await wait_for(
+                _async(lambda: sample(ctl, "gpualloc_devices", {"node": node, "state": "allocated"}) == 2.0),
+                within=10,
+                what="device gauge to count 2 allocated",
+            )
+            assert sample(ctl, "gpualloc_devices", {"node": node, "state": "free"}) == 6.0
+
+            # The agent reports one of the claim's GPUs Unhealthy (XID 79).
+            bad = before["status"]["allocations"][0]["devices"][0]
+            current = await crs.get_node_status(node)
+            devices = current["status"]["devices"]
+            for device in devices:
+                if device["uuid"] == bad["uuid"]:
+                    device["health"], device["healthReason"] = "Unhealthy", "XID 79"
+            await crs.patch_node_status_status(node, {"status": {"devices": devices, "healthy": 7}})
+
+            async def lost() -> dict[str, Any] | None:
+                claim = await crs.get_claim(namespace, "job")
+                conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
+                cond = conditions.get("DevicesLost")
+                return claim if cond and cond["status"] == "True" else None
+
+            after = await wait_for(lost, within=20, what="DevicesLost condition")
+            cond = {c["type"]: c for c in after["status"]["conditions"]}["DevicesLost"]
+            assert cond["reason"] == "DeviceUnhealthy" and "XID 79" in cond["message"]
+            assert after["status"]["phase"] == "Allocated"
+            assert status_uuids(after) == status_uuids(before), "a running claim is never moved"
+            assert len(await device_leases(api, namespace)) == 2
+
+            async def warned() -> bool:
+                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+                return any(e["reason"] == "DeviceUnhealthy" for e in listing["items"])
+
+            await wait_for(warned, within=10, what="a DeviceUnhealthy event")
+            reasons = {
+                e["reason"]
+                for e in (await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events"))[
+                    "items"
+                ]
+            }
+            assert "Allocated" in reasons
+
+            # Healed: the condition turns False; the claim keeps its devices.
+            for device in devices:
+                device["health"], device["healthReason"] = "Healthy", ""
+            await crs.patch_node_status_status(node, {"status": {"devices": devices, "healthy": 8}})
+
+            async def healed() -> bool:
+                claim = await crs.get_claim(namespace, "job")
+                conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
+                return conditions["DevicesLost"]["status"] == "False"
+
+            await wait_for(healed, within=20, what="DevicesLost to turn False")
+            text = prometheus_client.generate_latest(ctl.metrics.registry).decode()
+            for name in (
+                "gpualloc_allocation_failures_total",
+                "gpualloc_allocation_retries_total",
+                "gpualloc_reconcile_duration_seconds_bucket",
+                "gpualloc_pending_claims",
+            ):
+                assert name in text, name
+    finally:
+        with contextlib.suppress(errors.NotFound):
+            await crs.delete_claim(namespace, "job")
+        await delete_gpu_node(api, node)
+
+
+def _async(check: Any) -> Any:
+    async def probe() -> bool:
+        return bool(check())
+
+    return probe
