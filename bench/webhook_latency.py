@@ -12,7 +12,9 @@ and a separate load-generator process:
   cache hit, as in the steady state;
 * ``minimal``: an aiohttp TLS handler that reads the body and answers a fixed
   "allowed" AdmissionReview: the ceiling of the stack (Python, asyncio,
-  aiohttp, TLS) on this machine.
+  aiohttp, TLS) on this machine;
+* ``parse``: the same plus ``json.loads`` of the review and nothing else: the
+  floor of any Python webhook that has to read the pod.
 
 The request is a realistic AdmissionReview: a Job's pod with 3 containers and
 1 init container (images, resources, probes, mounts, env), whose claim is
@@ -56,6 +58,9 @@ NAMESPACE = "ml-team"
 CLAIM = "trainer"
 UUIDS = [f"GPU-{i:08x}-1c2d-4e5f-8a9b-0c1d2e3f4a5b" for i in (0x5F1C0001, 0x5F1C0002, 0x5F1C0003, 0x5F1C0004)]
 
+# webhook: the real app; minimal: read the body, answer a fixed "allowed" (the stack's ceiling);
+# parse: minimal plus json.loads of the review (the floor of any Python webhook that reads the pod).
+TARGETS = ("webhook", "minimal", "parse")
 TARGET_P99_MS = 10.0
 TARGET_RATIO = 0.6
 
@@ -248,12 +253,15 @@ def serve(target: str, cert: str, key: str) -> None:
             claims = cache.ClaimCache(cache.StaticStore([raw_claim()]), _no_fetch)
             app = server.make_app(claims=claims, options=admission.Options())
         else:
+            parse = target == "parse"
 
             async def allowed(request: web.Request) -> web.Response:
-                await request.read()
+                body = await request.read()
+                if parse:
+                    json.loads(body)
                 return web.Response(body=MINIMAL_ANSWER, content_type="application/json")
 
-            app = web.Application()
+            app = web.Application(client_max_size=server.MAX_BODY)
             app.router.add_post("/mutate", allowed)
         runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1)
         print(f"PORT {runner.addresses[0][1]}", flush=True)
@@ -541,12 +549,12 @@ def orchestrate(args: argparse.Namespace) -> int:
     import aiohttp
 
     before = os.getloadavg()
-    rounds: dict[str, list[dict[str, Any]]] = {"webhook": [], "minimal": []}
+    rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
         certs = make_certs(Path(tmp))
         for i in range(args.rounds):
             # Alternate the order, so a load that changes during the run falls on both alike.
-            for target in ("webhook", "minimal") if i % 2 == 0 else ("minimal", "webhook"):
+            for target in TARGETS if i % 2 == 0 else tuple(reversed(TARGETS)):
                 print(f"round {i + 1}/{args.rounds}: {target} ...", file=sys.stderr, flush=True)
                 rounds[target].append(run_target(target, certs, args))
     after = os.getloadavg()
@@ -595,8 +603,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         },
         "webhook": webhook,
         "minimal": minimal,
+        "parse": results["parse"],
         "breakdown_cpu_us": breakdown(),
         "saturation_ratio": round(ratio, 3),
+        "saturation_ratio_parse_only": round(
+            results["parse"]["closed_loop"]["throughput_rps"] / minimal["closed_loop"]["throughput_rps"], 3
+        ),
         "server_cpu_per_request_ratio": round(cpu_ratio, 3),
         "targets": {
             "p99_ms_at_rate": {"limit": TARGET_P99_MS, "measured": p99, "met": p99 < TARGET_P99_MS},
@@ -628,7 +640,7 @@ def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
         f"{'':10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>8}   "
         f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'srv cpu':>8} {'us/req':>8}"
     )
-    for name in ("webhook", "minimal"):
+    for name in TARGETS:
         o, c = report[name]["open_loop"], report[name]["closed_loop"]
         print(
             f"{name:10} {o['p50_ms']:8.2f} {o['p99_ms']:8.2f} {o['max_ms']:8.2f} {o['errors']:8d}   "
@@ -643,7 +655,10 @@ def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"p99 at {int(args.rate)}/s: {p99['measured']:.2f} ms (target < {p99['limit']:g} ms): {verdict}")
     verdict = "met" if ratio["met"] else "NOT met"
     print(f"saturation vs minimal: {ratio['measured']:.0%} (target >= {ratio['limit']:.0%}): {verdict}")
-    print(f"server CPU per request, minimal / webhook: {report['server_cpu_per_request_ratio']:.0%}")
+    print(
+        f"saturation of json.loads alone vs minimal: {report['saturation_ratio_parse_only']:.0%}; "
+        f"server CPU per request, minimal / webhook: {report['server_cpu_per_request_ratio']:.0%}"
+    )
     print(f"wrote {args.out}")
 
 
@@ -654,7 +669,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each target, alternating")
     parser.add_argument("--out", default=str(RESULT))
-    parser.add_argument("--serve", choices=("webhook", "minimal"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=TARGETS, help=argparse.SUPPRESS)
     parser.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cert", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
