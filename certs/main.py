@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpualloc certs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gpualloc certs", description=__doc__.split("\n")[0].replace("``", "")
+    )
     parser.add_argument("--service", help="the webhook's Service: its DNS names go into the certificate")
     parser.add_argument(
         "--namespace", help="namespace of the Service and the Secret (default $POD_NAMESPACE)"

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpualloc webhook", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gpualloc webhook", description=__doc__.split("\n")[0].replace("``", "")
+    )
     parser.add_argument("--tls-cert-file", required=False, help="PEM serving certificate (chain)")
     parser.add_argument("--tls-key-file", required=False, help="PEM private key of the certificate")
     parser.add_argument("--port", type=int, default=8443, help="TLS port of /mutate and the probes")
