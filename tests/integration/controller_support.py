@@ -189,7 +189,7 @@ def claim_body(
 
 
 async def wait_for(
-    probe: Callable[[], Awaitable[T]],
+    probe: Callable[[], Awaitable[T | None]],
     *,
     within: float = 30.0,
     interval: float = 0.2,

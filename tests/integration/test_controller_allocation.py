@@ -120,10 +120,11 @@ async def test_two_namespaces_wanting_the_whole_node_get_it_exactly_once(
             await crs.create_claim(other, claim_body("whole", 8, run=run_id))
 
             async def settled() -> list[dict[str, Any]] | None:
-                claims = [await get_claim(api, ns, "whole") for ns in (namespace, other)]
-                phases = sorted((c or {}).get("status", {}).get("phase", "") for c in claims)
-                messages = [(c or {}).get("status", {}).get("message", "") for c in claims]
-                return claims if phases == ["Allocated", "Pending"] and all(messages) else None  # type: ignore[return-value]
+                found = [await get_claim(api, ns, "whole") for ns in (namespace, other)]
+                claims = [c for c in found if c is not None]
+                phases = sorted(c.get("status", {}).get("phase", "") for c in claims)
+                messages = [c.get("status", {}).get("message", "") for c in claims]
+                return claims if phases == ["Allocated", "Pending"] and all(messages) else None
 
             claims = await wait_for(settled, within=30, what="one Allocated and one Pending")
             winner = next(c for c in claims if c["status"]["phase"] == "Allocated")

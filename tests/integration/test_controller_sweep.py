@@ -162,7 +162,7 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
             async def healed() -> bool:
                 claim = await crs.get_claim(namespace, "job")
                 conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
-                return conditions["DevicesLost"]["status"] == "False"
+                return bool(conditions["DevicesLost"]["status"] == "False")
 
             await wait_for(healed, within=20, what="DevicesLost to turn False")
             text = prometheus_client.generate_latest(ctl.metrics.registry).decode()
