@@ -174,33 +174,44 @@ def _pod(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: Any) -> Any:
-    """The control plane with controllers, a scheduler, kwok, two GPU nodes and one CPU node."""
+def cluster(control_plane: Any) -> Iterator[Any]:
+    """The control plane with controllers, a scheduler, kwok, two GPU nodes and one CPU node.
+
+    The nodes are deleted afterwards: later tests count the cluster's nodes.
+    """
     from gpualloc.devcluster import cluster as cluster_mod
 
     control_plane.ensure_controller_manager()
     control_plane.ensure_scheduler()
     control_plane.ensure_kwok()
-    for name in GPU_NODES:
-        control_plane.add_kwok_node(name, {GPU_LABEL: "true"})
-    for name in CPU_NODES:
-        control_plane.add_kwok_node(name)
-    # What the GPU Operator (or a manual NVIDIA container toolkit setup) provides.
     try:
-        control_plane.request(
-            "POST",
-            "/apis/node.k8s.io/v1/runtimeclasses",
-            {
-                "apiVersion": "node.k8s.io/v1",
-                "kind": "RuntimeClass",
-                "metadata": {"name": "nvidia"},
-                "handler": "nvidia",
-            },
-        )
-    except cluster_mod.RequestError as exc:
-        if exc.status != 409:
-            raise
-    return control_plane
+        for name in GPU_NODES:
+            control_plane.add_kwok_node(name, {GPU_LABEL: "true"})
+        for name in CPU_NODES:
+            control_plane.add_kwok_node(name)
+        # What the GPU Operator (or a manual NVIDIA container toolkit setup) provides.
+        try:
+            control_plane.request(
+                "POST",
+                "/apis/node.k8s.io/v1/runtimeclasses",
+                {
+                    "apiVersion": "node.k8s.io/v1",
+                    "kind": "RuntimeClass",
+                    "metadata": {"name": "nvidia"},
+                    "handler": "nvidia",
+                },
+            )
+        except cluster_mod.RequestError as exc:
+            if exc.status != 409:
+                raise
+        yield control_plane
+    finally:
+        for name in (*GPU_NODES, *CPU_NODES):
+            try:
+                control_plane.request("DELETE", f"/api/v1/nodes/{name}")
+            except cluster_mod.RequestError as exc:
+                if exc.status != 404:
+                    raise
 
 
 @pytest.fixture
