@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-label", default="gpu.scheduling/cost-tier", help="node label read by strategy costOptimized"
     )
     parser.add_argument("--sweep-interval", type=float, default=30.0, help="seconds between sweeps")
+    parser.add_argument(
+        "--claim-selector",
+        default="",
+        help="label selector: allocate only the GpuClaims it matches (default all); controllers with"
+        " different selectors can share one Lease namespace",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "namespace": "POD_NAMESPACE"})
     return parser
@@ -112,6 +118,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             node_stale_after=args.node_stale_after,
             cost_label=args.cost_label,
             sweep_interval=args.sweep_interval,
+            claim_selector=args.claim_selector,
         ),
         metrics,
     )

@@ -97,6 +97,7 @@ class Settings:
     cost_label: str = "gpu.scheduling/cost-tier"
     sweep_interval: float = 30.0
     event_interval: float = EVENT_INTERVAL
+    claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all
 
 
 def _meta(raw: Obj) -> Obj:
@@ -124,7 +125,9 @@ class Controller:
         self.metrics = metrics or controller_metrics.Metrics()
         self.cr = resources.CustomResources(api)
         self._rng = rng or random.Random()
-        self.claims = watching.Reflector(api, watching.CLAIMS, on_event=self._on_claim)
+        self.claims = watching.Reflector(
+            api, watching.CLAIMS, label_selector=settings.claim_selector, on_event=self._on_claim
+        )
         self.node_statuses = watching.Reflector(api, watching.NODE_STATUSES, on_event=self._on_node_status)
         self.nodes = watching.Reflector(api, watching.NODES, on_event=self._on_node)
         self.leases = watching.Reflector(

@@ -172,11 +172,15 @@ def claim_body(
     max_retries: int = 0,
     match_labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A GpuClaim restricted to the nodes labelled with this test's ``run``."""
+    """A GpuClaim labelled with this test's ``run`` and restricted to the nodes labelled with it.
+
+    Controllers started with ``controller_argv(..., run=run)`` see only these
+    claims, so claims other tests leave behind cannot take this test's GPUs.
+    """
     return {
         "apiVersion": constants.API_VERSION,
         "kind": constants.CLAIM_KIND,
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {RUN_LABEL: run}},
         "spec": {
             "devices": {"count": count},
             "selector": {"matchLabels": {RUN_LABEL: run, **(match_labels or {})}},
@@ -219,8 +223,10 @@ def status_uuids(claim: dict[str, Any]) -> list[str]:
     return [d["uuid"] for a in (claim.get("status") or {}).get("allocations") or [] for d in a["devices"]]
 
 
-def controller_argv(namespace: str, *extra: str) -> list[str]:
+def controller_argv(namespace: str, *extra: str, run: str = "") -> list[str]:
+    selector = ["--claim-selector", f"{RUN_LABEL}={run}"] if run else []
     return [
+        *selector,
         "--namespace",
         namespace,
         "--leader-elect=false",

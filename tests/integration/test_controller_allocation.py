@@ -72,7 +72,7 @@ async def test_claim_is_allocated_with_leases_held_by_its_uid_and_deleting_it_re
 ) -> None:
     node = await gpu_nodes("a")
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace)):
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run_id)):
         created = await crs.create_claim(namespace, claim_body("train", 4, run=run_id))
         uid = created["metadata"]["uid"]
         got = await wait_phase(api, namespace, "train", "Allocated")
@@ -115,7 +115,7 @@ async def test_two_namespaces_wanting_the_whole_node_get_it_exactly_once(
     other = f"{namespace}-b"
     await transport.request(api, "POST", "/api/v1/namespaces", body={"metadata": {"name": other}})
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace)):
+        async with running_controller(kubeconfig, controller_argv(namespace, run=run_id)):
             await crs.create_claim(namespace, claim_body("whole", 8, run=run_id))
             await crs.create_claim(other, claim_body("whole", 8, run=run_id))
 
@@ -148,7 +148,7 @@ async def test_a_claim_that_cannot_fit_stays_pending_and_is_allocated_once_capac
 ) -> None:
     await gpu_nodes("a", kind="pcie")
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace)):
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run_id)):
         await crs.create_claim(namespace, claim_body("blocker", 6, run=run_id))
         await wait_phase(api, namespace, "blocker", "Allocated")
         await crs.create_claim(namespace, claim_body("waiter", 4, run=run_id, backoff_seconds=600))
@@ -178,7 +178,7 @@ async def test_a_gang_that_does_not_fit_whole_takes_nothing_and_one_that_fits_is
     await gpu_nodes("a")
     await gpu_nodes("b")
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace)):
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run_id)):
         await crs.create_claim(namespace, claim_body("big-gang", 4, replicas=5, run=run_id))
 
         async def explained() -> dict[str, Any] | None:

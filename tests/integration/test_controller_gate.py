@@ -45,7 +45,7 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
         await create_gpu_node(api, node, labels={RUN_LABEL: run})
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace)):
+        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
             # Pods first: they wait behind the gate for a claim that does not exist yet.
             for replica in (0, 1):
                 await transport.request(

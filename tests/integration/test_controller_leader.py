@@ -28,8 +28,8 @@ RETRY_PERIOD = 0.5
 ELECTION_ID = "gpualloc-controller"
 
 
-def election_argv(namespace: str, identity: str) -> list[str]:
-    argv = [a for a in controller_argv(namespace) if a != "--leader-elect=false"]
+def election_argv(namespace: str, identity: str, run: str) -> list[str]:
+    argv = [a for a in controller_argv(namespace, run=run) if a != "--leader-elect=false"]
     return [
         *argv,
         "--leader-elect=true",
@@ -79,7 +79,7 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
             tasks = {}
             for identity in ("ctl-a", "ctl-b"):
                 tasks[identity] = await stack.enter_async_context(
-                    running_controller(kubeconfig, election_argv(namespace, identity))
+                    running_controller(kubeconfig, election_argv(namespace, identity, run))
                 )
 
             async def holder() -> str:

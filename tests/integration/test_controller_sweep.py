@@ -27,10 +27,13 @@ from tests.integration.controller_support import (
 
 
 @contextlib.asynccontextmanager
-async def controller_in_process(api: ApiClient, namespace: str) -> AsyncIterator[reconciling.Controller]:
-    ctl = reconciling.Controller(
-        api, reconciling.Settings(namespace=namespace, sweep_interval=1.0), controller_metrics.Metrics()
+async def controller_in_process(
+    api: ApiClient, namespace: str, run: str
+) -> AsyncIterator[reconciling.Controller]:
+    settings = reconciling.Settings(
+        namespace=namespace, sweep_interval=1.0, claim_selector=f"{RUN_LABEL}={run}"
     )
+    ctl = reconciling.Controller(api, settings, controller_metrics.Metrics())
     caches = asyncio.create_task(ctl.run_caches())
     active = asyncio.create_task(ctl.run_active())
     try:
@@ -74,7 +77,7 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
                 constants.LABEL_CLAIM_UID: "uid-of-a-deleted-claim",
             },
         )
-        async with controller_in_process(api, namespace) as ctl:
+        async with controller_in_process(api, namespace, run) as ctl:
             got = await wait_for(
                 lambda: _allocated(crs, namespace, "live"), within=30, what="live claim allocated"
             )
@@ -107,7 +110,7 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
     await create_gpu_node(api, node, labels={RUN_LABEL: run})
     crs = resources.CustomResources(api)
     try:
-        async with controller_in_process(api, namespace) as ctl:
+        async with controller_in_process(api, namespace, run) as ctl:
             await crs.create_claim(namespace, claim_body("job", 2, run=run))
             before = await wait_for(lambda: _allocated(crs, namespace, "job"), within=30, what="allocation")
             assert sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0

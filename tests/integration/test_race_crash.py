@@ -56,7 +56,8 @@ GPUALLOC = Path(sys.executable).with_name("gpualloc")
 class Controllers:
     """The controller processes, their logs in ``tmp_path``."""
 
-    def __init__(self, kubeconfig: str, namespace: str, logs: Path) -> None:
+    def __init__(self, kubeconfig: str, namespace: str, logs: Path, run: str) -> None:
+        self.run = run
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.logs = logs
@@ -83,6 +84,8 @@ class Controllers:
                 "3",
                 "--identity",
                 f"racer-{slot}-{self.starts[slot]}",
+                "--claim-selector",
+                f"{RUN_LABEL}={self.run}",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -190,7 +193,7 @@ async def test_three_racing_controllers_and_a_sigkill_never_double_book(
     tag = uuid.uuid4().hex[:8]
     nodes = [f"race-{tag}-{i:02d}" for i in range(NODES)]
     crs = resources.CustomResources(api)
-    controllers = Controllers(kubeconfig, namespace, tmp_path)
+    controllers = Controllers(kubeconfig, namespace, tmp_path, tag)
     report: dict[str, Any] = {"seed": seed}
     started = time.monotonic()
     try:
