@@ -422,6 +422,7 @@ class ControlPlane:
     def apply_crds(self, directory: Path = CRD_DIR, *, timeout: float = 30.0) -> list[str]:
         """Server-side apply every CustomResourceDefinition in ``directory``; wait for Established."""
         names: list[str] = []
+        served: list[str] = []
         for path in sorted(directory.glob("*.yaml")):
             for document in yaml.safe_load_all(path.read_text()):
                 if not document or document.get("kind") != "CustomResourceDefinition":
@@ -435,6 +436,11 @@ class ControlPlane:
                     content_type="application/apply-patch+yaml",
                 )
                 names.append(name)
+                spec = document["spec"]
+                scope = "" if spec["scope"] == "Cluster" else "/namespaces/default"
+                served.append(
+                    f"/apis/{spec['group']}/{spec['versions'][0]['name']}{scope}/{spec['names']['plural']}"
+                )
         if not names:
             raise ControlPlaneError(f"no CustomResourceDefinition found in {directory}")
         deadline = time.monotonic() + timeout
@@ -443,7 +449,23 @@ class ControlPlane:
                 if time.monotonic() > deadline:
                     raise ControlPlaneError(f"CRD {name} not Established after {timeout:.0f} s")
                 time.sleep(0.05)
+        # Established is not yet serving: the first calls can still get 429 "storage is
+        # (re)initializing" or 404. Wait until each resource answers a list.
+        for resource in served:
+            while not self._serves(resource):
+                if time.monotonic() > deadline:
+                    raise ControlPlaneError(f"{resource} not served {timeout:.0f} s after the CRDs were applied")
+                time.sleep(0.05)
         return names
+
+    def _serves(self, path: str) -> bool:
+        try:
+            self.request("GET", path + "?limit=1")
+        except RequestError as exc:
+            if exc.status in (404, 429, 503):
+                return False
+            raise
+        return True
 
     def _crd_established(self, name: str) -> bool:
         crd = self.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
