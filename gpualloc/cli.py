@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = getattr(exc, "name", None) or ""
         if missing and not (missing == module_name or module_name.startswith(missing + ".")):
             raise
-        print(f"gpualloc {name}: this component is not built yet ({module_name}.{func_name})", file=sys.stderr)
+        print(f"gpualloc {name}: this component is not built yet ({module_name})", file=sys.stderr)
         return 3
     result = func(rest)
     return int(result or 0)

@@ -149,5 +149,18 @@ def claim_body(name: str, spec: models.GpuClaimSpec, namespace: str = "") -> dic
         "apiVersion": constants.API_VERSION,
         "kind": constants.CLAIM_KIND,
         "metadata": metadata,
-        "spec": encode(spec),
+        "spec": _prune_empty(encode(spec)),
     }
+
+
+def _prune_empty(value: dict[str, Any]) -> dict[str, Any]:
+    """Leave out empty lists and objects: in a spec they mean "not set" (the CRD defaults apply),
+    and some are rejected when present, e.g. ``preferIds: []`` without policy preferIds."""
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            item = _prune_empty(item)
+        if item in ([], {}):
+            continue
+        out[key] = item
+    return out

@@ -66,11 +66,11 @@ class GpuClaimSpec:
     devices: DeviceRequest
     selector: LabelSelector | None = None
     node_name: str | None = None
-    topology: Topology = Topology()
+    topology: Topology = dataclasses.field(default_factory=Topology)
     strategy: str = "binpack"
     priority: int = 0
     replicas: int = 1
-    retry_policy: RetryPolicy = RetryPolicy()
+    retry_policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
 
 # -------------------------------------------------------------- GpuClaim status
@@ -133,7 +133,7 @@ class ObjectMeta:
 class GpuClaim:
     metadata: ObjectMeta
     spec: GpuClaimSpec
-    status: GpuClaimStatus = GpuClaimStatus()
+    status: GpuClaimStatus = dataclasses.field(default_factory=GpuClaimStatus)
 
     @property
     def key(self) -> str:
@@ -211,4 +211,4 @@ class GpuNodeStatusSpec:
 class GpuNodeStatus:
     metadata: ObjectMeta
     spec: GpuNodeStatusSpec
-    status: NodeInventory = NodeInventory()
+    status: NodeInventory = dataclasses.field(default_factory=NodeInventory)

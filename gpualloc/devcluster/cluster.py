@@ -454,7 +454,7 @@ class ControlPlane:
         for resource in served:
             while not self._serves(resource):
                 if time.monotonic() > deadline:
-                    raise ControlPlaneError(f"{resource} not served {timeout:.0f} s after the CRDs were applied")
+                    raise ControlPlaneError(f"{resource} not served {timeout:.0f} s after applying the CRDs")
                 time.sleep(0.05)
         return names
 

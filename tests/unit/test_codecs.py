@@ -1,0 +1,40 @@
+"""Raw dicts <-> models."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpualloc.api import codecs, models
+
+
+def test_claim_body_leaves_out_empty_lists_the_crd_would_reject() -> None:
+    spec = models.GpuClaimSpec(devices=models.DeviceRequest(count=2), selector=models.LabelSelector())
+    body = codecs.claim_body("c", spec, namespace="ns")
+    assert "preferIds" not in body["spec"]["devices"]
+    assert "selector" not in body["spec"]
+    assert body["spec"]["devices"]["count"] == 2
+    assert body["metadata"] == {"name": "c", "namespace": "ns"}
+
+
+def test_claim_round_trips_through_encode_and_decode() -> None:
+    raw = {
+        "metadata": {"name": "c", "namespace": "ns", "uid": "u", "labels": {"a": "b"}},
+        "spec": {
+            "devices": {"count": 2, "policy": "preferIds", "preferIds": [0, 2], "minMemoryMiB": 40000},
+            "topology": {"mode": "Required", "minBandwidthGBps": 600},
+            "selector": {"matchExpressions": [{"key": "k", "operator": "In", "values": ["x"]}]},
+        },
+    }
+    claim = codecs.parse_claim(raw)
+    assert claim.spec.devices.prefer_ids == (0, 2)
+    assert claim.spec.devices.min_memory_mib == 40000
+    assert claim.spec.topology.min_bandwidth_gbps == 600
+    again = codecs.decode(models.GpuClaimSpec, codecs.encode(claim.spec))
+    assert again == claim.spec
+
+
+def test_decode_names_the_bad_field() -> None:
+    with pytest.raises(codecs.DecodeError, match=r"spec\.devices\.count: expected an integer"):
+        codecs.parse_claim({"metadata": {"name": "c"}, "spec": {"devices": {"count": "two"}}})
+    with pytest.raises(codecs.DecodeError, match=r"spec\.devices\.count: required"):
+        codecs.parse_claim({"metadata": {"name": "c"}, "spec": {"devices": {}}})
