@@ -187,7 +187,10 @@ class Controller:
         self.active = True
         self.metrics.leader.set(1)
         try:
-            await self.sweep()
+            try:
+                await self.sweep()
+            except errors.KubeError as exc:  # the periodic sweep tries again
+                log.warning("startup sweep failed", extra={"error": str(exc)})
             for key in self.claims.cache:
                 self.queue.add(key)
             async with asyncio.TaskGroup() as group:
