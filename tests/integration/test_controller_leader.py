@@ -115,6 +115,7 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
                 standby_leads, within=LEASE_DURATION * 3, interval=0.1, what="the standby to take over"
             )
             took = time.monotonic() - killed_at
+            print(f"\nstandby took over {took:.1f} s after the leader died (lease {LEASE_DURATION} s)")
             assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 1.0, f"took over after {took:.1f} s"
 
             await crs.create_claim(namespace, claim_body("second", 2, run=run))
