@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: help setup build test test-unit test-integration lint demo bench clean
 
@@ -41,7 +42,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 demo: build
-	$(BIN)/python -m gpualloc.demo
+	$(BIN)/python -m gpualloc.demo $(DEMO_ARGS)
 
 bench: build
 	$(BIN)/python bench/allocator_decision.py

@@ -546,21 +546,9 @@ class Controller:
             return
         now = _now()
         patch = planning.allocated_status(claim, decision.allocations, now=now)
-        try:
-            written = await self.cr.patch_claim_status(
-                claim.metadata.namespace,
-                claim.metadata.name,
-                patch,
-                resource_version=claim.metadata.resource_version,
-            )
-        except errors.Conflict:
-            # Someone wrote the claim since our cache saw it. The Leases stay held by its UID:
-            # the next attempt adopts them or releases them once the status is settled.
-            self.queue.add_after(key, 0.05)
+        written = await self._write_status(claim, patch)
+        if written is None:
             return
-        except errors.NotFound:
-            return
-        self._expect_write(key, written)
         extras = {n: u for n, u in self.held_by(uid).items() if n not in result.held}
         if extras:
             await locking.release(self.api, self.settings.namespace, extras, self.overlay, holder=uid)
@@ -580,6 +568,28 @@ class Controller:
         self._emit(written, "Allocated", f"{status['message']}: devices {status['devices']}")
         with contextlib.suppress(codecs.DecodeError):
             await self._ungate(codecs.parse_claim(written))
+
+    async def _write_status(self, claim: models.GpuClaim, patch: Obj) -> Obj | None:
+        """Patch the claim's status at the resourceVersion our cache saw; None when it moved on.
+
+        On Conflict someone wrote the claim since the cache saw it: the claim is retried
+        shortly, and any Leases stay held by its UID for the next attempt to adopt or release
+        once the status is settled. On NotFound the claim is gone.
+        """
+        try:
+            written = await self.cr.patch_claim_status(
+                claim.metadata.namespace,
+                claim.metadata.name,
+                patch,
+                resource_version=claim.metadata.resource_version,
+            )
+        except errors.Conflict:
+            self.queue.add_after(claim.key, 0.05)
+            return None
+        except errors.NotFound:
+            return None
+        self._expect_write(claim.key, written)
+        return written
 
     def _advance_cursor(
         self, views: list[allocator.NodeView], allocations: Iterable[models.Allocation]
@@ -618,19 +628,9 @@ class Controller:
             or claim.status.observed_generation != claim.metadata.generation
         )
         if must_write and planning.status_differs(claim, patch):
-            try:
-                written = await self.cr.patch_claim_status(
-                    claim.metadata.namespace,
-                    claim.metadata.name,
-                    patch,
-                    resource_version=claim.metadata.resource_version,
-                )
-            except errors.Conflict:
-                self.queue.add_after(key, 0.05)
+            written = await self._write_status(claim, patch)
+            if written is None:
                 return
-            except errors.NotFound:
-                return
-            self._expect_write(key, written)
             bumped = str(_meta(written).get("resourceVersion", "")) != claim.metadata.resource_version
             if held and bumped:
                 await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
