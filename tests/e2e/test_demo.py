@@ -1,0 +1,44 @@
+"""`make demo` end to end: the README's first command keeps working.
+
+Runs the demo module as a process with ``--exit`` on its own control plane
+(the binaries are already built by the session fixture's cache) and checks
+what it promises: every pod on the node its claim names with the claim's
+devices, the unfit claim pending with a per-node reason, and nothing left
+running afterwards.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def test_demo_places_every_pod_explains_the_unfit_claim_and_tears_down(
+    control_plane: Any, tmp_path: Path
+) -> None:
+    # control_plane: the session's binaries are built (or the build error fails this test).
+    state = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "gpualloc.demo", "--exit", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "ERROR" not in out
+    pods = out.split("=== Pods")[1].split("=== Claims")[0]
+    for pod in ("notebook", "trainer", "ddp-0-", "ddp-1-"):
+        assert pod in pods
+    table = out.split("=== Claims")[1].split("===")[0].splitlines()[2:]
+    claims = {line.split()[0]: line for line in table if line}
+    assert all(claims[name].split()[2] == "Allocated" for name in ("notebook", "trainer", "ddp"))
+    assert claims["a100-quad"].split()[2] == "Pending"
+    explain = out.split("gpualloc explain claim a100-quad)")[1]
+    assert "gpu-node-b   no 4-GPU set with >=600 GB/s" in explain
+    assert "stopped every process the demo started" in out
+    leftover = subprocess.run(["pgrep", "-f", str(state)], capture_output=True, text=True, check=False)
+    assert leftover.stdout == "", f"processes left running: {leftover.stdout}"
