@@ -43,6 +43,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, TypeVar
 
+import orjson
+
 from gpualloc.api import codecs, constants, models
 from webhook import mutations, patches
 
@@ -123,6 +125,35 @@ def lookup_from(claims: Mapping[str, models.GpuClaim]) -> ClaimLookup:
     return lookup
 
 
+# ------------------------------------------------------------------ JSON
+
+
+def load_json(body: bytes) -> Any:
+    """Parse a request body: ``orjson`` (a fifth of an admission's CPU with the standard library).
+
+    What orjson refuses and ``json`` takes (UTF-16 and UTF-32, a BOM, ``NaN``
+    and ``Infinity``, integers past 64 bits) is parsed by ``json`` as before;
+    its error is the one raised (a ValueError) when neither can parse it.
+    """
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body)
+
+
+def dump_json(value: Any) -> bytes:
+    """Compact JSON in UTF-8, with ``orjson``.
+
+    What it refuses (integers past 64 bits, nesting past 254 levels: only in
+    values the pod brought) goes through ``json``. ``NaN`` and infinities,
+    which only the lenient side of ``load_json`` lets in, come out as ``null``.
+    """
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
 # ------------------------------------------------------------------ responses
 
 
@@ -136,9 +167,8 @@ def allow(
     """An allowing AdmissionReview; ``patch`` and ``patchType`` only when the patch is not empty."""
     response: dict[str, Any] = {"uid": uid, "allowed": True}
     if patch:
-        body = json.dumps(patch, separators=(",", ":")).encode()
         response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(body).decode("ascii")
+        response["patch"] = base64.b64encode(dump_json(patch)).decode("ascii")
     if warnings:
         response["warnings"] = warnings
     return _review(response)

@@ -23,8 +23,10 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in (*admission.OUTCOMES, "error"):
-            self.admissions.labels(outcome)
+        # The labelled children, bound once: ``labels()`` takes a lock and builds a key every call.
+        self.outcomes = {
+            outcome: self.admissions.labels(outcome) for outcome in (*admission.OUTCOMES, "error")
+        }
         self.latency = prometheus_client.Histogram(
             "gpualloc_webhook_admission_duration_seconds",
             "Time from reading a request body to having the response, claim lookup included",

@@ -26,7 +26,6 @@ connections already open keep theirs, nothing restarts.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import ssl
@@ -75,8 +74,11 @@ STATE: web.AppKey[State] = web.AppKey("state", State)
 # ------------------------------------------------------------------ handlers
 
 
+_JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}  # as ``text=`` would have set it
+
+
 def _bad_request(state: State, started: float, message: str) -> web.Response:
-    state.metrics.admissions.labels(admission.INVALID).inc()
+    state.metrics.outcomes[admission.INVALID].inc()
     state.metrics.latency.observe(time.perf_counter() - started)
     return web.Response(status=400, text=message + "\n")
 
@@ -87,10 +89,10 @@ async def mutate(request: web.Request) -> web.Response:
     try:
         body = await request.read()  # raises 413 past client_max_size
     except web.HTTPRequestEntityTooLarge:
-        state.metrics.admissions.labels(admission.INVALID).inc()
+        state.metrics.outcomes[admission.INVALID].inc()
         raise
     try:
-        review: Any = json.loads(body)
+        review: Any = admission.load_json(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         return _bad_request(state, started, f"the body is not JSON: {str(exc)[:200]}")
     try:
@@ -109,15 +111,15 @@ async def mutate(request: web.Request) -> web.Response:
             uid, f"the gpualloc webhook failed: {type(exc).__name__}", code=500, reason="InternalError"
         )
         outcome = "error"
-    text = json.dumps(payload, separators=(",", ":"))
-    state.metrics.admissions.labels(outcome).inc()
+    text = admission.dump_json(payload)
+    state.metrics.outcomes[outcome].inc()
     state.metrics.latency.observe(time.perf_counter() - started)
     if outcome in (admission.DENIED, admission.INVALID):
         log.info(
             "denied",
             extra={"uid": uid, "outcome": outcome, "reason": payload["response"]["status"]["message"]},
         )
-    return web.Response(text=text, content_type="application/json")
+    return web.Response(body=text, headers=_JSON_HEADERS)
 
 
 async def healthz(request: web.Request) -> web.Response:
