@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -267,9 +267,9 @@ async def apply_workload_doc(api: Any, doc: dict[str, Any]) -> None:
     from kubernetes_asyncio import client as k8s
 
     if doc["kind"] == "Pod":
-        await k8s.CoreV1Api(api).create_namespaced_pod(DEMO_NAMESPACE, doc)
+        await k8s.CoreV1Api(api).create_namespaced_pod(DEMO_NAMESPACE, cast(Any, doc))
     elif doc["kind"] == "Job":
-        await k8s.BatchV1Api(api).create_namespaced_job(DEMO_NAMESPACE, doc)
+        await k8s.BatchV1Api(api).create_namespaced_job(DEMO_NAMESPACE, cast(Any, doc))
     else:
         raise ValueError(f"the demo does not apply {doc['kind']}")
     say(f"  {doc['kind']} {doc['metadata']['name']}")
@@ -372,7 +372,7 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
             }
         ],
     }
-    await k8s.AdmissionregistrationV1Api(api).create_mutating_webhook_configuration(body)
+    await k8s.AdmissionregistrationV1Api(api).create_mutating_webhook_configuration(cast(Any, body))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,12 +6,12 @@ import asyncio
 import types
 from typing import Any
 
-from tests.unit import fake_pynvml as fake
 import prometheus_client
 import pytest
 
 from agent import health, main, nvml, simulated
 from gpualloc.api import constants
+from tests.unit import fake_pynvml as fake
 
 
 def test_flags_read_the_environment_and_the_downward_api(monkeypatch: pytest.MonkeyPatch) -> None:

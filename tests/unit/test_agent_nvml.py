@@ -6,11 +6,11 @@ import asyncio
 import time
 from pathlib import Path
 
-from tests.unit import fake_pynvml as fake
 import pytest
 
 from agent import health, inventory, nvml
 from gpualloc.api import constants
+from tests.unit import fake_pynvml as fake
 
 
 def _source(
