@@ -132,8 +132,9 @@ def load_json(body: bytes) -> Any:
     """Parse a request body: ``orjson`` (a fifth of an admission's CPU with the standard library).
 
     What orjson refuses and ``json`` takes (UTF-16 and UTF-32, a BOM, ``NaN``
-    and ``Infinity``, integers past 64 bits) is parsed by ``json`` as before;
-    its error is the one raised (a ValueError) when neither can parse it.
+    and ``Infinity``, lone surrogates) is parsed by ``json`` as before; its
+    error is the one raised (a ValueError) when neither can parse it. One
+    difference remains: orjson reads an integer past 64 bits as a float.
     """
     try:
         return orjson.loads(body)
