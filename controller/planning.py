@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import datetime
 import functools
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -31,7 +30,7 @@ import jsonpatch
 
 from controller import allocator
 from controller import queue as work_queue
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, pods
 
 Obj = dict[str, Any]
 
@@ -46,7 +45,6 @@ REASON_DEVICES_HEALTHY = "DevicesHealthy"
 
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 _NOBODY: frozenset[str] = frozenset()
-_INDEX = re.compile(r"[0-9]{1,9}")
 # Lease names are a pure function of the UUID; planning asks for every device's on every reconcile.
 _lease_name = functools.lru_cache(maxsize=1 << 16)(constants.lease_name)
 
@@ -542,24 +540,13 @@ def retries_exhausted(state: RetryState, policy: models.RetryPolicy) -> bool:
 
 
 def resolve_replica(annotations: Mapping[str, str], labels: Mapping[str, str]) -> int | None:
-    """A pod's gang replica index, or None when it names none or names it badly.
-
-    Sources, first present wins: annotation ``gpu.scheduling/replica``, label
-    ``apps.kubernetes.io/pod-index`` (StatefulSet), annotation then label
-    ``batch.kubernetes.io/job-completion-index`` (indexed Job); the same order
-    as the webhook. A malformed first source does not fall back to a later one.
-    """
-    candidates = (
-        annotations.get(constants.ANNOTATION_REPLICA),
-        labels.get(constants.LABEL_STATEFULSET_POD_INDEX),
-        annotations.get(constants.ANNOTATION_JOB_COMPLETION_INDEX),
-        labels.get(constants.LABEL_JOB_COMPLETION_INDEX),
-    )
-    for text in candidates:
-        if text is None:
-            continue
-        return int(text) if _INDEX.fullmatch(text) else None
-    return None
+    """A pod's gang replica index (``gpualloc.api.pods.replica_of``, the webhook's rule too);
+    None when it names none or names it badly."""
+    try:
+        replica = pods.replica_of({"annotations": annotations, "labels": labels})
+    except pods.ReplicaError:
+        return None
+    return None if replica is None else replica.index
 
 
 def is_gated(pod: Mapping[str, Any]) -> bool:

@@ -45,7 +45,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import orjson
 
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, pods
 from webhook import mutations, patches
 
 API_VERSION = "admission.k8s.io/v1"
@@ -327,13 +327,13 @@ def _replica(pod: Mapping[str, Any], claim: models.GpuClaim, claim_words: str) -
     """The replica index for this pod, or a denial message."""
     try:
         replica = mutations.replica_of(pod)
-    except mutations.ReplicaError as exc:
+    except pods.ReplicaError as exc:
         return str(exc)
     replicas = claim.spec.replicas
     if replica is None:
         if replicas == 1:
             return 0
-        sources = ", ".join(words for _, _, words in mutations.REPLICA_SOURCES)
+        sources = ", ".join(words for _, _, words in pods.REPLICA_SOURCES)
         return (
             f"{claim_words} has {replicas} replicas and the pod does not say which one it is; "
             f"set one of: {sources}"

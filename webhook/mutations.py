@@ -17,12 +17,10 @@ a diff of the parts before and after may skip what they still share.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from gpualloc.api import constants
+from gpualloc.api import constants, pods
 from webhook import patches
 
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -37,36 +35,11 @@ DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 # added later through the pods/ephemeralcontainers subresource.
 CONTAINER_LISTS = ("initContainers", "containers")
 
+
 # Where a gang replica index may come from, in order of precedence:
 # (metadata section, key, words for messages).
-REPLICA_SOURCES: tuple[tuple[str, str, str], ...] = (
-    ("annotations", constants.ANNOTATION_REPLICA, f"annotation {constants.ANNOTATION_REPLICA}"),
-    ("labels", constants.LABEL_STATEFULSET_POD_INDEX, f"label {constants.LABEL_STATEFULSET_POD_INDEX}"),
-    (
-        "annotations",
-        constants.ANNOTATION_JOB_COMPLETION_INDEX,
-        f"annotation {constants.ANNOTATION_JOB_COMPLETION_INDEX}",
-    ),
-    ("labels", constants.LABEL_JOB_COMPLETION_INDEX, f"label {constants.LABEL_JOB_COMPLETION_INDEX}"),
-)
-
-_INDEX = re.compile(r"[0-9]{1,9}")
-
-
 class PodShapeError(ValueError):
     """The object does not have the shape of a Pod (a section has the wrong type)."""
-
-
-class ReplicaError(ValueError):
-    """A replica index source is present but does not hold a non-negative integer."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Replica:
-    """A gang replica index and where it was read from (for messages)."""
-
-    index: int
-    source: str
 
 
 # ------------------------------------------------------------------ reading
@@ -196,24 +169,16 @@ def node_pin(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def replica_of(pod: Mapping[str, Any]) -> Replica | None:
-    """The gang replica index, from the first source present; None when there is none.
+def replica_of(pod: Mapping[str, Any]) -> pods.Replica | None:
+    """The gang replica index (``gpualloc.api.pods.replica_of``) after checking the metadata's shape.
 
-    Raises ReplicaError when the first source present does not hold a
-    non-negative integer (a later source is not consulted then: a typo in an
-    explicit annotation must not silently fall back to something else).
+    Raises PodShapeError for a malformed section and ReplicaError when the first
+    source present does not hold a non-negative integer.
     """
     meta = section(pod, "metadata")
-    for part, key, words in REPLICA_SOURCES:
-        values = section(meta, part)
-        if key not in values:
-            continue
-        raw = values[key]
-        if not isinstance(raw, str) or not _INDEX.fullmatch(raw):
-            shown = raw if isinstance(raw, str) else repr(raw)
-            raise ReplicaError(f"{words} must be a non-negative integer, got {shown[:40]!r}")
-        return Replica(index=int(raw), source=words)
-    return None
+    for part in ("annotations", "labels"):
+        section(meta, part)
+    return pods.replica_of(meta)
 
 
 # ------------------------------------------------------------------ the parts edited
