@@ -56,6 +56,6 @@ def test_a_malformed_first_source_is_an_error_not_a_fallback(bad: str) -> None:
         "labels": {constants.LABEL_STATEFULSET_POD_INDEX: "1"},
     }
     with pytest.raises(
-        pods.ReplicaError, match="annotation gpu.scheduling/replica must be a non-negative integer"
+        pods.ReplicaError, match=r"annotation gpu\.scheduling/replica must be a non-negative integer"
     ):
         pods.replica_of(metadata)
