@@ -585,7 +585,8 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
 
     Adds the ``gpu.scheduling/devices`` annotation (UUIDs, comma-joined) and the
     ``kubernetes.io/hostname`` nodeSelector (allowed while the pod is gated),
-    and removes only our scheduling gate. The patch is a diff of a deep copy,
+    and removes only our scheduling gate and the ``gpu.scheduling/gated`` label the
+    webhook put on the pod. The patch is a diff of a deep copy,
     led by a ``test`` of the gate list so a concurrent change to the gates
     makes it fail instead of removing the wrong entry.
     """
@@ -600,6 +601,9 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
     if selector is None:
         selector = spec["nodeSelector"] = {}
     selector.setdefault(constants.HOSTNAME_LABEL, allocation.node_name)
+    labels = metadata.get("labels")
+    if isinstance(labels, dict) and constants.LABEL_GATED in labels:
+        metadata["labels"] = {k: v for k, v in labels.items() if k != constants.LABEL_GATED}
     gates = (pod.get("spec") or {}).get("schedulingGates") or []
     remaining = [g for g in gates if g.get("name") != constants.SCHEDULING_GATE]
     if remaining:

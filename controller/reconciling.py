@@ -137,7 +137,10 @@ class Controller:
             label_selector=f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}",
             on_event=self._on_lease,
         )
-        self.pods = watching.Reflector(api, watching.PODS, on_event=self._on_pod)
+        # Only the pods the webhook gated (it labels them), never every pod in the cluster.
+        self.pods = watching.Reflector(
+            api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", on_event=self._on_pod
+        )
         self.reflectors = (self.claims, self.node_statuses, self.nodes, self.leases, self.pods)
         self.queue = work_queue.WorkQueue(order=self._order)
         self.overlay = locking.Overlay()

@@ -435,4 +435,5 @@ def edit_gated(pod: dict[str, Any]) -> None:
     # Only the controller may say which devices the pod gets: drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES)
     mutations.add_scheduling_gate(pod)
+    mutations.set_label(pod, constants.LABEL_GATED, "true")
     mutations.set_env_everywhere(pod, [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES])

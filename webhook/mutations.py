@@ -184,7 +184,7 @@ def replica_of(pod: Mapping[str, Any]) -> pods.Replica | None:
 # ------------------------------------------------------------------ the parts edited
 
 # Everything the edits below may change: diffing only these keeps a patch cheap on big pods.
-TOUCHED_METADATA = ("annotations",)
+TOUCHED_METADATA = ("annotations", "labels")
 TOUCHED_SPEC = ("nodeSelector", "schedulingGates")
 TOUCHED_CONTAINER = ("name", "env")  # the name only for messages
 
@@ -300,6 +300,13 @@ def set_annotation(pod: dict[str, Any], key: str, value: str) -> None:
     current = meta.get("annotations")
     if not (isinstance(current, dict) and current.get(key) == value):
         meta["annotations"] = _with(current, key, value)
+
+
+def set_label(pod: dict[str, Any], key: str, value: str) -> None:
+    meta = _ensure_section(pod, "metadata")
+    current = meta.get("labels")
+    if not (isinstance(current, dict) and current.get(key) == value):
+        meta["labels"] = _with(current, key, value)
 
 
 def remove_annotation(pod: dict[str, Any], key: str) -> None:

@@ -26,6 +26,8 @@ MANAGED_BY = "gpualloc"
 
 FINALIZER = f"{GROUP}/release-devices"
 SCHEDULING_GATE = f"{GROUP}/claim-allocated"
+# On pods the webhook gated, so the controller can watch just those and not every pod.
+LABEL_GATED = f"{GROUP}/gated"
 
 # Well-known pod labels used to find a gang replica index.
 LABEL_STATEFULSET_POD_INDEX = "apps.kubernetes.io/pod-index"

@@ -28,7 +28,8 @@ def gated_pod(name: str, claim: str, replica: int | None = None) -> dict[str, An
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "annotations": annotations},
+        # As the webhook leaves it in gate mode: the gate, and the label the controller watches.
+        "metadata": {"name": name, "annotations": annotations, "labels": {constants.LABEL_GATED: "true"}},
         "spec": {
             "schedulingGates": [{"name": "example.com/other-gate"}, {"name": constants.SCHEDULING_GATE}],
             "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}],
@@ -77,6 +78,7 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
                 )
                 assert pod["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: allocation["nodeName"]}
                 assert pod["spec"]["schedulingGates"] == [{"name": "example.com/other-gate"}]
+                assert constants.LABEL_GATED not in (pod["metadata"].get("labels") or {})
     finally:
         for node in nodes:
             await delete_gpu_node(api, node)

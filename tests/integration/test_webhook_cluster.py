@@ -175,7 +175,15 @@ async def denial(api: ApiClient, namespace: str, body: dict[str, Any]) -> errors
 
 
 @pytest.fixture
-async def webhook(api: ApiClient, namespace: str) -> AsyncIterator[RunningWebhook]:
+def webhook_options() -> admission.Options:
+    """The webhook's options; a test module overrides this fixture for gate mode."""
+    return admission.Options()
+
+
+@pytest.fixture
+async def webhook(
+    api: ApiClient, namespace: str, webhook_options: admission.Options
+) -> AsyncIterator[RunningWebhook]:
     ca_pem, cert, key = tls_material()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -188,7 +196,7 @@ async def webhook(api: ApiClient, namespace: str) -> AsyncIterator[RunningWebhoo
     metrics = metrics_.Metrics()
     reflector = watching.Reflector(api, watching.CLAIMS)
     claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics)
-    app = server.make_app(claims=claims, options=admission.Options(), metrics=metrics)
+    app = server.make_app(claims=claims, options=webhook_options, metrics=metrics)
     runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reflector.run())
     running = RunningWebhook(app, runner, reflector, metrics, runner.addresses[0][1])
@@ -214,7 +222,10 @@ async def _wait_until_registered(api: ApiClient, namespace: str) -> None:
     probe = pod("probe", "probe-claim-that-does-not-exist", init=False)
     for _ in range(150):
         try:
-            await create_pod(api, namespace, probe, dry_run=True)
+            stored = await create_pod(api, namespace, probe, dry_run=True)
+            gates = {g["name"] for g in stored["spec"].get("schedulingGates") or []}
+            if constants.SCHEDULING_GATE in gates:  # gate mode admits it, gated
+                return
         except errors.Forbidden as exc:
             if "does not exist" in exc.message:
                 return
