@@ -164,6 +164,12 @@ async def summary(api: Any, kubeconfig: Path) -> bool:
         )
         if allocation is None or pod["spec"].get("nodeName") != allocation.node_name:
             ok = False
+            continue
+        # The devices every container will see, as stored in the pod's spec.
+        for container in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if env.get("CUDA_VISIBLE_DEVICES") != devices or env.get("NVIDIA_VISIBLE_DEVICES") != devices:
+                ok = False
     print("\n=== Claims")
     print(views.format_claims(claims, now, all_namespaces=False))
     raw_nodes = (await resources.CustomResources(api).list_node_statuses())["items"]
