@@ -266,7 +266,11 @@ class Agent:
         while True:
             ok = await self.scan_once()
             failures = 0 if ok else failures + 1
-            delay = self.args.scan_interval if ok else min(MAX_RETRY_SECONDS, 2.0 ** min(failures - 1, 6))
+            delay = (
+                self.args.scan_interval
+                if ok
+                else watching.backoff_delay(failures, None, base=1.0, cap=MAX_RETRY_SECONDS)
+            )
             await self._label_node()
             self.rescan.clear()
             with contextlib.suppress(TimeoutError):

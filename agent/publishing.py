@@ -35,7 +35,7 @@ from typing import Any
 
 from agent import metrics as agent_metrics
 from gpualloc.api import codecs, constants, models
-from gpualloc.kube import errors, resources
+from gpualloc.kube import errors, resources, watching
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ class Publisher:
                     self.metrics.publish_errors.inc()
                 if isinstance(exc, errors.Conflict | errors.NotFound | codecs.DecodeError):
                     self.server = None  # re-read (or re-create) before the next write
-                timeout = min(MAX_BACKOFF, 0.2 * 2 ** (failures - 1))
+                timeout = watching.backoff_delay(failures, None, base=0.2, cap=MAX_BACKOFF)
                 level = logging.WARNING if isinstance(exc, errors.KubeError) else logging.ERROR
                 log.log(
                     level,

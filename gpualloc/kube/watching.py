@@ -116,12 +116,13 @@ def diff(old: Mapping[str, Obj], new: Mapping[str, Obj]) -> list[tuple[str, Obj]
     return events
 
 
-def backoff_delay(failures: int, rng: random.Random, *, base: float = 0.2, cap: float = 5.0) -> float:
-    """Exponential backoff with jitter: about ``base * 2**(failures-1)``, never above ``cap``."""
+def backoff_delay(failures: int, rng: random.Random | None, *, base: float = 0.2, cap: float = 5.0) -> float:
+    """Exponential backoff: ``base * 2**(failures-1)``, never above ``cap``; with ``rng``, jittered
+    down by up to half. The exponent is clamped, so any number of failures stays a float."""
     if failures <= 0:
         return 0.0
     ceiling = min(cap, base * 2 ** min(failures - 1, 30))
-    return float(ceiling * (0.5 + 0.5 * rng.random()))
+    return float(ceiling if rng is None else ceiling * (0.5 + 0.5 * rng.random()))
 
 
 class Reflector:

@@ -218,3 +218,8 @@ async def test_synced_is_not_set_until_a_list_succeeds() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
     assert reflector.failures == 3
+
+
+def test_backoff_without_jitter_is_the_plain_capped_schedule_for_any_failure_count() -> None:
+    assert [watching.backoff_delay(n, None, base=0.2, cap=10.0) for n in (1, 2, 3)] == [0.2, 0.4, 0.8]
+    assert watching.backoff_delay(5000, None, base=0.2, cap=10.0) == 10.0  # no OverflowError
