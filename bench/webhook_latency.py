@@ -459,25 +459,10 @@ async def load(
 
 
 def make_certs(directory: Path) -> tuple[str, str, str]:
-    from certs import building, keys
-
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = keys.generate_key("ecdsa"), keys.generate_key("ecdsa")
-    ca = building.build_ca(ca_key, now=now, serial=keys.random_serial())
-    cert = building.build_serving_cert(
-        key,
-        ca_cert=ca,
-        ca_key=ca_key,
-        dns_names=[],
-        ip_addresses=["127.0.0.1"],
-        now=now,
-        serial=keys.random_serial(),
-    )
-    paths = directory / "ca.crt", directory / "tls.crt", directory / "tls.key"
-    paths[0].write_bytes(building.cert_pem(ca))
-    paths[1].write_bytes(building.cert_pem(cert))
-    paths[2].write_bytes(building.key_pem(key))
-    return str(paths[0]), str(paths[1]), str(paths[2])
+    """A CA and a serving certificate for 127.0.0.1, from the real ``gpualloc certs``."""
+    command = [sys.executable, "-m", "gpualloc.cli", "certs", "--out-dir", str(directory)]
+    subprocess.run([*command, "--ip-address", "127.0.0.1"], check=True, stdout=subprocess.DEVNULL)
+    return str(directory / "ca.crt"), str(directory / "tls.crt"), str(directory / "tls.key")
 
 
 def run_target(target: str, certs: tuple[str, str, str], args: argparse.Namespace) -> dict[str, Any]:

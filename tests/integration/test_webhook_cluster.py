@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime
 import ssl
 import tempfile
 import uuid
@@ -23,9 +22,9 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import ApiClient
 
-from certs import building, keys
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
+from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
 
@@ -54,22 +53,6 @@ class RunningWebhook:
         if not self.stopped:
             self.stopped = True
             await server.stop(self.app, self.runner)
-
-
-def tls_material() -> tuple[bytes, ssl.SSLContext, Any]:
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = keys.generate_key("ecdsa"), keys.generate_key("ecdsa")
-    ca = building.build_ca(ca_key, now=now, serial=keys.random_serial())
-    cert = building.build_serving_cert(
-        key,
-        ca_cert=ca,
-        ca_key=ca_key,
-        dns_names=[],
-        ip_addresses=["127.0.0.1"],
-        now=now,
-        serial=keys.random_serial(),
-    )
-    return building.cert_pem(ca), cert, key
 
 
 def webhook_configuration(name: str, namespace: str, port: int, ca_pem: bytes) -> dict[str, Any]:
@@ -184,14 +167,13 @@ def webhook_options() -> admission.Options:
 async def webhook(
     api: ApiClient, namespace: str, webhook_options: admission.Options
 ) -> AsyncIterator[RunningWebhook]:
-    ca_pem, cert, key = tls_material()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     # The context loads from files; write the pair to a private temp dir.
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "tls.crt").write_bytes(building.cert_pem(cert))
-        (Path(tmp) / "tls.key").write_bytes(building.key_pem(key))
-        context.load_cert_chain(str(Path(tmp) / "tls.crt"), str(Path(tmp) / "tls.key"))
+        ca_file, cert_file, key_file = write_serving_pair(Path(tmp))
+        ca_pem = ca_file.read_bytes()
+        context.load_cert_chain(str(cert_file), str(key_file))
 
     metrics = metrics_.Metrics()
     reflector = watching.Reflector(api, watching.CLAIMS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import signal
 import socket
 import ssl
@@ -12,32 +11,13 @@ from pathlib import Path
 
 import aiohttp
 
-from certs import building, keys
+from tests.integration.tls_support import write_serving_pair
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def write_certs(directory: Path) -> Path:
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = keys.generate_key("ecdsa"), keys.generate_key("ecdsa")
-    ca = building.build_ca(ca_key, now=now, serial=keys.random_serial())
-    cert = building.build_serving_cert(
-        key,
-        ca_cert=ca,
-        ca_key=ca_key,
-        dns_names=[],
-        ip_addresses=["127.0.0.1"],
-        now=now,
-        serial=keys.random_serial(),
-    )
-    (directory / "ca.crt").write_bytes(building.cert_pem(ca))
-    (directory / "tls.crt").write_bytes(building.cert_pem(cert))
-    (directory / "tls.key").write_bytes(building.key_pem(key))
-    return directory / "ca.crt"
 
 
 async def status_of(session: aiohttp.ClientSession, url: str) -> int | None:
@@ -52,7 +32,7 @@ async def status_of(session: aiohttp.ClientSession, url: str) -> int | None:
 async def test_webhook_process_becomes_ready_serves_metrics_and_stops_gracefully_on_sigterm(
     kubeconfig: str, tmp_path: Path
 ) -> None:
-    ca = write_certs(tmp_path)
+    ca, _, _ = write_serving_pair(tmp_path)
     port, metrics_port = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
