@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from agent import inventory
+from gpualloc.kube import watching
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class EventThread:
                 failures += 1
                 log.exception("health event wait failed")
                 # Back off a little so a broken event set cannot spin a core.
-                self._stop.wait(min(5.0, 0.1 * 2**failures))
+                self._stop.wait(watching.backoff_delay(failures + 1, None, base=0.1, cap=5.0))
                 continue
             for event in events:
                 try:
