@@ -9,7 +9,6 @@ lists them. Nothing is written.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
@@ -92,37 +91,28 @@ def explain(
 
 
 async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
-    from kubernetes_asyncio.client import CoreV1Api
-
-    from gpualloc.kube import client, resources
+    from gpualloc.kube import client, resources, transport
 
     api = await client.connect(views.kubeconfig_path(kubeconfig))
     try:
         crs = resources.CustomResources(api)
-        node_list = await CoreV1Api(api).list_node()
         return {
             "claims": (await crs.list_claims())["items"],
             "statuses": (await crs.list_node_statuses())["items"],
-            "nodes": api.sanitize_for_serialization(node_list)["items"],
+            "nodes": (await transport.request(api, "GET", "/api/v1/nodes"))["items"],
         }
     finally:
         await api.close()
 
 
 def main(argv: Sequence[str]) -> int:
-    from gpualloc.kube import errors
-
     parser = argparse.ArgumentParser(prog="gpualloc explain")
     parser.add_argument("kind", choices=["claim"], help="what to explain")
     parser.add_argument("name", help="the GpuClaim's name")
     parser.add_argument("-n", "--namespace", default="default", help="the claim's namespace")
     parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     args = parser.parse_args(argv)
-    try:
-        raw = asyncio.run(_fetch(args.kubeconfig))
-    except errors.KubeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    raw = views.run_or_exit(_fetch(args.kubeconfig))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
     if claim is None:

@@ -134,11 +134,12 @@ def format_topology(node: models.GpuNodeStatus) -> str:
 
 
 def kubeconfig_path(explicit: str | None) -> str | None:
-    """kubectl's order: the flag, $KUBECONFIG, ~/.kube/config; None means in-cluster."""
+    """kubectl's order: the flag, $KUBECONFIG (every file in it, merged), ~/.kube/config;
+    None means in-cluster."""
     if explicit:
         return explicit
     if os.environ.get("KUBECONFIG"):
-        return os.environ["KUBECONFIG"].split(os.pathsep)[0]
+        return os.environ["KUBECONFIG"]
     default = Path.home() / ".kube" / "config"
     return str(default) if default.exists() else None
 
@@ -169,7 +170,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _run(coro: Any) -> dict[str, Any]:
+def run_or_exit(coro: Any) -> dict[str, Any]:
+    """Run a fetch; on an API error print it and exit 1 (no traceback for people)."""
     from gpualloc.kube import errors
 
     try:
@@ -187,13 +189,13 @@ def get_main(argv: Sequence[str]) -> int:
     parser.add_argument("-A", "--all-namespaces", action="store_true", help="claims in every namespace")
     args = parser.parse_args(argv)
     if args.what == "nodes":
-        raw = _run(_fetch(args.kubeconfig, "nodes", None))
+        raw = run_or_exit(_fetch(args.kubeconfig, "nodes", None))
         nodes = [codecs.parse_node_status(n) for n in raw["nodes"]]
         claims = [codecs.parse_claim(c) for c in raw["claims"]]
         print(format_nodes(nodes, allocated_uuids(claims), _now()) if nodes else "No GPU nodes found.")
         return 0
     namespace = None if args.all_namespaces else args.namespace
-    raw = _run(_fetch(args.kubeconfig, "claims", namespace))
+    raw = run_or_exit(_fetch(args.kubeconfig, "claims", namespace))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     if not claims:
         where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"
@@ -207,7 +209,7 @@ def topo_main(argv: Sequence[str]) -> int:
     parser = _parser("gpualloc topo")
     parser.add_argument("node", help="node name (the GpuNodeStatus of the same name)")
     args = parser.parse_args(argv)
-    raw = _run(_fetch(args.kubeconfig, "topo", None))
+    raw = run_or_exit(_fetch(args.kubeconfig, "topo", None))
     for item in raw["nodes"]:
         if item.get("metadata", {}).get("name") == args.node:
             print(format_topology(codecs.parse_node_status(item)))
