@@ -15,9 +15,9 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
+import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +30,7 @@ import yaml
 
 from gpualloc import views
 from gpualloc.api import codecs, constants
+from gpualloc.devcluster import cluster
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -47,10 +48,8 @@ def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _alive(proc: subprocess.Popen[bytes]) -> bool:
+    return proc.poll() is None
 
 
 class Processes:
@@ -77,17 +76,14 @@ class Processes:
                 raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
 
     def stop(self) -> None:
+        """SIGTERM every process group at once (they shut down in parallel), then wait for each,
+        SIGKILLing any still alive after 10 s."""
         for _, proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
         for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            cluster.terminate_group(proc.pid, timeout=10, is_alive=functools.partial(_alive, proc))
+            proc.wait()
 
 
 async def wait_for(what: str, check: Any, limit_s: float, procs: Processes) -> None:
@@ -205,7 +201,7 @@ def start_components(procs: Processes, kubeconfig: str, certs_dir: Path, webhook
     """One simulated agent per node, the controller, and the webhook with fresh certificates."""
 
     def ports() -> list[str]:
-        return ["--metrics-port", str(free_port()), "--health-port", str(free_port())]
+        return ["--metrics-port", str(cluster.free_port()), "--health-port", str(cluster.free_port())]
 
     for name, profile, _ in NODES:
         agent = ["agent", "--source", "simulated", "--profile", profile, "--node-name", name]
@@ -382,7 +378,7 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gpualloc.devcluster import binaries, cluster
+    from gpualloc.devcluster import binaries
 
     parser = argparse.ArgumentParser(prog="gpualloc-demo", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--state-dir", help="where the control plane keeps its files (default: a temp dir)")
@@ -409,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"  node {name}: a kwok node with a simulated {profile}")
         cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
         say(f"starting 3 agents, the controller (device Leases in {NAMESPACE}) and the webhook")
-        port = free_port()
+        port = cluster.free_port()
         certs_dir = state / "webhook-certs"
         start_components(procs, str(cp.kubeconfig), certs_dir, port)
         ca_bundle = (certs_dir / "ca.crt").read_bytes()
