@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -45,8 +44,6 @@ REASON_DEVICES_HEALTHY = "DevicesHealthy"
 
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 _NOBODY: frozenset[str] = frozenset()
-# Lease names are a pure function of the UUID; planning asks for every device's on every reconcile.
-_lease_name = functools.lru_cache(maxsize=1 << 16)(constants.lease_name)
 
 
 # ------------------------------------------------------------------- time
@@ -156,7 +153,7 @@ def build_node_views(
         taken = frozenset(
             device.uuid
             for device in inventory.devices
-            if holders.get(_lease_name(device.uuid), _NOBODY) - {claim_uid}
+            if holders.get(constants.lease_name(device.uuid), _NOBODY) - {claim_uid}
         )
         views.append(
             allocator.NodeView(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 GROUP = "gpu.scheduling"
@@ -61,6 +62,8 @@ CONDITION_DEVICES_LOST = "DevicesLost"
 _LEASE_UNSAFE = re.compile(r"[^a-z0-9-]")
 
 
+# Pure and asked for every device on every reconcile, sweep and metrics scrape: cached.
+@functools.lru_cache(maxsize=1 << 16)
 def lease_name(uuid: str) -> str:
     """The name of the Lease that locks the device with this UUID.
 
