@@ -460,8 +460,8 @@ class Controller:
             raw = await self._add_finalizer(claim, raw)
             claim = codecs.parse_claim(raw)
         if planning.allocation_complete(claim):
-            await self._maintain(claim, raw)
-            await self._ungate(claim)
+            if await self._maintain(claim, raw):
+                await self._ungate(claim)
             return
         if claim.status.phase == constants.PHASE_FAILED and (
             claim.status.observed_generation >= claim.metadata.generation
@@ -651,7 +651,9 @@ class Controller:
 
     # ---------------------------------------------------------------- allocated claims
 
-    async def _maintain(self, claim: models.GpuClaim, raw: Obj) -> None:
+    async def _maintain(self, claim: models.GpuClaim, raw: Obj) -> bool:
+        """Keep an Allocated claim's locks and its DevicesLost condition true; False when its
+        status write did not land (the claim moved on or is gone) and the caller should stop."""
         uid = claim.metadata.uid
         recorded = planning.recorded_leases(claim.status)
         held = self.held_by(uid)
@@ -672,20 +674,15 @@ class Controller:
         )
         condition = planning.devices_lost_condition(claim, problems, lost_leases=lost, now=_now())
         if condition is None:
-            return
-        with contextlib.suppress(errors.NotFound):
-            written = await self.cr.patch_claim_status(
-                claim.metadata.namespace,
-                claim.metadata.name,
-                planning.condition_patch(claim, condition),
-                resource_version=claim.metadata.resource_version,
-            )
-            self._expect_write(claim.key, written)
+            return True
+        if await self._write_status(claim, planning.condition_patch(claim, condition)) is None:
+            return False
         if condition.status == "True":
             log.warning("devices lost", extra={"claim": claim.key, "reason": condition.message})
             self._emit(raw, "DeviceUnhealthy", condition.message, "Warning")
         else:
             log.info("devices recovered", extra={"claim": claim.key})
+        return True
 
     async def _relock(self, claim: models.GpuClaim, missing: list[str]) -> list[str]:
         """Re-create recorded Leases that vanished; the names now held by someone else."""
