@@ -364,8 +364,6 @@ def derive(
     *,
     unhealthy: Mapping[str, str] | None = None,
     allocated: int = 0,
-    conditions: Sequence[models.Condition] = (),
-    last_heartbeat_time: str | None = None,
 ) -> models.NodeInventory:
     """The status to publish. ``unhealthy`` maps UUID -> reason (from health events)."""
     marks = unhealthy or {}
@@ -406,6 +404,4 @@ def derive(
         healthy=sum(1 for d in devices if d.health == constants.HEALTHY),
         allocated=allocated,
         product=product_summary(devices),
-        last_heartbeat_time=last_heartbeat_time,
-        conditions=tuple(conditions),
     )

@@ -156,7 +156,6 @@ class Agent:
         self._event_thread: health.EventThread | None = None
         self._event_generation = -1
         self._labels_applied: dict[str, str] | None = None
-        self._inventory: models.NodeInventory | None = None
 
     # -- what to publish ------------------------------------------------------
 
@@ -169,7 +168,6 @@ class Agent:
             source=self.source.name, source_error=self.source_error, devices=inv.devices
         )
         inv = dataclasses.replace(inv, conditions=conds)
-        self._inventory = inv
         self.metrics.inventory = inv
         return inv
 

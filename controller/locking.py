@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
@@ -154,15 +153,15 @@ async def _create_or_read(
             raw = await leases.create_lease(
                 api, namespace, item.lease, holder=uid, labels=planning.lease_labels(item, claim)
             )
-            return lease_uid_of(raw), uid, True
+            return planning.lease_info(raw).uid, uid, True
         except errors.AlreadyExists:
             pass
         try:
             raw = await leases.get_lease(api, namespace, item.lease)  # the one GET: only on a conflict
         except errors.NotFound:
             continue  # released between our create and our read: try again
-        holder = str((raw.get("spec") or {}).get("holderIdentity") or "")
-        return lease_uid_of(raw), holder, False
+        info = planning.lease_info(raw)
+        return info.uid, info.holder, False
     raise errors.Conflict(409, "Conflict", f"lease {item.lease} keeps appearing and vanishing")
 
 
@@ -212,7 +211,3 @@ async def release(
     if failure is not None:
         raise failure
     return deleted
-
-
-def lease_uid_of(raw: Mapping[str, Any]) -> str:
-    return str((raw.get("metadata") or {}).get("uid", ""))

@@ -97,10 +97,6 @@ class Decision:
     response: dict[str, Any]
     outcome: str
 
-    @property
-    def allowed(self) -> bool:
-        return bool(self.response["response"]["allowed"])
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PodCreate:

@@ -36,8 +36,6 @@ DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 CONTAINER_LISTS = ("initContainers", "containers")
 
 
-# Where a gang replica index may come from, in order of precedence:
-# (metadata section, key, words for messages).
 class PodShapeError(ValueError):
     """The object does not have the shape of a Pod (a section has the wrong type)."""
 
@@ -99,10 +97,6 @@ def check_shape(pod: Any) -> None:
 
 def pod_annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return section(section(pod, "metadata"), "annotations")
-
-
-def pod_labels(pod: Mapping[str, Any]) -> Mapping[str, str]:
-    return section(section(pod, "metadata"), "labels")
 
 
 def display_name(pod: Mapping[str, Any]) -> str:
