@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import prometheus_client
 from aiohttp import web
 from cryptography import x509
 
+from gpualloc.runtime import serving
 from webhook import admission
 from webhook import metrics as metrics_
 
@@ -122,21 +122,6 @@ async def mutate(request: web.Request) -> web.Response:
     return web.Response(body=text, headers=_JSON_HEADERS)
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
-
-
-async def readyz(request: web.Request) -> web.Response:
-    if request.app[STATE].ready():
-        return web.Response(text="ok\n")
-    return web.Response(status=503, text="not ready\n")
-
-
-async def serve_metrics(request: web.Request) -> web.Response:
-    body = prometheus_client.generate_latest(request.app[STATE].metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
-
-
 def make_app(
     *,
     claims: ClaimSource,
@@ -145,12 +130,16 @@ def make_app(
 ) -> web.Application:
     """The webhook's aiohttp app; ``app[STATE]`` holds its serving state."""
     app = web.Application(client_max_size=MAX_BODY)
-    app[STATE] = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
+    state = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
+    app[STATE] = state
+    # The probes and /metrics are the shared ones, on the TLS port too.
+    app[serving.READY] = state.ready
+    app[serving.REGISTRY] = state.metrics.registry
     app.router.add_post("/mutate", mutate)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", serve_metrics)
+    app.router.add_get("/healthz", serving.healthz)
+    app.router.add_get("/livez", serving.healthz)
+    app.router.add_get("/readyz", serving.readyz)
+    app.router.add_get("/metrics", serving.metrics)
     return app
 
 
@@ -273,14 +262,9 @@ async def start(
     ``cleanup`` stops listening, lets requests in flight finish for up to
     ``shutdown_timeout`` seconds, then closes the connections.
     """
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
+    return await serving.start_app(
+        app, host, port, ssl_context=ssl_context, shutdown_timeout=shutdown_timeout
+    )
 
 
 async def stop(app: web.Application, runner: web.AppRunner, *, drain_delay: float = 0.0) -> None:

@@ -7,6 +7,7 @@ synced), else 503; ``/metrics`` is the Prometheus text format of a registry.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 
 import prometheus_client
@@ -56,12 +57,21 @@ def make_probe_app(
     return app
 
 
-async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve ``app`` on ``host:port``; the caller does ``await runner.cleanup()``."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
+async def start_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+) -> web.AppRunner:
+    """Serve ``app`` on ``host:port`` (over TLS with ``ssl_context``); the caller does
+    ``await runner.cleanup()``, which lets requests in flight finish for up to
+    ``shutdown_timeout`` seconds, then closes the connections."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise
