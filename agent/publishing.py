@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from agent import metrics as agent_metrics
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, timestamps
 from gpualloc.kube import errors, resources, watching
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,6 @@ LABEL_GPU_PRODUCT = f"{constants.GROUP}/gpu.product"
 LABEL_GPU_MEMORY = f"{constants.GROUP}/gpu.memory"
 
 MAX_BACKOFF = 10.0
-
-
-def rfc3339(when: dt.datetime) -> str:
-    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def utc_now() -> dt.datetime:
@@ -240,7 +236,7 @@ class Publisher:
         if self.server is None:
             self.server = await self._ensure()
         status = self.server.get("status") or {}
-        now = rfc3339(self._wall())
+        now = timestamps.format_time(self._wall())
         try:
             current_conditions = codecs.decode(models.NodeInventory, dict(status), "status").conditions
         except codecs.DecodeError:

@@ -29,7 +29,7 @@ import jsonpatch
 
 from controller import allocator
 from controller import queue as work_queue
-from gpualloc.api import codecs, constants, models, pods
+from gpualloc.api import codecs, constants, models, pods, timestamps
 
 Obj = dict[str, Any]
 
@@ -47,22 +47,6 @@ _NOBODY: frozenset[str] = frozenset()
 
 
 # ------------------------------------------------------------------- time
-
-
-def format_time(when: datetime.datetime) -> str:
-    """RFC 3339 in UTC with a ``Z``, second precision (the API's ``Time``)."""
-    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> datetime.datetime | None:
-    """An API timestamp (``Time`` or ``MicroTime``) as an aware datetime; None if absent or malformed."""
-    if not text:
-        return None
-    try:
-        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
 
 
 # ------------------------------------------------------------------- cache views
@@ -122,7 +106,7 @@ def node_ready(inventory: models.NodeInventory, *, now: datetime.datetime, stale
     ready = any(c.type == constants.CONDITION_READY and c.status == "True" for c in inventory.conditions)
     if not ready:
         return False
-    beat = parse_time(inventory.last_heartbeat_time)
+    beat = timestamps.parse_time(inventory.last_heartbeat_time)
     if beat is None:
         return False
     return (now - beat).total_seconds() <= stale_after
@@ -285,7 +269,7 @@ def allocated_status(
     now: datetime.datetime,
 ) -> Obj:
     """The merge patch that records a successful allocation."""
-    stamp = format_time(now)
+    stamp = timestamps.format_time(now)
     nodes, devices = display_fields(allocations)
     count = sum(len(a.devices) for a in allocations)
     message = f"allocated {count} GPU{'s' if count != 1 else ''} on {nodes}"
@@ -333,7 +317,7 @@ def unallocated_status(
             status="False",
             reason=reason,
             message=message,
-            last_transition_time=format_time(now),
+            last_transition_time=timestamps.format_time(now),
             observed_generation=claim.metadata.generation or None,
         ),
     )
@@ -467,7 +451,7 @@ def devices_lost_condition(
             status="True",
             reason=reason,
             message=message,
-            last_transition_time=format_time(now),
+            last_transition_time=timestamps.format_time(now),
             observed_generation=claim.metadata.generation or None,
         )
     if current is None or current.status == "False":
@@ -477,7 +461,7 @@ def devices_lost_condition(
         status="False",
         reason=REASON_DEVICES_HEALTHY,
         message="every allocated device is present and healthy",
-        last_transition_time=format_time(now),
+        last_transition_time=timestamps.format_time(now),
         observed_generation=claim.metadata.generation or None,
     )
 

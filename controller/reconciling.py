@@ -73,7 +73,7 @@ from kubernetes_asyncio.client import ApiClient
 from controller import allocator, locking, planning
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, timestamps
 from gpualloc.kube import errors, events, resources, transport, watching
 
 log = logging.getLogger(__name__)
@@ -558,7 +558,7 @@ class Controller:
         self._retry.pop(key, None)
         self._failed_event.pop(key, None)
         self.metrics.claims_allocated.labels(strategy=claim.spec.strategy).inc()
-        created = planning.parse_time(claim.metadata.creation_timestamp)
+        created = timestamps.parse_time(claim.metadata.creation_timestamp)
         if created is not None:
             self.metrics.time_to_allocated.observe(max(0.0, (now - created).total_seconds()))
         status = patch["status"]
@@ -663,7 +663,7 @@ class Controller:
         lost: list[str] = []
         missing = sorted(recorded - held.keys())
         if missing:
-            scheduled = planning.parse_time(claim.status.last_schedule_time)
+            scheduled = timestamps.parse_time(claim.status.last_schedule_time)
             age = (_now() - scheduled).total_seconds() if scheduled else LEASE_GRACE
             if age < LEASE_GRACE:
                 self.queue.add_after(claim.key, LEASE_GRACE - age)

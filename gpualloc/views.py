@@ -18,16 +18,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, timestamps
 
 
 def age(timestamp: str | None, now: dt.datetime) -> str:
     """kubectl-style age: 45s, 12m, 3h, 5d."""
-    if not timestamp:
-        return "<unknown>"
-    try:
-        then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
-    except ValueError:
+    then = timestamps.parse_time(timestamp)
+    if then is None:
         return "<unknown>"
     seconds = max(0, int((now - then).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):

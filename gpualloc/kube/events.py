@@ -10,6 +10,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from gpualloc.api import timestamps
 from gpualloc.kube import transport
 
 log = logging.getLogger(__name__)
@@ -17,10 +18,6 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 MAX_MESSAGE = 1024
-
-
-def _timestamp(when: datetime.datetime) -> str:
-    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def event_body(
@@ -41,7 +38,7 @@ def event_body(
     for key in ("namespace", "uid", "resourceVersion"):
         if metadata.get(key):
             involved[key] = metadata[key]
-    stamp = _timestamp(now)
+    stamp = timestamps.format_time(now)
     return {
         "apiVersion": "v1",
         "kind": "Event",

@@ -9,7 +9,7 @@ import jsonpatch
 import pytest
 
 from controller import allocator, locking, planning
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, timestamps
 
 NOW = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 
@@ -39,7 +39,7 @@ def inventory(
         ),
         total=gpus,
         healthy=gpus - len(unhealthy),
-        last_heartbeat_time=planning.format_time(heartbeat),
+        last_heartbeat_time=timestamps.format_time(heartbeat),
         conditions=(models.Condition(type="Ready", status="True" if ready else "False", reason="x"),),
     )
 
