@@ -19,7 +19,6 @@ import asyncio
 import datetime
 import ipaddress
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -67,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="WARNING",
         help="least level logged",
     )
-    runtime_options.env_defaults(parser)
+    # --namespace: the flag, then GPUALLOC_NAMESPACE, then the pod's own (POD_NAMESPACE).
+    runtime_options.env_defaults(
+        parser, fallbacks={**runtime_options.DOWNWARD_API, "namespace": "POD_NAMESPACE"}
+    )
     return parser
 
 
@@ -100,7 +102,6 @@ def _wanted(parser: argparse.ArgumentParser, args: argparse.Namespace) -> buildi
 def main(argv: Sequence[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv))
-    args.namespace = args.namespace or os.environ.get("POD_NAMESPACE") or None
     if (args.service or args.secret) and not args.namespace:
         parser.error("--service and --secret need --namespace (or $POD_NAMESPACE)")
     if not args.out_dir and not args.secret:

@@ -100,3 +100,14 @@ def test_usage_errors_exit_2(argv: list[str], monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(SystemExit) as exc:
         certs_main.main(argv)
     assert exc.value.code == 2
+
+
+def test_namespace_is_the_flag_then_gpualloc_namespace_then_the_pods_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "from-pod")
+    monkeypatch.delenv("GPUALLOC_NAMESPACE", raising=False)
+    assert certs_main.build_parser().parse_args([]).namespace == "from-pod"
+    monkeypatch.setenv("GPUALLOC_NAMESPACE", "from-env")
+    assert certs_main.build_parser().parse_args([]).namespace == "from-env"
+    assert certs_main.build_parser().parse_args(["--namespace", "from-flag"]).namespace == "from-flag"
