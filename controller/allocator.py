@@ -168,17 +168,19 @@ def _int_compare(label: str, bound: str, op: str) -> bool:
     return left > right if op == "Gt" else left < right
 
 
-def order_pending(claims: Iterable[models.GpuClaim]) -> list[models.GpuClaim]:
+def order_key(claim: models.GpuClaim) -> tuple[int, str, str, str]:
     """Allocation order: priority (high first), then creationTimestamp, then namespace/name."""
-    return sorted(
-        claims,
-        key=lambda c: (
-            -c.spec.priority,
-            c.metadata.creation_timestamp,
-            c.metadata.namespace,
-            c.metadata.name,
-        ),
+    return (
+        -claim.spec.priority,
+        claim.metadata.creation_timestamp,
+        claim.metadata.namespace,
+        claim.metadata.name,
     )
+
+
+def order_pending(claims: Iterable[models.GpuClaim]) -> list[models.GpuClaim]:
+    """Claims in allocation order (``order_key``); the controller's work queue uses the same key."""
+    return sorted(claims, key=order_key)
 
 
 # ------------------------------------------------------------- parsed request

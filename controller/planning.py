@@ -153,16 +153,6 @@ def build_node_views(
     return views
 
 
-def queue_order(claim: models.GpuClaim) -> tuple[int, str, str, str]:
-    """The work-queue sort key: the same order as ``allocator.order_pending``."""
-    return (
-        -claim.spec.priority,
-        claim.metadata.creation_timestamp,
-        claim.metadata.namespace,
-        claim.metadata.name,
-    )
-
-
 def seed_for(uid: str) -> int:
     """A stable seed per claim for ``strategy: random`` (a retry makes the same choice)."""
     value = 0

@@ -155,6 +155,7 @@ class Controller:
         self._facts: dict[str, planning.NodeFacts] = {}
         self._lease_info: dict[str, planning.LeaseInfo] = {}  # lease name -> info
         self._held: dict[str, dict[str, str]] = collections.defaultdict(dict)  # holder -> name -> uid
+        self._parsed: dict[str, tuple[str, models.GpuClaim | None]] = {}  # key -> (resourceVersion, model)
         self._pod_claim: dict[str, str] = {}
         self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
         # Per-claim memory.
@@ -265,16 +266,28 @@ class Controller:
 
     # ------------------------------------------------------------------ event handlers
 
+    def _claim(self, key: str, raw: Obj) -> models.GpuClaim | None:
+        """The cached claim as a model, parsed once per resourceVersion; None if unreadable."""
+        version = watching.resource_version_of(raw)
+        cached = self._parsed.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        claim: models.GpuClaim | None
+        try:
+            claim = codecs.parse_claim(raw)
+        except codecs.DecodeError as exc:
+            log.error("unreadable GpuClaim skipped", extra={"claim": key, "error": str(exc)})
+            claim = None
+        self._parsed[key] = (version, claim)
+        return claim
+
     def _order(self, key: str) -> tuple[Any, ...]:
         raw = self.claims.get(key)
-        if raw is None:
-            return (0, 0, "", key)
-        meta = _meta(raw)
-        spec = raw.get("spec") or {}
-        deleting = 0 if meta.get("deletionTimestamp") else 1  # releasing first frees capacity first
-        priority = spec.get("priority", 0)
-        priority = priority if isinstance(priority, int) else 0
-        return (deleting, -priority, str(meta.get("creationTimestamp", "")), key)
+        claim = None if raw is None else self._claim(key, raw)
+        if claim is None:
+            return (0, 0, "", "", key)
+        deleting = 0 if claim.metadata.deletion_timestamp else 1  # releasing first frees capacity first
+        return (deleting, *allocator.order_key(claim))
 
     def _on_claim(self, type_: str, raw: Obj) -> None:
         key = watching.object_key(raw)
@@ -283,6 +296,7 @@ class Controller:
         for node in self._claim_nodes.pop(key, frozenset()):
             self._allocated_on[node].discard(key)
         if type_ == watching.DELETED:
+            self._parsed.pop(key, None)
             self._pending.discard(key)
             if self._uid_to_key.get(uid) == key:
                 del self._uid_to_key[uid]
@@ -448,10 +462,8 @@ class Controller:
                 self.queue.add_after(key, remaining)
                 return
             del self._expect[key]
-        try:
-            claim = codecs.parse_claim(raw)
-        except codecs.DecodeError as exc:
-            log.error("unreadable GpuClaim skipped", extra={"claim": key, "error": str(exc)})
+        claim = self._claim(key, raw)
+        if claim is None:
             return
         if claim.metadata.deletion_timestamp:
             await self._finalize(claim, raw)
@@ -780,7 +792,7 @@ class Controller:
         # Claims holding Leases their status does not explain, and Allocated claims whose devices changed.
         for key, raw in list(self.claims.cache.items()):
             uid = str(_meta(raw).get("uid", ""))
-            if self._needs_attention(raw, set(self._held.get(uid, {}))):
+            if self._needs_attention(key, raw, set(self._held.get(uid, {}))):
                 self.queue.add(key)
         # Nodes whose heartbeat went stale or fresh since the last sweep.
         ready = {node: self._is_ready(s.status) for node, s in self._statuses.items()}
@@ -788,10 +800,9 @@ class Controller:
             self._ready_nodes = ready
             self.enqueue_pending()
 
-    def _needs_attention(self, raw: Obj, held: set[str]) -> bool:
-        try:
-            claim = codecs.parse_claim(raw)
-        except codecs.DecodeError:
+    def _needs_attention(self, key: str, raw: Obj, held: set[str]) -> bool:
+        claim = self._claim(key, raw)
+        if claim is None:
             return False
         if claim.metadata.deletion_timestamp or claim.status.phase == constants.PHASE_FAILED:
             return bool(held)

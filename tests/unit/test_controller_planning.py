@@ -134,14 +134,14 @@ def test_node_views_feed_the_allocator_which_avoids_taken_devices() -> None:
     assert not allocator.allocate(claim(count=3), views).allocations
 
 
-def test_queue_order_matches_the_allocators_pending_order() -> None:
+def test_pending_order_is_priority_then_age_then_name() -> None:
     claims = [
         claim("a", priority=0, created="2025-01-01T00:00:02Z"),
         claim("b", priority=5, created="2025-01-01T00:00:03Z"),
         claim("c", priority=0, created="2025-01-01T00:00:01Z"),
         claim("d", priority=5, created="2025-01-01T00:00:01Z"),
     ]
-    assert sorted(claims, key=planning.queue_order) == allocator.order_pending(claims)
+    assert [c.metadata.name for c in allocator.order_pending(claims)] == ["d", "b", "c", "a"]
 
 
 # ------------------------------------------------------------------ locking plan
