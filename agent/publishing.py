@@ -68,15 +68,20 @@ def comparable(inv: models.NodeInventory) -> models.NodeInventory:
     )
 
 
+def read_status(server_status: Mapping[str, Any] | None) -> models.NodeInventory | None:
+    """The server's status as a model; None when it is empty or unreadable (then it is rewritten)."""
+    if not server_status:
+        return None
+    try:
+        return codecs.decode(models.NodeInventory, dict(server_status), "status")
+    except codecs.DecodeError:
+        return None
+
+
 def status_differs(server_status: Mapping[str, Any] | None, desired: models.NodeInventory) -> bool:
     """True when the server's status is not ``desired`` (timestamps aside)."""
-    if not server_status:
-        return True
-    try:
-        current = codecs.decode(models.NodeInventory, dict(server_status), "status")
-    except codecs.DecodeError:
-        return True
-    return comparable(current) != comparable(desired)
+    current = read_status(server_status)
+    return current is None or comparable(current) != comparable(desired)
 
 
 def merge_conditions(
@@ -237,12 +242,9 @@ class Publisher:
             self.server = await self._ensure()
         status = self.server.get("status") or {}
         now = timestamps.format_time(self._wall())
-        try:
-            current_conditions = codecs.decode(models.NodeInventory, dict(status), "status").conditions
-        except codecs.DecodeError:
-            current_conditions = ()
-        conds = merge_conditions(desired.conditions, current_conditions, now)
-        if status_differs(status, desired):
+        current = read_status(status)
+        conds = merge_conditions(desired.conditions, current.conditions if current else (), now)
+        if current is None or comparable(current) != comparable(desired):
             full = dataclasses.replace(desired, conditions=conds, last_heartbeat_time=now)
             body = codecs.encode(full)
             for key in status:
