@@ -621,7 +621,7 @@ def allocate(
     *,
     seed: int = 0,
     round_robin_cursor: int = 0,
-    cost_label: str = "gpu.scheduling/cost-tier",
+    cost_label: str = constants.LABEL_COST_TIER,
     cost_preference: Sequence[str] = ("low", "medium", "high"),
     explain: bool = False,
 ) -> Decision:

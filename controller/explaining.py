@@ -18,8 +18,6 @@ from controller import allocator, planning
 from gpualloc import views
 from gpualloc.api import codecs, constants, models
 
-STALE_AFTER_S = 120.0
-
 
 def describe_request(claim: models.GpuClaim) -> str:
     spec = claim.spec
@@ -80,7 +78,7 @@ def explain(
         holders=holders_from_claims([c for c in claims if c.metadata.uid != claim.metadata.uid]),
         claim_uid=claim.metadata.uid,
         now=now,
-        stale_after=STALE_AFTER_S,
+        stale_after=planning.NODE_STALE_AFTER_S,
     )
     decision = allocator.allocate(claim, node_views, explain=True)
     lines.append(f"  now:     {'would fit' if decision.ok else decision.reason}")

@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from controller import leader, reconciling
+from controller import leader, planning, reconciling
 from controller import metrics as controller_metrics
+from gpualloc.api import constants
 from gpualloc.kube import client
 from gpualloc.runtime import logging as runtime_logging
 from gpualloc.runtime import options, serving, signals
@@ -75,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--node-stale-after",
         type=float,
-        default=120.0,
+        default=planning.NODE_STALE_AFTER_S,
         help="seconds after which a GpuNodeStatus heartbeat is stale",
     )
     parser.add_argument(
-        "--cost-label", default="gpu.scheduling/cost-tier", help="node label read by strategy costOptimized"
+        "--cost-label", default=constants.LABEL_COST_TIER, help="node label read by strategy costOptimized"
     )
     parser.add_argument("--sweep-interval", type=float, default=30.0, help="seconds between sweeps")
     parser.add_argument(

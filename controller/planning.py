@@ -101,6 +101,10 @@ def lease_info(raw: Mapping[str, Any]) -> LeaseInfo:
     )
 
 
+# A GpuNodeStatus whose heartbeat is older than this is not allocated from (--node-stale-after).
+NODE_STALE_AFTER_S = 120.0
+
+
 def node_ready(inventory: models.NodeInventory, *, now: datetime.datetime, stale_after: float) -> bool:
     """The GpuNodeStatus Ready condition is True and its heartbeat is at most ``stale_after`` s old."""
     ready = any(c.type == constants.CONDITION_READY and c.status == "True" for c in inventory.conditions)

@@ -93,8 +93,8 @@ ERROR_BACKOFF_CAP = 60.0
 class Settings:
     namespace: str  # where the device Leases live
     workers: int = 4
-    node_stale_after: float = 120.0
-    cost_label: str = "gpu.scheduling/cost-tier"
+    node_stale_after: float = planning.NODE_STALE_AFTER_S
+    cost_label: str = constants.LABEL_COST_TIER
     sweep_interval: float = 30.0
     event_interval: float = EVENT_INTERVAL
     claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all

@@ -37,9 +37,9 @@ EXAMPLES = REPO / "examples"
 NAMESPACE = "gpualloc-system"
 DEMO_NAMESPACE = "default"
 NODES = (
-    ("gpu-node-a", "h100-sxm-8", {"gpu.scheduling/cost-tier": "high"}),
-    ("gpu-node-b", "a100-pcie-4-nvlink", {"gpu.scheduling/cost-tier": "medium"}),
-    ("gpu-node-c", "consumer-8", {"gpu.scheduling/cost-tier": "low"}),
+    ("gpu-node-a", "h100-sxm-8", {constants.LABEL_COST_TIER: "high"}),
+    ("gpu-node-b", "a100-pcie-4-nvlink", {constants.LABEL_COST_TIER: "medium"}),
+    ("gpu-node-c", "consumer-8", {constants.LABEL_COST_TIER: "low"}),
 )
 WEBHOOK_CONFIG = "gpualloc-demo"
 

@@ -36,6 +36,8 @@ LABEL_JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 ANNOTATION_JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# The node label strategy costOptimized reads by default (low, then medium, then high).
+LABEL_COST_TIER = f"{GROUP}/cost-tier"
 
 # Enumerations.
 PHASE_PENDING = "Pending"
