@@ -322,7 +322,7 @@ def decide_prepared(
 def _replica(pod: Mapping[str, Any], claim: models.GpuClaim, claim_words: str) -> int | str:
     """The replica index for this pod, or a denial message."""
     try:
-        replica = mutations.replica_of(pod)
+        replica = pods.replica_of(mutations.section(pod, "metadata"))  # shape checked in prepare
     except pods.ReplicaError as exc:
         return str(exc)
     replicas = claim.spec.replicas

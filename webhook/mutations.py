@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from gpualloc.api import constants, pods
+from gpualloc.api import constants
 from webhook import patches
 
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -161,18 +161,6 @@ def node_pin(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     if isinstance(hostname, str) and hostname:
         return (f"nodeSelector {constants.HOSTNAME_LABEL}", hostname)
     return None
-
-
-def replica_of(pod: Mapping[str, Any]) -> pods.Replica | None:
-    """The gang replica index (``gpualloc.api.pods.replica_of``) after checking the metadata's shape.
-
-    Raises PodShapeError for a malformed section and ReplicaError when the first
-    source present does not hold a non-negative integer.
-    """
-    meta = section(pod, "metadata")
-    for part in ("annotations", "labels"):
-        section(meta, part)
-    return pods.replica_of(meta)
 
 
 # ------------------------------------------------------------------ the parts edited

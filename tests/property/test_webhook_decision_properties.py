@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpualloc.api import constants, models
+from gpualloc.api import pods as pod_rules
 from webhook import admission, mutations
 
 NS = "ns"
@@ -157,7 +158,7 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
     assert again.response["response"] == {"uid": "u", "allowed": True}
     every = list(mutations.containers(out))
     if decision.outcome == admission.MUTATED:
-        replica = mutations.replica_of(out)
+        replica = pod_rules.replica_of(out["metadata"])
         r = replica.index if replica else 0
         allocation = claims[f"{NS}/c"].status.allocations[r]
         assert out["spec"]["nodeSelector"][constants.HOSTNAME_LABEL] == allocation.node_name
