@@ -50,7 +50,6 @@ CA_KEY = "ca.key"
 TLS_CRT = "tls.crt"
 TLS_KEY = "tls.key"
 NAMES = (CA_CRT, CA_KEY, TLS_CRT, TLS_KEY)
-SECRET_NAMES = (TLS_CRT, TLS_KEY, CA_CRT, CA_KEY)
 
 
 class BundleError(ValueError):

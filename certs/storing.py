@@ -22,7 +22,6 @@ from gpualloc.api import constants
 from gpualloc.kube import errors, transport
 
 SECRET_TYPE = "kubernetes.io/tls"
-MWC_PATH = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 
 _PRIVATE = (building.CA_KEY, building.TLS_KEY)
 
@@ -101,7 +100,7 @@ async def read_secret(
 
 
 def _encoded(files: Mapping[str, bytes]) -> dict[str, str]:
-    return {k: base64.b64encode(v).decode("ascii") for k, v in files.items() if k in building.SECRET_NAMES}
+    return {k: base64.b64encode(v).decode("ascii") for k, v in files.items() if k in building.NAMES}
 
 
 async def write_secret(
@@ -140,12 +139,12 @@ async def write_secret(
             f"Secret {namespace}/{name} exists with type {secret.get('type')!r}, not {SECRET_TYPE}; "
             "the type cannot be changed: delete the Secret or choose another name"
         )
-    if building.same_files(present, files, building.SECRET_NAMES):
+    if building.same_files(present, files):
         return "unchanged"
     patch = {
         "metadata": {"resourceVersion": secret["metadata"]["resourceVersion"]},
         # Keys this tool owns are replaced; a key to drop is set to null (merge-patch delete).
-        "data": {k: data.get(k) for k in building.SECRET_NAMES},
+        "data": {k: data.get(k) for k in building.NAMES},
     }
     await transport.request(
         api, "PATCH", _secret_path(namespace, name), body=patch, content_type=transport.MERGE_PATCH
@@ -164,7 +163,9 @@ async def patch_ca_bundle(api: ApiClient, config_name: str, ca_pem: bytes) -> tu
     webhook's name at that index, so a concurrent reordering fails the patch
     instead of writing the bundle into the wrong webhook.
     """
-    path = f"{MWC_PATH}/{config_name}"
+    path = transport.collection_path(
+        "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", None, config_name
+    )
     try:
         config = await transport.request(api, "GET", path)
     except errors.NotFound:
