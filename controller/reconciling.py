@@ -105,6 +105,13 @@ def _meta(raw: Obj) -> Obj:
     return meta if isinstance(meta, dict) else {}
 
 
+def _finalizers_patch(claim: models.GpuClaim, finalizers: list[str]) -> Obj:
+    """Set the claim's finalizers, only if it is still the version the cache saw (else Conflict)."""
+    return resources.with_resource_version(
+        {"metadata": {"finalizers": finalizers}}, claim.metadata.resource_version
+    )
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -320,7 +327,7 @@ class Controller:
             for node in nodes:
                 self._allocated_on[node].add(key)
         expected = self._expect.get(key)
-        if expected is not None and expected[0] == str(meta.get("resourceVersion", "")):
+        if expected is not None and expected[0] == watching.resource_version_of(raw):
             del self._expect[key]
         self.queue.add(key)
 
@@ -487,15 +494,15 @@ class Controller:
         await self._allocate(claim, raw)
 
     def _expect_write(self, key: str, written: Obj) -> None:
-        rv = str(_meta(written).get("resourceVersion", ""))
+        rv = watching.resource_version_of(written)
         cached = self.claims.get(key)
-        if cached is not None and str(_meta(cached).get("resourceVersion", "")) == rv:
+        if cached is not None and watching.resource_version_of(cached) == rv:
             return
         self._expect[key] = (rv, time.monotonic() + EXPECTATION_TIMEOUT)
 
     async def _add_finalizer(self, claim: models.GpuClaim, raw: Obj) -> Obj:
         finalizers = [*claim.metadata.finalizers, constants.FINALIZER]
-        patch = {"metadata": {"finalizers": finalizers, "resourceVersion": claim.metadata.resource_version}}
+        patch = _finalizers_patch(claim, finalizers)
         written = await self.cr.patch_claim(claim.metadata.namespace, claim.metadata.name, patch)
         written.setdefault("apiVersion", raw.get("apiVersion", constants.API_VERSION))
         written.setdefault("kind", raw.get("kind", constants.CLAIM_KIND))
@@ -512,7 +519,7 @@ class Controller:
             count = sum(len(a.devices) for a in claim.status.allocations) or released
             self._emit(raw, "Released", f"released {count} GPU{'s' if count != 1 else ''}")
         finalizers = [f for f in claim.metadata.finalizers if f != constants.FINALIZER]
-        patch = {"metadata": {"finalizers": finalizers, "resourceVersion": claim.metadata.resource_version}}
+        patch = _finalizers_patch(claim, finalizers)
         with contextlib.suppress(errors.NotFound):
             await self.cr.patch_claim(claim.metadata.namespace, claim.metadata.name, patch)
         log.info("released", extra={"claim": claim.key, "leases": released})
@@ -646,7 +653,7 @@ class Controller:
             written = await self._write_status(claim, patch)
             if written is None:
                 return
-            bumped = str(_meta(written).get("resourceVersion", "")) != claim.metadata.resource_version
+            bumped = watching.resource_version_of(written) != claim.metadata.resource_version
             if held and bumped:
                 await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
         if counted and not exhausted:
