@@ -570,24 +570,22 @@ class ControlPlane:
             "--log-level=warn",
         ]
         process = self._spawn("etcd", argv)
-        deadline = time.monotonic() + self._ready_timeout
-        while True:
+
+        def healthy() -> str | None:
             try:
                 connection = http.client.HTTPConnection("127.0.0.1", self.ports["etcd-client"], timeout=2)
                 try:
                     connection.request("GET", "/health")
                     response = connection.getresponse()
                     if response.status == 200 and json.loads(response.read()).get("health") == "true":
-                        return
+                        return None
                 finally:
                     connection.close()
             except (OSError, ValueError, http.client.HTTPException):
                 pass
-            if not process.running():
-                raise process.failure("exited at start")
-            if time.monotonic() > deadline:
-                raise process.failure(f"not healthy after {self._ready_timeout:.0f} s")
-            time.sleep(0.05)
+            return ""
+
+        self._wait_until(process, healthy, what="not healthy", interval=0.05)
 
     def _apiserver_argv(self) -> list[str]:
         p = self.pki
@@ -621,45 +619,53 @@ class ControlPlane:
         ]
 
     def _start_apiserver(self) -> None:
-        started = time.monotonic()
         process = self._spawn("kube-apiserver", self._apiserver_argv())
-        deadline = started + self._ready_timeout
-        last = ""
-        while True:
+
+        def ready() -> str | None:
             try:
                 status, payload = self._raw_request("GET", "/readyz", None, "", "text/plain", 5.0)
-                if status == 200:
-                    return
-                last = f"HTTP {status}: {str(payload)[-300:]}"
             except (OSError, http.client.HTTPException) as exc:
-                last = str(exc)
-            if not process.running():
-                raise process.failure("exited at start")
-            if time.monotonic() > deadline:
-                raise process.failure(f"not ready after {self._ready_timeout:.0f} s (last /readyz: {last})")
-            time.sleep(0.1)
+                return f"last /readyz: {exc}"
+            return None if status == 200 else f"last /readyz: HTTP {status}: {str(payload)[-300:]}"
+
+        self._wait_until(process, ready, what="not ready", interval=0.1)
 
     def _wait_healthz(self, process: _Process, port: int) -> None:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE  # the component's self-signed serving certificate
-        deadline = time.monotonic() + self._ready_timeout
-        while True:
+
+        def healthy() -> str | None:
             try:
                 connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=2)
                 try:
                     connection.request("GET", "/healthz")
                     if connection.getresponse().status == 200:
-                        return
+                        return None
                 finally:
                     connection.close()
             except (OSError, http.client.HTTPException):
                 pass
+            return ""
+
+        self._wait_until(process, healthy, what="not healthy", interval=0.1)
+
+    def _wait_until(
+        self, process: _Process, probe: Callable[[], str | None], *, what: str, interval: float
+    ) -> None:
+        """Poll ``probe`` (None: up; else what it last saw) until the process is up; raise if it
+        exits first or is still not up after the ready timeout."""
+        deadline = time.monotonic() + self._ready_timeout
+        while True:
+            last = probe()
+            if last is None:
+                return
             if not process.running():
                 raise process.failure("exited at start")
             if time.monotonic() > deadline:
-                raise process.failure(f"not healthy after {self._ready_timeout:.0f} s")
-            time.sleep(0.1)
+                detail = f" ({last})" if last else ""
+                raise process.failure(f"{what} after {self._ready_timeout:.0f} s{detail}")
+            time.sleep(interval)
 
     def _write_audit_policy(self) -> None:
         (self.state_dir / "audit-policy.yaml").write_text(yaml.safe_dump(_AUDIT_POLICY, sort_keys=False))
