@@ -29,24 +29,26 @@ inside the container and host indices would name the wrong devices, so index
 mode must not ask it to. Gate mode always yields UUIDs (the annotation holds
 UUIDs), whatever the device-id mode.
 
-A review with no uid to answer raises ``BadReview`` (the server answers HTTP
-400); any other malformed review is denied with a message saying what is wrong.
+Input is the request body, decoded by ``objects.decode_review`` into typed
+Structs holding only what is read here. A body that is not JSON raises
+``NotJSON``, and a review with no uid to answer raises ``BadReview`` (the
+server answers HTTP 400 to both); any other malformed review is denied with a
+message saying what is wrong. The patch is built operation by operation
+(``mutations``), see ``patches`` for why not ``jsonpatch.make_patch``.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import functools
 import json
 import re
-from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
 
-import orjson
+import msgspec
 
 from gpualloc.api import codecs, constants, models, pods
-from webhook import mutations, patches
+from webhook import mutations, objects, patches
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -70,6 +72,10 @@ class BadReview(ValueError):
     """The body is not an AdmissionReview with a request uid: there is nothing to answer."""
 
 
+class NotJSON(ValueError):
+    """The body is not JSON (or not UTF-8, or nested past the decoder's limit)."""
+
+
 class ClaimUnavailable(Exception):
     """The claim could not be read (API server unreachable): the pod is denied, fail closed."""
 
@@ -90,21 +96,25 @@ class Options:
     allow_device_plugin: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    """The response to send and the outcome to count."""
+class Decision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The answer to send and the outcome to count."""
 
-    response: dict[str, Any]
+    answer: objects.Answer
     outcome: str
 
+    @property
+    def response(self) -> dict[str, Any]:
+        """The answer as the JSON value sent (the patch in base64): for tests and tools."""
+        value: dict[str, Any] = msgspec.to_builtins(self.answer)
+        return value
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class PodCreate:
+
+class PodCreate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A Pod CREATE with a claim annotation: the case that needs a claim to decide."""
 
     uid: str
     namespace: str
-    pod: dict[str, Any]
+    pod: objects.Pod
     claim_name: str
 
     @property
@@ -124,65 +134,46 @@ def lookup_from(claims: Mapping[str, models.GpuClaim]) -> ClaimLookup:
 # ------------------------------------------------------------------ JSON
 
 
-def load_json(body: bytes) -> Any:
-    """Parse a request body: ``orjson`` (a fifth of an admission's CPU with the standard library).
-
-    What orjson refuses and ``json`` takes (UTF-16 and UTF-32, a BOM, ``NaN``
-    and ``Infinity``, lone surrogates) is parsed by ``json`` as before; its
-    error is the one raised (a ValueError) when neither can parse it. One
-    difference remains: orjson reads an integer past 64 bits as a float.
-    """
+def read_review(body: bytes) -> objects.AnyReview:
+    """The AdmissionReview in a request body. Raises NotJSON, or BadReview when it has no request object."""
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return json.loads(body)
+        return objects.decode_review(body)
+    except objects.NotAReview as exc:
+        raise BadReview(str(exc)) from None
+    except (ValueError, RecursionError) as exc:  # msgspec.DecodeError and UnicodeDecodeError are ValueErrors
+        raise NotJSON(f"the body is not JSON: {str(exc)[:200]}") from None
 
 
-def dump_json(value: Any) -> bytes:
-    """Compact JSON in UTF-8, with ``orjson``.
-
-    What it refuses (integers past 64 bits, nesting past 254 levels: only in
-    values the pod brought) goes through ``json``. ``NaN`` and infinities,
-    which only the lenient side of ``load_json`` lets in, come out as ``null``.
-    """
-    try:
-        return orjson.dumps(value)
-    except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+dump_json = objects.encode
 
 
 # ------------------------------------------------------------------ responses
 
 
-def _review(response: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "response": response}
-
-
 def allow(
-    uid: str, *, patch: list[dict[str, Any]] | None = None, warnings: list[str] | None = None
-) -> dict[str, Any]:
-    """An allowing AdmissionReview; ``patch`` and ``patchType`` only when the patch is not empty."""
-    response: dict[str, Any] = {"uid": uid, "allowed": True}
-    if patch:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(dump_json(patch)).decode("ascii")
-    if warnings:
-        response["warnings"] = warnings
-    return _review(response)
+    uid: str, *, patch: list[patches.Op] | None = None, warnings: list[str] | None = None
+) -> objects.Answer:
+    """An allowing answer; ``patch`` and ``patchType`` only when the patch is not empty."""
+    if not patch:
+        return objects.Answer(response=objects.Response(uid=uid, allowed=True, warnings=warnings or None))
+    response = objects.Response(
+        uid=uid, allowed=True, patch_type="JSONPatch", patch=dump_json(patch), warnings=warnings or None
+    )
+    return objects.Answer(response=response)
 
 
-def deny(uid: str, message: str, *, code: int = 403, reason: str = "Forbidden") -> dict[str, Any]:
-    """A denying AdmissionReview; the API server shows ``message`` to the user."""
-    status = {"code": code, "reason": reason, "message": message, "status": "Failure"}
-    return _review({"uid": uid, "allowed": False, "status": status})
+def deny(uid: str, message: str, *, code: int = 403, reason: str = "Forbidden") -> objects.Answer:
+    """A denying answer; the API server shows ``message`` to the user."""
+    status = objects.Status(code=code, reason=reason, message=message)
+    return objects.Answer(response=objects.Response(uid=uid, allowed=False, status=status))
 
 
 def _invalid(uid: str, message: str) -> Decision:
-    return Decision(response=deny(uid, message, code=400, reason="BadRequest"), outcome=INVALID)
+    return Decision(answer=deny(uid, message, code=400, reason="BadRequest"), outcome=INVALID)
 
 
 def _denied(uid: str, message: str, *, code: int = 403, reason: str = "Forbidden") -> Decision:
-    return Decision(response=deny(uid, message, code=code, reason=reason), outcome=DENIED)
+    return Decision(answer=deny(uid, message, code=code, reason=reason), outcome=DENIED)
 
 
 def _quote(message: str) -> str:
@@ -195,48 +186,50 @@ def _quote(message: str) -> str:
 # ------------------------------------------------------------------ parsing
 
 
-def request_uid(review: Any) -> str:
+def request_uid(review: objects.AnyReview) -> str:
     """The ``request.uid`` to echo; raises BadReview when there is none."""
-    if not isinstance(review, dict):
-        raise BadReview(f"the body must be a JSON object (an AdmissionReview), not {type(review).__name__}")
-    request = review.get("request")
-    if not isinstance(request, dict):
+    request = review.request
+    if request is None:
         raise BadReview("the AdmissionReview has no request object")
-    uid = request.get("uid")
+    uid = request.uid
     if not isinstance(uid, str) or not uid:
         raise BadReview("the AdmissionReview request has no uid")
     return uid
 
 
-def prepare(review: Any) -> PodCreate | Decision:
+def prepare(review: objects.AnyReview) -> PodCreate | Decision:
     """The Pod CREATE with a claim annotation to decide on, or the answer for everything else.
 
     Raises BadReview when there is no uid to answer. The server calls this
     once, looks the claim up (``PodCreate.claim_ref``), then ``decide_prepared``.
     """
     uid = request_uid(review)
-    if review.get("apiVersion") != API_VERSION or review.get("kind") != KIND:
-        got = f"apiVersion {review.get('apiVersion')!r} kind {review.get('kind')!r}"
+    if review.api_version != API_VERSION or review.kind != KIND:
+        got = f"apiVersion {review.api_version!r} kind {review.kind!r}"
         return _invalid(uid, f"expected apiVersion {API_VERSION} kind {KIND}, got {got}"[:300])
-    request = review["request"]
-    kind = request.get("kind")
+    request = review.request
+    assert request is not None  # request_uid checked it
+    kind = request.kind
     if not isinstance(kind, dict) or not isinstance(kind.get("kind"), str):
         return _invalid(uid, "request.kind must be an object with a kind (group, version, kind)")
-    if (kind.get("group") or "") != "" or kind["kind"] != "Pod" or request.get("subResource"):
-        return Decision(response=allow(uid), outcome=ALLOWED)
-    operation = request.get("operation")
+    if (kind.get("group") or "") != "" or kind["kind"] != "Pod" or request.sub_resource:
+        return Decision(answer=allow(uid), outcome=ALLOWED)
+    operation = request.operation
     if not isinstance(operation, str):
         return _invalid(uid, "request.operation must be a string")
     if operation != "CREATE":
-        return Decision(response=allow(uid), outcome=ALLOWED)
-    pod = request.get("object")
+        return Decision(answer=allow(uid), outcome=ALLOWED)
     try:
-        mutations.check_shape(pod)
-    except mutations.PodShapeError as exc:
-        return _invalid(uid, f"request.object is not a Pod: {exc}")
+        pod = objects.pod_of(request)
+    except objects.PodShapeError as exc:
+        return _invalid(uid, f"request.object is not a Pod: {exc}"[:400])
+    if pod is None:
+        return _invalid(uid, "request.object is not a Pod: it is missing or null")
+    if pod.kind is not None and pod.kind != "Pod":
+        return _invalid(uid, f"request.object is not a Pod: it is a {pod.kind[:60]!r}")
     claim_name = mutations.pod_annotations(pod).get(constants.ANNOTATION_CLAIM)
     if claim_name is None:
-        return Decision(response=allow(uid), outcome=ALLOWED)
+        return Decision(answer=allow(uid), outcome=ALLOWED)
     annotation = f"annotation {constants.ANNOTATION_CLAIM}"
     if "/" in claim_name:
         return _denied(
@@ -248,17 +241,22 @@ def prepare(review: Any) -> PodCreate | Decision:
         return _denied(uid, f"{annotation} is empty; give the name of a GpuClaim in the pod's namespace")
     if len(claim_name) > 253 or not _NAME.fullmatch(claim_name):
         return _denied(uid, f"{annotation}: {claim_name[:100]!r} is not a valid GpuClaim name")
-    namespace = request.get("namespace") or mutations.section(pod, "metadata").get("namespace")
+    namespace = request.namespace or (pod.metadata.namespace if pod.metadata is not None else None)
     if not isinstance(namespace, str) or not namespace:
         return _invalid(uid, "the request names no namespace for the pod")
     return PodCreate(uid=uid, namespace=namespace, pod=pod, claim_name=claim_name)
 
 
-def claim_ref(review: Any) -> tuple[str, str] | None:
+def _as_review(review: bytes | Any) -> objects.AnyReview:
+    """A review from a body, or from a JSON value (tests and tools hold reviews as dicts)."""
+    return read_review(review if isinstance(review, bytes) else dump_json(review))
+
+
+def claim_ref(review: bytes | Any) -> tuple[str, str] | None:
     """``(namespace, name)`` of the claim ``admit`` would look up for this review, else None. Never raises."""
     try:
-        prepared = prepare(review)
-    except BadReview:
+        prepared = prepare(_as_review(review))
+    except (BadReview, NotJSON):
         return None
     return prepared.claim_ref if isinstance(prepared, PodCreate) else None
 
@@ -266,14 +264,17 @@ def claim_ref(review: Any) -> tuple[str, str] | None:
 # ------------------------------------------------------------------ deciding
 
 
-def admit(review: Any, claims: ClaimLookup, options: Options = Options()) -> dict[str, Any]:
-    """The AdmissionReview answering ``review``. Raises BadReview only when there is no uid to answer."""
+def admit(review: bytes | Any, claims: ClaimLookup, options: Options = Options()) -> dict[str, Any]:
+    """The AdmissionReview answering ``review`` (a body, or a JSON value).
+
+    Raises BadReview or NotJSON only when there is no uid to answer.
+    """
     return decide(review, claims, options).response
 
 
-def decide(review: Any, claims: ClaimLookup, options: Options = Options()) -> Decision:
+def decide(review: bytes | Any, claims: ClaimLookup, options: Options = Options()) -> Decision:
     """``admit`` with the outcome (for metrics and logs)."""
-    return decide_prepared(prepare(review), claims, options)
+    return decide_prepared(prepare(_as_review(review)), claims, options)
 
 
 def decide_prepared(
@@ -319,10 +320,12 @@ def decide_prepared(
     return _gated(parsed, claim, claim_words, why)
 
 
-def _replica(pod: Mapping[str, Any], claim: models.GpuClaim, claim_words: str) -> int | str:
+def _replica(pod: objects.Pod, claim: models.GpuClaim, claim_words: str) -> int | str:
     """The replica index for this pod, or a denial message."""
     try:
-        replica = pods.replica_of(mutations.section(pod, "metadata"))  # shape checked in prepare
+        replica = pods.replica_of(
+            {"annotations": mutations.pod_annotations(pod), "labels": mutations.pod_labels(pod)}
+        )
     except pods.ReplicaError as exc:
         return str(exc)
     replicas = claim.spec.replicas
@@ -340,25 +343,6 @@ def _replica(pod: Mapping[str, Any], claim: models.GpuClaim, claim_words: str) -
             f"{replicas} replica{'s' if replicas != 1 else ''} (0..{replicas - 1})"
         )
     return replica.index
-
-
-T = TypeVar("T")
-
-
-def patch_for(pod: Mapping[str, Any], edit: Callable[[dict[str, Any]], T]) -> tuple[list[dict[str, Any]], T]:
-    """The JSON Patch that ``edit`` (made of ``mutations`` functions) makes to ``pod``, and what it returned.
-
-    The patch comes from diffing the pod's ``mutations.touched_parts`` before
-    and after the edit (``patches.diff``: keys with ``/`` are escaped as
-    ``~1``, a missing ``env`` is added whole), so a big pod costs no more than
-    its env lists and annotations. The edits replace what they change instead
-    of changing it in place, so the two views share what is unchanged, which
-    the diff skips at once; ``pod`` is left alone.
-    """
-    before = mutations.touched_parts(pod)
-    after = mutations.touched_parts(pod)
-    result = edit(after)
-    return patches.diff(before, after), result
 
 
 def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
@@ -391,19 +375,21 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options
     else:
         entries = [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
 
-    ops, replaced = patch_for(pod, functools.partial(edit_allocated, node=node, entries=entries, uuids=uuids))
+    ops, replaced = edit_allocated(pod, node=node, entries=entries, uuids=uuids)
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {claim_words}"]
         if replaced
         else None
     )
-    return Decision(response=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
+    return Decision(answer=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
+
+
+_GATED_ENV = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
 
 
 def _gated(req: PodCreate, claim: models.GpuClaim | None, claim_words: str, why: str) -> Decision:
     uid, pod = req.uid, req.pod
-    spec = mutations.section(pod, "spec")
-    if spec.get("nodeName"):
+    if pod.spec is not None and pod.spec.node_name:
         return _denied(
             uid,
             f"{why}; the pod sets spec.nodeName, which cannot be combined with the scheduling gate the pod "
@@ -413,23 +399,27 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, claim_words: str, why:
         replica = _replica(pod, claim, claim_words)
         if isinstance(replica, str):
             return _denied(uid, replica)
-    ops, _ = patch_for(pod, edit_gated)
-    return Decision(response=allow(uid, patch=ops), outcome=GATED)
+    return Decision(answer=allow(uid, patch=edit_gated(pod)), outcome=GATED)
 
 
-def edit_allocated(pod: dict[str, Any], *, node: str, entries: list[dict[str, Any]], uuids: str) -> list[str]:
-    """The edits for an allocated claim; returns the user-set env entries replaced (``container/NAME``)."""
-    mutations.remove_scheduling_gate(pod)
-    mutations.pin_to_node(pod, node)
-    replaced = mutations.set_env_everywhere(pod, entries)
-    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids)
-    return replaced
+def edit_allocated(
+    pod: objects.Pod, *, node: str, entries: list[dict[str, Any]], uuids: str
+) -> tuple[list[patches.Op], list[str]]:
+    """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
+    ops: list[patches.Op] = []
+    mutations.remove_scheduling_gate(pod, ops)
+    mutations.pin_to_node(pod, node, ops)
+    replaced = mutations.set_env_everywhere(pod, entries, ops)
+    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
+    return ops, replaced
 
 
-def edit_gated(pod: dict[str, Any]) -> None:
-    """The edits for a claim not allocated yet, in gate mode."""
+def edit_gated(pod: objects.Pod) -> list[patches.Op]:
+    """The patch for a claim not allocated yet, in gate mode."""
+    ops: list[patches.Op] = []
     # Only the controller may say which devices the pod gets: drop a user-set value.
-    mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES)
-    mutations.add_scheduling_gate(pod)
-    mutations.set_label(pod, constants.LABEL_GATED, "true")
-    mutations.set_env_everywhere(pod, [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES])
+    mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
+    mutations.add_scheduling_gate(pod, ops)
+    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
+    mutations.set_env_everywhere(pod, _GATED_ENV, ops)
+    return ops

@@ -31,7 +31,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiohttp import web
 from cryptography import x509
@@ -92,33 +92,28 @@ async def mutate(request: web.Request) -> web.Response:
         state.metrics.outcomes[admission.INVALID].inc()
         raise
     try:
-        review: Any = admission.load_json(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        return _bad_request(state, started, f"the body is not JSON: {str(exc)[:200]}")
-    try:
+        review = admission.read_review(body)
         uid = admission.request_uid(review)
-    except admission.BadReview as exc:
+    except (admission.NotJSON, admission.BadReview) as exc:
         return _bad_request(state, started, str(exc))
     try:
         prepared = admission.prepare(review)
         ref = prepared.claim_ref if isinstance(prepared, admission.PodCreate) else None
         lookup = await state.claims.lookup_for(ref)
         decision = admission.decide_prepared(prepared, lookup, state.options)
-        payload, outcome = decision.response, decision.outcome
+        answer, outcome = decision.answer, decision.outcome
     except Exception as exc:  # never a 500: the API server shows the denial to the user
         log.exception("admission failed", extra={"uid": uid})
-        payload = admission.deny(
+        answer = admission.deny(
             uid, f"the gpualloc webhook failed: {type(exc).__name__}", code=500, reason="InternalError"
         )
         outcome = "error"
-    text = admission.dump_json(payload)
+    text = admission.dump_json(answer)
     state.metrics.outcomes[outcome].inc()
     state.metrics.latency.observe(time.perf_counter() - started)
-    if outcome in (admission.DENIED, admission.INVALID):
-        log.info(
-            "denied",
-            extra={"uid": uid, "outcome": outcome, "reason": payload["response"]["status"]["message"]},
-        )
+    status = answer.response.status
+    if status is not None and outcome in (admission.DENIED, admission.INVALID):
+        log.info("denied", extra={"uid": uid, "outcome": outcome, "reason": status.message})
     return web.Response(body=text, headers=_JSON_HEADERS)
 
 

@@ -121,6 +121,11 @@ options_st = st.builds(
 )
 
 
+def all_containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = pod.get("spec") or {}
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
 def apply(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
     if "patch" not in response:
         return pod
@@ -156,7 +161,7 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
     # Reinvocation: the webhook run again on its own output changes nothing.
     again = admission.decide(review(out), lookup, options)
     assert again.response["response"] == {"uid": "u", "allowed": True}
-    every = list(mutations.containers(out))
+    every = all_containers(out)
     if decision.outcome == admission.MUTATED:
         replica = pod_rules.replica_of(out["metadata"])
         r = replica.index if replica else 0
@@ -182,7 +187,7 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
                 mutations.annotation_env("CUDA_VISIBLE_DEVICES")
             ]
     # Entries the webhook does not own are kept, in their order.
-    for c_before, c_after in zip(mutations.containers(pod), every, strict=True):
+    for c_before, c_after in zip(all_containers(pod), every, strict=True):
         owned = {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}
         if decision.outcome == admission.MUTATED and options.device_ids == "index":
             owned.add("CUDA_DEVICE_ORDER")

@@ -11,7 +11,7 @@ import jsonpatch
 import pytest
 
 from gpualloc.api import codecs, constants, models
-from webhook import admission, mutations
+from webhook import admission, mutations, objects
 
 NS = "team-a"
 UUIDS = ["GPU-aaaaaaaa-0000-0000-0000-000000000001", "GPU-bbbbbbbb-0000-0000-0000-000000000002"]
@@ -583,5 +583,6 @@ def test_outcomes_are_reported() -> None:
 
 
 def test_mutations_display_name_falls_back_without_name() -> None:
-    assert mutations.display_name({"metadata": {"generateName": "g-"}}) == "g-<generated>"
-    assert mutations.display_name({}) == "<unnamed pod>"
+    generated = objects.Pod(metadata=objects.ObjectMeta(generate_name="g-"))
+    assert mutations.display_name(generated) == "g-<generated>"
+    assert mutations.display_name(objects.Pod()) == "<unnamed pod>"

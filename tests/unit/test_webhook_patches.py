@@ -1,38 +1,29 @@
-"""The JSON Patch differ the webhook uses (pure)."""
+"""JSON Pointer escaping and the operation constructors."""
 
 from __future__ import annotations
+
+import jsonpatch
+import pytest
 
 from webhook import patches
 
 
-def test_keys_with_slash_and_tilde_are_escaped() -> None:
-    ops = patches.diff({"a": {}}, {"a": {"gpu.scheduling/devices": "x", "t~1": 1}})
-    assert ops == [
-        {"op": "add", "path": "/a/gpu.scheduling~1devices", "value": "x"},
-        {"op": "add", "path": "/a/t~01", "value": 1},
-    ]
+@pytest.mark.parametrize(
+    ("key", "token"),
+    [
+        ("plain", "plain"),
+        ("gpu.scheduling/devices", "gpu.scheduling~1devices"),
+        ("a~b", "a~0b"),
+        ("~/", "~0~1"),
+    ],
+)
+def test_keys_with_slash_and_tilde_are_escaped(key: str, token: str) -> None:
+    assert patches.escape(key) == token
+    doc = jsonpatch.apply_patch({"m": {}}, [patches.add(f"/m/{patches.escape(key)}", 1)])
+    assert doc == {"m": {key: 1}}, "jsonpatch reads the token back as the key"
 
 
-def test_a_missing_list_is_added_whole_and_an_existing_one_is_appended_to() -> None:
-    assert patches.diff({"c": {}}, {"c": {"env": [1]}}) == [{"op": "add", "path": "/c/env", "value": [1]}]
-    assert patches.diff({"env": [1]}, {"env": [1, 2, 3]}) == [
-        {"op": "add", "path": "/env/1", "value": 2},
-        {"op": "add", "path": "/env/2", "value": 3},
-    ]
-
-
-def test_surplus_items_are_removed_from_the_end() -> None:
-    assert patches.diff([1, 2, 3], [1]) == [{"op": "remove", "path": "/2"}, {"op": "remove", "path": "/1"}]
-
-
-def test_types_matter_for_equality() -> None:
-    assert patches.diff({"a": 1}, {"a": True}) == [{"op": "replace", "path": "/a", "value": True}]
-    assert patches.diff({"a": 1}, {"a": 1.0}) == [{"op": "replace", "path": "/a", "value": 1.0}]
-    assert patches.diff({"a": [1, {"b": None}]}, {"a": [1, {"b": None}]}) == []
-
-
-def test_copy_json_copies_containers_deeply() -> None:
-    value = {"a": [{"b": 1}]}
-    copied = patches.copy_json(value)
-    copied["a"][0]["b"] = 2
-    assert value == {"a": [{"b": 1}]}
+def test_operations_have_the_rfc_6902_shape() -> None:
+    doc = {"a": [1, 2, 3], "b": {"c": 1}}
+    ops = [patches.replace("/a/0", 9), patches.remove("/a/2"), patches.add("/a/-", 4), patches.add("/b/c", 2)]
+    assert jsonpatch.apply_patch(doc, ops) == {"a": [9, 2, 4], "b": {"c": 2}}

@@ -121,7 +121,9 @@ async def test_slow_get_is_cut_short_and_denied(aiohttp_client: Any) -> None:
     [
         (b"not json", "not JSON"),
         (b"\xff\xfe", "not JSON"),
-        (b"[" * 100_000, "not JSON"),
+        (b"[" * 100_000, "JSON object"),
+        (b'{"request": {"uid": "u", "object": ' + b"[" * 100_000, "not JSON"),
+        (b'{"request": "u"}', "no request object"),
         (b"[]", "JSON object"),
         (b'{"request": {}}', "no uid"),
         (b"{}", "no request"),
