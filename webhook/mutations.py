@@ -11,11 +11,11 @@ All edits are idempotent: on a pod the patch was already applied to, they add
 no operation, which is what makes the webhook's reinvocation (and the API
 server's ``reinvocationPolicy: IfNeeded``) yield an empty second patch.
 
-The two traps of hand-made paths are handled in ``patches``: keys with ``/``
-or ``~`` are escaped (``gpu.scheduling/devices`` is ``gpu.scheduling~1devices``),
+The two traps of hand-made paths: keys with ``/`` or ``~`` are escaped
+(``patches.escape``: ``gpu.scheduling/devices`` is ``gpu.scheduling~1devices``),
 and a missing map or ``env`` list is added whole, never appended to. The
 property tests apply every patch with ``jsonpatch`` and compare the result
-with a plain dict editor's, and with ``jsonpatch.make_patch``'s patch.
+with what a plain dict editor makes of the pod.
 """
 
 from __future__ import annotations
@@ -33,10 +33,6 @@ DEVICE_ENV_NAMES = (ENV_CUDA_VISIBLE_DEVICES, ENV_NVIDIA_VISIBLE_DEVICES)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
-
-# Container lists present in a Pod CREATE, in patch-path spelling. Ephemeral
-# containers are only ever added later through the pods/ephemeralcontainers subresource.
-CONTAINER_LISTS = ("initContainers", "containers")
 
 _EMPTY: Mapping[str, str] = {}
 
@@ -65,7 +61,10 @@ def display_name(pod: objects.Pod) -> str:
 
 
 def containers(pod: objects.Pod) -> Iterator[tuple[str, objects.Container]]:
-    """``(patch path, container)`` for every container of a Pod CREATE: init containers first."""
+    """``(patch path, container)`` for every container of a Pod CREATE: init containers first.
+
+    Ephemeral containers are only ever added later, through the pods/ephemeralcontainers subresource.
+    """
     spec = pod.spec
     if spec is None:
         return

@@ -5,7 +5,7 @@ The webhook builds its patches from these, against the pod as it came (see
 that call costs about half a millisecond for a three-container pod, more than
 the rest of an admission together. ``jsonpatch`` stays the oracle in the
 tests: every patch is applied with it and compared with a plain dict editor's
-result and with ``make_patch``'s.
+result.
 """
 
 from __future__ import annotations
