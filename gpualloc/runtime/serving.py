@@ -8,7 +8,7 @@ synced), else 503; ``/metrics`` is the Prometheus text format of a registry.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import prometheus_client
 from aiohttp import web
@@ -43,17 +43,27 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
-def make_probe_app(
-    *, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None
-) -> web.Application:
-    """The probe and metrics app; ``registry`` defaults to the process-wide default registry."""
-    app = web.Application()
+def add_probes(
+    app: web.Application, *, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None
+) -> None:
+    """Add ``/healthz``, ``/livez``, ``/readyz`` and ``/metrics`` to ``app`` (the webhook's TLS app too).
+
+    ``registry`` defaults to the process-wide default registry.
+    """
     app[READY] = ready
     app[REGISTRY] = registry if registry is not None else prometheus_client.REGISTRY
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+
+
+def make_probe_app(
+    *, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None
+) -> web.Application:
+    """The probe and metrics app; ``registry`` defaults to the process-wide default registry."""
+    app = web.Application()
+    add_probes(app, ready=ready, registry=registry)
     return app
 
 
@@ -90,6 +100,25 @@ async def start_probes(
     The caller does ``await runner.cleanup()``; ``bound_port(runner)`` tells the port.
     """
     return await start_app(make_probe_app(ready=ready, registry=registry), host, port)
+
+
+async def start_probe_servers(
+    host: str,
+    ports: Iterable[int],
+    *,
+    ready: ReadyCheck,
+    registry: prometheus_client.CollectorRegistry | None = None,
+) -> list[web.AppRunner]:
+    """``start_probes`` once per distinct port, 0 meaning off; those started are cleaned up on a failure."""
+    runners: list[web.AppRunner] = []
+    try:
+        for port in sorted({p for p in ports if p}):
+            runners.append(await start_probes(host, port, ready=ready, registry=registry))
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        raise
+    return runners
 
 
 def bound_port(runner: web.AppRunner) -> int:
