@@ -77,7 +77,9 @@ def _wanted(parser: argparse.ArgumentParser, args: argparse.Namespace) -> buildi
     dns: list[str] = []
     if args.service:
         dns += building.service_dns_names(args.service, args.namespace)
-    dns += [d for d in args.dns_name if d not in dns]
+    for name in args.dns_name:  # a name given twice, or also a Service name, goes in once
+        if name not in dns:
+            dns.append(name)
     ips = []
     for ip in args.ip_address:
         try:

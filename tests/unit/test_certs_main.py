@@ -111,3 +111,18 @@ def test_namespace_is_the_flag_then_gpualloc_namespace_then_the_pods_own(
     monkeypatch.setenv("GPUALLOC_NAMESPACE", "from-env")
     assert certs_main.build_parser().parse_args([]).namespace == "from-env"
     assert certs_main.build_parser().parse_args(["--namespace", "from-flag"]).namespace == "from-flag"
+
+
+def test_a_dns_name_given_twice_is_one_san(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(
+        capsys,
+        *("--service", "hook", "--namespace", "sys", "--dns-name", "extra", "--dns-name", "extra"),
+        *("--dns-name", "hook.sys.svc", "--out-dir", str(tmp_path)),
+    )
+    assert code == 0
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    dns = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert dns == ["hook", "hook.sys", "hook.sys.svc", "hook.sys.svc.cluster.local", "extra"]
+    assert "SANs: hook, hook.sys, hook.sys.svc, hook.sys.svc.cluster.local, extra;" in out
