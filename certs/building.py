@@ -10,9 +10,10 @@ Rules (``plan``):
 * the CA is kept while it is a CA, its key is at hand and matches it, and it is
   not in the last third of its lifetime; otherwise a new CA is made;
 * the serving certificate is kept while it is signed by the CA in use, its key
-  matches, its key type and SANs are the ones asked for, and it is not in the
-  last third of its lifetime; otherwise it is re-issued (a new CA always means
-  a new serving certificate).
+  matches, its key type and SANs are the ones asked for, it is not in the
+  last third of its lifetime, and no renewal was asked for (``renew``, the
+  tool's ``--renew``); otherwise it is re-issued (a new CA always means a new
+  serving certificate).
 
 When the CA is replaced, the old one stays in ``ca.crt`` (and so in the
 caBundle) until it expires, so a replica still serving the old certificate is
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from cryptography import x509
@@ -33,15 +34,18 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gpualloc import certificates
+from gpualloc.certificates import BACKDATE as BACKDATE
+from gpualloc.certificates import PrivateKey as PrivateKey
+from gpualloc.certificates import cert_pem as cert_pem
+from gpualloc.certificates import key_pem as key_pem
+
 KeyType = Literal["ecdsa", "rsa"]
 KEY_TYPES: tuple[KeyType, ...] = ("ecdsa", "rsa")
-PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 CA_COMMON_NAME = "gpualloc-webhook-ca"
 DEFAULT_VALIDITY = datetime.timedelta(days=365)
 DEFAULT_CA_VALIDITY = datetime.timedelta(days=3650)
-# Certificates start a little in the past: clocks in a cluster disagree.
-BACKDATE = datetime.timedelta(minutes=5)
 RENEW_FRACTION = 1 / 3
 
 # File names, the same in a directory and in the Secret.
@@ -120,34 +124,8 @@ def build_ca(
     common_name: str = CA_COMMON_NAME,
 ) -> x509.Certificate:
     """A self-signed CA certificate that may sign end-entity certificates only (pathLen 0)."""
-    now = _aware(now)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    public = key.public_key()
-    return (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(public)
-        .serial_number(serial)
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(now + validity)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-        .sign(key, hashes.SHA256())
+    return certificates.build_ca(
+        key, common_name=common_name, now=_aware(now), serial=serial, validity=validity, path_length=0
     )
 
 
@@ -171,8 +149,6 @@ def build_serving_cert(
     if not dns_names and not ip_addresses:
         raise ValueError("a serving certificate needs at least one DNS name or IP address")
     common_name = dns_names[0] if dns_names else ip_addresses[0]
-    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
-    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
     public = key.public_key()
     ca_public = ca_key.public_key()
     return (
@@ -185,21 +161,11 @@ def build_serving_cert(
         .not_valid_after(min(now + validity, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=isinstance(key, rsa.RSAPrivateKey),
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            certificates.key_usage(ca=False, key_encipherment=isinstance(key, rsa.RSAPrivateKey)),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(certificates.alt_names(dns_names, ip_addresses), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_public), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -228,14 +194,14 @@ def sans_of(cert: x509.Certificate) -> tuple[frozenset[str], frozenset[str]]:
     return dns, ips
 
 
-def renew_after(cert: x509.Certificate, fraction: float = RENEW_FRACTION) -> datetime.datetime:
-    """The start of the last ``fraction`` of the certificate's lifetime."""
+def renew_after(cert: x509.Certificate) -> datetime.datetime:
+    """The start of the last ``RENEW_FRACTION`` (a third) of the certificate's lifetime."""
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-    return end - (end - start) * fraction
+    return end - (end - start) * RENEW_FRACTION
 
 
-def needs_renewal(cert: x509.Certificate, now: datetime.datetime, fraction: float = RENEW_FRACTION) -> bool:
-    return _aware(now) >= renew_after(cert, fraction)
+def needs_renewal(cert: x509.Certificate, now: datetime.datetime) -> bool:
+    return _aware(now) >= renew_after(cert)
 
 
 def key_matches(cert: x509.Certificate, key: PrivateKey) -> bool:
@@ -272,14 +238,17 @@ def describe(cert: x509.Certificate) -> str:
 # ------------------------------------------------------------------ deciding
 
 
-def plan(existing: Bundle | None, wanted: Wanted, *, now: datetime.datetime) -> Plan:
-    """Which certificates to make, and why (or why the current ones are kept)."""
+def plan(existing: Bundle | None, wanted: Wanted, *, now: datetime.datetime, renew: bool = False) -> Plan:
+    """Which certificates to make, and why (or why the current ones are kept).
+
+    ``renew`` re-issues a serving certificate that would otherwise be kept (``--renew``).
+    """
     now = _aware(now)
     new_ca, ca_reason = _ca_plan(existing, now)
     if new_ca:
         return Plan(new_ca=True, ca_reason=ca_reason, new_cert=True, cert_reason="a new CA signs it")
     assert existing is not None
-    new_cert, cert_reason = _cert_plan(existing, wanted, now)
+    new_cert, cert_reason = _cert_plan(existing, wanted, now, renew=renew)
     return Plan(new_ca=False, ca_reason=ca_reason, new_cert=new_cert, cert_reason=cert_reason)
 
 
@@ -298,7 +267,7 @@ def _ca_plan(existing: Bundle | None, now: datetime.datetime) -> tuple[bool, str
     return False, f"kept: {describe(ca)}"
 
 
-def _cert_plan(existing: Bundle, wanted: Wanted, now: datetime.datetime) -> tuple[bool, str]:
+def _cert_plan(existing: Bundle, wanted: Wanted, now: datetime.datetime, *, renew: bool) -> tuple[bool, str]:
     cert, key = existing.cert, existing.key
     if cert is None or key is None:
         return True, "there is none yet"
@@ -322,6 +291,8 @@ def _cert_plan(existing: Bundle, wanted: Wanted, now: datetime.datetime) -> tupl
             True,
             f"it is in the last third of its lifetime (renewal due {renew_after(cert):%Y-%m-%d %H:%M})",
         )
+    if renew:
+        return True, "--renew was given"
     return False, f"kept: {describe(cert)}"
 
 
@@ -370,16 +341,6 @@ def issue(
 
 
 # ------------------------------------------------------------------ PEM
-
-
-def cert_pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def key_pem(key: PrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
 
 
 def ca_bundle_pem(bundle: Bundle) -> bytes:
@@ -436,5 +397,6 @@ def read_bundle(files: Mapping[str, bytes]) -> Bundle | None:
     return Bundle(ca_cert=current, ca_key=ca_key, cert=cert, key=key, previous_cas=previous)
 
 
-def same_files(a: Mapping[str, bytes], b: Mapping[str, bytes], names: Iterable[str] = NAMES) -> bool:
-    return all(a.get(n) == b.get(n) for n in names)
+def same_files(a: Mapping[str, bytes], b: Mapping[str, bytes]) -> bool:
+    """Whether ``a`` and ``b`` hold the same certificate files (``NAMES``; others are not looked at)."""
+    return all(a.get(n) == b.get(n) for n in NAMES)

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import datetime
 import ipaddress
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -26,8 +25,6 @@ from certs import building, keys, storing
 from gpualloc.kube import client, errors
 from gpualloc.runtime import logging as runtime_logging
 from gpualloc.runtime import options as runtime_options
-
-log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,19 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--renew", action="store_true", default=False, help="re-issue the serving certificate now"
     )
-    parser.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file; default $KUBECONFIG, else in-cluster"
-    )
-    parser.add_argument(
-        "--log-format", choices=runtime_logging.FORMATS, default="text", help="log line format"
-    )
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=runtime_logging.LEVELS,
-        default="WARNING",
-        help="least level logged",
-    )
+    runtime_options.add_kubeconfig_and_logging(parser, log_format="text", log_level="WARNING")
     # --namespace: the flag, then GPUALLOC_NAMESPACE, then the pod's own (POD_NAMESPACE).
     runtime_options.env_defaults(
         parser, fallbacks={**runtime_options.DOWNWARD_API, "namespace": "POD_NAMESPACE"}
@@ -134,11 +119,7 @@ async def run(args: argparse.Namespace, wanted: building.Wanted, *, now: datetim
             print(f"existing certificates in {source} are unreadable ({exc}); making new ones")
             existing = None
 
-        decided = building.plan(existing, wanted, now=now)
-        if args.renew and not decided.new_cert:
-            decided = building.Plan(
-                new_ca=False, ca_reason=decided.ca_reason, new_cert=True, cert_reason="--renew was given"
-            )
+        decided = building.plan(existing, wanted, now=now, renew=args.renew)
         bundle = building.issue(
             existing,
             decided,

@@ -108,16 +108,16 @@ async def write_secret(
     namespace: str,
     name: str,
     files: Mapping[str, bytes],
-    existing: tuple[dict[str, bytes], dict[str, Any]] | None = None,
+    *,
+    existing: tuple[dict[str, bytes], dict[str, Any]] | None,
 ) -> str:
     """Create or update the ``kubernetes.io/tls`` Secret; "created", "updated" or "unchanged".
 
-    ``existing`` is what ``read_secret`` returned (read again when not given).
-    An update carries the resourceVersion it read: a concurrent writer makes it
-    fail with Conflict instead of being overwritten.
+    ``existing`` is what ``read_secret`` returned: None means the Secret does
+    not exist, and it is created. An update carries the resourceVersion that was
+    read: a concurrent writer makes it fail with Conflict instead of being
+    overwritten (as a create fails with AlreadyExists).
     """
-    if existing is None:
-        existing = await read_secret(api, namespace, name)
     data = _encoded(files)
     if existing is None:
         body = {

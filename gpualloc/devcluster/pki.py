@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import ipaddress
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from gpualloc import certificates
 
 ADMIN_USER = "gpualloc-admin"
 ADMIN_GROUP = "system:masters"
@@ -87,16 +88,6 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _cert_pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
 def _name(common_name: str, organization: str | None = None) -> x509.Name:
     attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
     if organization:
@@ -105,33 +96,15 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
 
 
 def build_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A new key and a self-signed CA for it, with no limit on the path length."""
     key = _new_key()
-    name = _name("gpualloc-dev-ca")
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
+    cert = certificates.build_ca(
+        key,
+        common_name="gpualloc-dev-ca",
+        now=now,
+        serial=x509.random_serial_number(),
+        validity=VALIDITY,
+        path_length=None,
     )
     return cert, key
 
@@ -156,32 +129,17 @@ def build_leaf(
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_before(now - certificates.BACKDATE)
         .not_valid_after(now + VALIDITY)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(certificates.key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
     )
     if dns_names or ips:
-        alt_names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
-        alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        builder = builder.add_extension(certificates.alt_names(dns_names, ips), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
@@ -213,13 +171,13 @@ def ensure(directory: Path, *, now: datetime.datetime | None = None) -> Pki:
         ca_cert, ca_key, common_name=ADMIN_USER, organization=ADMIN_GROUP, server=False, now=now
     )
     sa_key = _new_key()
-    _write(pki.ca_cert, _cert_pem(ca_cert), private=False)
-    _write(pki.ca_key, _key_pem(ca_key), private=True)
-    _write(pki.serving_cert, _cert_pem(serving_cert), private=False)
-    _write(pki.serving_key, _key_pem(serving_key), private=True)
-    _write(pki.admin_cert, _cert_pem(admin_cert), private=False)
-    _write(pki.admin_key, _key_pem(admin_key), private=True)
-    _write(pki.service_account_key, _key_pem(sa_key), private=True)
+    _write(pki.ca_cert, certificates.cert_pem(ca_cert), private=False)
+    _write(pki.ca_key, certificates.key_pem(ca_key), private=True)
+    _write(pki.serving_cert, certificates.cert_pem(serving_cert), private=False)
+    _write(pki.serving_key, certificates.key_pem(serving_key), private=True)
+    _write(pki.admin_cert, certificates.cert_pem(admin_cert), private=False)
+    _write(pki.admin_key, certificates.key_pem(admin_key), private=True)
+    _write(pki.service_account_key, certificates.key_pem(sa_key), private=True)
     _write(
         pki.service_account_public_key,
         sa_key.public_key().public_bytes(

@@ -92,21 +92,28 @@ def default_bind_address() -> str:
     return "0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"
 
 
-def add_common(parser: argparse.ArgumentParser, *, metrics_port: int = 8080, health_port: int = 8081) -> None:
-    """The options every component has: kubeconfig, logging, probe and metrics ports."""
+def add_kubeconfig_and_logging(
+    parser: argparse.ArgumentParser, *, log_format: str = "json", log_level: str = "INFO"
+) -> None:
+    """``--kubeconfig``, ``--log-format`` and ``--log-level``: what every command has, the certs tool too."""
     parser.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file; default $KUBECONFIG, else in-cluster"
     )
     parser.add_argument(
-        "--log-format", choices=runtime_logging.FORMATS, default="json", help="log line format"
+        "--log-format", choices=runtime_logging.FORMATS, default=log_format, help="log line format"
     )
     parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=runtime_logging.LEVELS,
-        default="INFO",
+        default=log_level,
         help="least level logged",
     )
+
+
+def add_common(parser: argparse.ArgumentParser, *, metrics_port: int = 8080, health_port: int = 8081) -> None:
+    """The options every component has: kubeconfig, logging, probe and metrics ports."""
+    add_kubeconfig_and_logging(parser)
     parser.add_argument("--metrics-port", type=int, default=metrics_port, help="port of /metrics (0: off)")
     parser.add_argument("--health-port", type=int, default=health_port, help="port of /healthz and /readyz")
     parser.add_argument(
