@@ -50,8 +50,8 @@ import msgspec
 from gpualloc.api import codecs, constants, models, pods
 from webhook import mutations, objects, patches
 
-API_VERSION = "admission.k8s.io/v1"
-KIND = "AdmissionReview"
+API_VERSION = objects.API_VERSION
+KIND = objects.KIND
 
 PendingMode = Literal["deny", "gate"]
 DeviceIdMode = Literal["uuid", "index"]
@@ -63,6 +63,7 @@ GATED = "gated"  # allowed with a scheduling gate
 DENIED = "denied"  # a policy denial (claim not ready, conflict, bad replica)
 INVALID = "invalid"  # a malformed review or object
 OUTCOMES = (ALLOWED, MUTATED, GATED, DENIED, INVALID)
+ERROR = "error"  # an unexpected failure, answered with a denial (the server's outcome, not decide's)
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _MESSAGE_LIMIT = 512
@@ -154,10 +155,12 @@ def allow(
     uid: str, *, patch: list[patches.Op] | None = None, warnings: list[str] | None = None
 ) -> objects.Answer:
     """An allowing answer; ``patch`` and ``patchType`` only when the patch is not empty."""
-    if not patch:
-        return objects.Answer(response=objects.Response(uid=uid, allowed=True, warnings=warnings or None))
     response = objects.Response(
-        uid=uid, allowed=True, patch_type="JSONPatch", patch=dump_json(patch), warnings=warnings or None
+        uid=uid,
+        allowed=True,
+        patch_type="JSONPatch" if patch else None,
+        patch=dump_json(patch) if patch else None,
+        warnings=warnings or None,
     )
     return objects.Answer(response=response)
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from gpualloc.api import codecs, models
-from gpualloc.kube import errors, resources
+from gpualloc.kube import errors, resources, watching
 from webhook import admission
 from webhook import metrics as metrics_
 
@@ -140,5 +140,5 @@ class StaticStore:
             self.put(raw)
 
     def put(self, raw: dict[str, Any]) -> None:
-        meta = raw.get("metadata") or {}
-        self.cache[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = raw
+        """Hold ``raw`` under the Reflector's key for it (``namespace/name``)."""
+        self.cache[watching.object_key(raw)] = raw

@@ -122,14 +122,13 @@ async def run(args: argparse.Namespace) -> int:
         runner = await server.start(
             app, args.host, args.port, ssl_context=context, shutdown_timeout=args.shutdown_timeout
         )
-        extra: list[web.AppRunner] = []
+        extra = await serving.start_probe_servers(
+            args.bind_address,
+            (args.metrics_port, args.health_port),
+            ready=state.ready,
+            registry=metrics.registry,
+        )
         try:
-            for port in sorted({p for p in (args.metrics_port, args.health_port) if p}):
-                extra.append(
-                    await serving.start_probes(
-                        args.bind_address, port, ready=state.ready, registry=metrics.registry
-                    )
-                )
             log.info(
                 "serving",
                 extra={"host": args.host, "port": args.port, "pending": args.pending, "ids": args.device_ids},

@@ -13,8 +13,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Metrics:
     """Counters and a histogram; ``registry`` is what ``/metrics`` serves."""
 
-    def __init__(self, registry: prometheus_client.CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = prometheus_client.CollectorRegistry()
         self.admissions = prometheus_client.Counter(
             "gpualloc_webhook_admissions_total",
             "AdmissionReviews answered, by outcome: allowed (nothing to change), mutated, gated, "
@@ -25,7 +25,7 @@ class Metrics:
         )
         # The labelled children, bound once: ``labels()`` takes a lock and builds a key every call.
         self.outcomes = {
-            outcome: self.admissions.labels(outcome) for outcome in (*admission.OUTCOMES, "error")
+            outcome: self.admissions.labels(outcome) for outcome in (*admission.OUTCOMES, admission.ERROR)
         }
         self.latency = prometheus_client.Histogram(
             "gpualloc_webhook_admission_duration_seconds",

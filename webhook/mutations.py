@@ -101,10 +101,7 @@ def device_plugin_requests(pod: objects.Pod) -> list[str]:
     if spec is None:
         return []
     found = ["<pod>"] if _requests_gpu(spec.resources) else []
-    for items in (spec.init_containers, spec.containers):
-        for container in items or ():
-            if _requests_gpu(container.resources):
-                found.append(container.name or "<unnamed>")
+    found += [c.name or "<unnamed>" for _, c in containers(pod) if _requests_gpu(c.resources)]
     return found
 
 
@@ -150,7 +147,7 @@ def set_env(
     env: Sequence[objects.EnvVar] | None,
     entries: list[dict[str, Any]],
     ops: list[patches.Op],
-    wanted: Mapping[str, dict[str, Any]] | None = None,
+    wanted: Mapping[str, dict[str, Any]],
 ) -> list[str]:
     """Operations making ``entries`` the definitions of their names in the env list at ``path``.
 
@@ -158,13 +155,11 @@ def set_env(
     place, so later entries referring to it with ``$(NAME)`` still see it;
     later duplicates are removed; names not present are appended; a missing
     ``env`` is added whole. Returns the names whose user-set definition differed.
-    ``wanted`` is ``entries`` by name, when the caller has it already.
+    ``wanted`` is ``entries`` by name (the caller builds it once for every container).
     """
     if env is None:
         ops.append(patches.add(path + "/env", entries))
         return []
-    if wanted is None:
-        wanted = {e["name"]: e for e in entries}
     placed: set[str] = set()
     replaced: list[str] = []
     duplicates: list[int] = []
@@ -242,9 +237,9 @@ def pin_to_node(pod: objects.Pod, node: str, ops: list[patches.Op]) -> None:
     _put(ops, "/spec", spec is not None, "nodeSelector", selector, constants.HOSTNAME_LABEL, node)
 
 
-def add_scheduling_gate(
-    pod: objects.Pod, ops: list[patches.Op], name: str = constants.SCHEDULING_GATE
-) -> None:
+def add_scheduling_gate(pod: objects.Pod, ops: list[patches.Op]) -> None:
+    """Add the gate ``gpu.scheduling/claim-allocated`` unless the pod has it."""
+    name = constants.SCHEDULING_GATE
     spec = pod.spec
     gate = {"name": name}
     if spec is None:
@@ -255,10 +250,9 @@ def add_scheduling_gate(
         ops.append(patches.add("/spec/schedulingGates/-", gate))
 
 
-def remove_scheduling_gate(
-    pod: objects.Pod, ops: list[patches.Op], name: str = constants.SCHEDULING_GATE
-) -> None:
-    """Remove the gate; the whole list when no other gate is left."""
+def remove_scheduling_gate(pod: objects.Pod, ops: list[patches.Op]) -> None:
+    """Remove the gate ``gpu.scheduling/claim-allocated``; the whole list when no other gate is left."""
+    name = constants.SCHEDULING_GATE
     gates = pod.spec.scheduling_gates if pod.spec is not None else None
     if not gates:
         return

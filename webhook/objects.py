@@ -98,6 +98,9 @@ class Pod(_Struct):
 
 # ------------------------------------------------------------------ the review
 
+API_VERSION = "admission.k8s.io/v1"
+KIND = "AdmissionReview"
+
 NULL = msgspec.Raw(b"null")
 
 
@@ -198,8 +201,8 @@ class Answer(_Struct):
     """The AdmissionReview sent back."""
 
     response: Response
-    api_version: str = "admission.k8s.io/v1"
-    kind: str = "AdmissionReview"
+    api_version: str = API_VERSION
+    kind: str = KIND
 
 
 _ENCODER = msgspec.json.Encoder()

@@ -30,7 +30,6 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -107,7 +106,7 @@ async def mutate(request: web.Request) -> web.Response:
         answer = admission.deny(
             uid, f"the gpualloc webhook failed: {type(exc).__name__}", code=500, reason="InternalError"
         )
-        outcome = "error"
+        outcome = admission.ERROR
     text = admission.dump_json(answer)
     state.metrics.outcomes[outcome].inc()
     state.metrics.latency.observe(time.perf_counter() - started)
@@ -127,14 +126,9 @@ def make_app(
     app = web.Application(client_max_size=MAX_BODY)
     state = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
     app[STATE] = state
-    # The probes and /metrics are the shared ones, on the TLS port too.
-    app[serving.READY] = state.ready
-    app[serving.REGISTRY] = state.metrics.registry
     app.router.add_post("/mutate", mutate)
-    app.router.add_get("/healthz", serving.healthz)
-    app.router.add_get("/livez", serving.healthz)
-    app.router.add_get("/readyz", serving.readyz)
-    app.router.add_get("/metrics", serving.metrics)
+    # The probes and /metrics are the shared ones, on the TLS port too.
+    serving.add_probes(app, ready=state.ready, registry=state.metrics.registry)
     return app
 
 
@@ -183,14 +177,12 @@ class CertificateReloader:
         *,
         interval: float = CERT_POLL_INTERVAL,
         metrics: metrics_.Metrics | None = None,
-        on_reload: Callable[[], None] | None = None,
     ) -> None:
         self.context = context
         self.cert_file = cert_file
         self.key_file = key_file
         self.interval = interval
         self.metrics = metrics
-        self.on_reload = on_reload
         self.reloads = 0
         self.failures = 0
         self._seen = self._identity()
@@ -230,8 +222,6 @@ class CertificateReloader:
             self.metrics.cert_reloads.labels("success").inc()
         self._record_expiry()
         log.info("serving certificate reloaded", extra={"cert": cert_path})
-        if self.on_reload is not None:
-            self.on_reload()
         return True
 
     async def run(self) -> None:
