@@ -42,16 +42,6 @@ def describe_request(claim: models.GpuClaim) -> str:
     return ", ".join(parts)
 
 
-def holders_from_claims(claims: Sequence[models.GpuClaim]) -> dict[str, set[str]]:
-    """Lease name -> claim UIDs, from what Allocated claims record in their status."""
-    holders: dict[str, set[str]] = {}
-    for claim in claims:
-        for allocation in claim.status.allocations:
-            for device in allocation.devices:
-                holders.setdefault(constants.lease_name(device.uuid), set()).add(claim.metadata.uid)
-    return holders
-
-
 def explain(
     claim: models.GpuClaim,
     *,
@@ -72,11 +62,16 @@ def explain(
         return "\n".join(lines)
     if claim.status.message:
         lines.append(f"  status:  {claim.status.message}")
+    taken = {
+        lease
+        for other in claims
+        if other.metadata.uid != claim.metadata.uid
+        for lease in planning.recorded_leases(other.status)
+    }
     node_views = planning.build_node_views(
         statuses=statuses,
         nodes=nodes,
-        holders=holders_from_claims([c for c in claims if c.metadata.uid != claim.metadata.uid]),
-        claim_uid=claim.metadata.uid,
+        is_taken=taken.__contains__,
         now=now,
         stale_after=planning.NODE_STALE_AFTER_S,
     )
@@ -89,7 +84,7 @@ def explain(
 
 
 async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
-    from gpualloc.kube import client, resources, transport
+    from gpualloc.kube import client, resources, transport, watching
 
     api = await client.connect(views.kubeconfig_path(kubeconfig))
     try:
@@ -97,7 +92,7 @@ async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
         return {
             "claims": (await crs.list_claims())["items"],
             "statuses": (await crs.list_node_statuses())["items"],
-            "nodes": (await transport.request(api, "GET", "/api/v1/nodes"))["items"],
+            "nodes": (await transport.request(api, "GET", watching.NODES.path()))["items"],
         }
     finally:
         await api.close()

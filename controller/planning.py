@@ -3,8 +3,8 @@
 Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
 
 * ``build_node_views``: the allocator's ``NodeView`` per node from the cached
-  Nodes, GpuNodeStatuses and device Leases (``taken`` = UUIDs whose Lease is
-  held by another claim UID).
+  Nodes and GpuNodeStatuses, and the caller's word on which device Leases
+  another claim UID holds (``taken``).
 * ``lock_plan``: the Leases to create for a Decision, sorted by UUID (the one
   global order every controller acquires in), and their labels.
 * ``allocated_status`` / ``unallocated_status``: the status merge patches.
@@ -12,8 +12,7 @@ Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
   devices of an Allocated claim.
 * ``record_failure``: the retry bookkeeping behind ``retryPolicy``.
 * ``resolve_replica`` / ``ungate_patch``: gate mode, for pods held by the
-  ``gpu.scheduling/claim-allocated`` scheduling gate. ``resolve_replica`` is
-  generic (the webhook has the same rule) and could move to ``gpualloc.api``.
+  ``gpu.scheduling/claim-allocated`` scheduling gate.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jsonpatch
@@ -36,17 +34,12 @@ Obj = dict[str, Any]
 REASON_ALLOCATED = "Allocated"
 REASON_INSUFFICIENT = "InsufficientDevices"
 REASON_RETRIES_EXHAUSTED = "RetriesExhausted"
-REASON_INVALID = "InvalidClaim"
 REASON_DEVICE_UNHEALTHY = "DeviceUnhealthy"
 REASON_DEVICES_MISSING = "DevicesMissing"
 REASON_DEVICES_HEALTHY = "DevicesHealthy"
 
 
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
-_NOBODY: frozenset[str] = frozenset()
-
-
-# ------------------------------------------------------------------- time
 
 
 # ------------------------------------------------------------------- cache views
@@ -78,11 +71,8 @@ class LeaseInfo:
     name: str
     uid: str
     holder: str
-    node: str
     claim_namespace: str
     claim_name: str
-    claim_uid: str
-    created: str = ""
 
 
 def lease_info(raw: Mapping[str, Any]) -> LeaseInfo:
@@ -93,11 +83,8 @@ def lease_info(raw: Mapping[str, Any]) -> LeaseInfo:
         name=str(metadata.get("name", "")),
         uid=str(metadata.get("uid", "")),
         holder=str(spec.get("holderIdentity") or ""),
-        node=str(labels.get(constants.LABEL_NODE, "")),
         claim_namespace=str(labels.get(constants.LABEL_CLAIM_NAMESPACE, "")),
         claim_name=str(labels.get(constants.LABEL_CLAIM_NAME, "")),
-        claim_uid=str(labels.get(constants.LABEL_CLAIM_UID, "")),
-        created=str(metadata.get("creationTimestamp", "")),
     )
 
 
@@ -120,33 +107,29 @@ def build_node_views(
     *,
     statuses: Mapping[str, models.GpuNodeStatus],
     nodes: Mapping[str, NodeFacts],
-    holders: Mapping[str, AbstractSet[str]],
-    claim_uid: str,
+    is_taken: Callable[[str], bool],
     now: datetime.datetime,
     stale_after: float,
 ) -> list[allocator.NodeView]:
     """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
 
-    ``statuses`` is keyed by node name (``spec.nodeName``), ``holders`` maps a
-    Lease name to the holders (claim UIDs) the cache and the in-memory overlay
-    know of. A device is taken when its Lease is held by anyone but
-    ``claim_uid``: Leases the claim holds already are free for it (a retry
-    after a crash adopts them). Nodes without a GpuNodeStatus
-    have no GPUs and are left out.
+    ``statuses`` is keyed by node name (``spec.nodeName``). ``is_taken`` says
+    whether a device's Lease (by name) is held by another claim than the one
+    being planned: Leases that claim holds already are free for it (a retry
+    after a crash adopts them). Nodes without a GpuNodeStatus have no GPUs and
+    are left out.
     """
     views: list[allocator.NodeView] = []
     for name in sorted(statuses):
         inventory = statuses[name].status
         facts = nodes.get(name)
         taken = frozenset(
-            device.uuid
-            for device in inventory.devices
-            if holders.get(constants.lease_name(device.uuid), _NOBODY) - {claim_uid}
+            device.uuid for device in inventory.devices if is_taken(constants.lease_name(device.uuid))
         )
         views.append(
             allocator.NodeView(
                 name=name,
-                labels=dict(facts.labels) if facts else {},
+                labels=facts.labels if facts else {},
                 unschedulable=facts.unschedulable if facts else False,
                 node_present=facts is not None,
                 ready=node_ready(inventory, now=now, stale_after=stale_after),
@@ -256,6 +239,20 @@ def _conditions_json(conditions: Iterable[models.Condition]) -> list[Obj]:
     return [codecs.encode(c) for c in conditions]
 
 
+def _condition(
+    claim: models.GpuClaim, type_: str, status: str, reason: str, message: str, *, now: datetime.datetime
+) -> models.Condition:
+    """A condition of ``claim`` at its current generation, changed ``now``."""
+    return models.Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=timestamps.format_time(now),
+        observed_generation=claim.metadata.generation or None,
+    )
+
+
 def allocated_status(
     claim: models.GpuClaim,
     allocations: Sequence[models.Allocation],
@@ -269,14 +266,7 @@ def allocated_status(
     message = f"allocated {count} GPU{'s' if count != 1 else ''} on {nodes}"
     conditions = set_condition(
         [c for c in claim.status.conditions if c.type != constants.CONDITION_DEVICES_LOST],
-        models.Condition(
-            type=constants.CONDITION_ALLOCATED,
-            status="True",
-            reason=REASON_ALLOCATED,
-            message=message,
-            last_transition_time=stamp,
-            observed_generation=claim.metadata.generation or None,
-        ),
+        _condition(claim, constants.CONDITION_ALLOCATED, "True", REASON_ALLOCATED, message, now=now),
     )
     return {
         "status": {
@@ -306,14 +296,7 @@ def unallocated_status(
     message = " ".join(message.split()) or "no allocation"
     conditions = set_condition(
         claim.status.conditions,
-        models.Condition(
-            type=constants.CONDITION_ALLOCATED,
-            status="False",
-            reason=reason,
-            message=message,
-            last_transition_time=timestamps.format_time(now),
-            observed_generation=claim.metadata.generation or None,
-        ),
+        _condition(claim, constants.CONDITION_ALLOCATED, "False", reason, message, now=now),
     )
     return {
         "status": {
@@ -376,44 +359,20 @@ def allocation_problems(
         status = statuses.get(node)
         by_uuid = {d.uuid: d for d in status.status.devices} if status else {}
         for ref in alloc.devices:
-            label = f"gpu-{ref.minor}/{ref.uuid}"
+            reason = REASON_DEVICES_MISSING
             if node not in nodes:
-                problems.append(
-                    Problem(
-                        node=node,
-                        uuid=ref.uuid,
-                        reason=REASON_DEVICES_MISSING,
-                        detail=f"{label} on {node}: node is gone",
-                    )
-                )
+                what = "node is gone"
             elif status is None:
-                problems.append(
-                    Problem(
-                        node=node,
-                        uuid=ref.uuid,
-                        reason=REASON_DEVICES_MISSING,
-                        detail=f"{label} on {node}: no GpuNodeStatus",
-                    )
-                )
+                what = "no GpuNodeStatus"
             elif ref.uuid not in by_uuid:
-                problems.append(
-                    Problem(
-                        node=node,
-                        uuid=ref.uuid,
-                        reason=REASON_DEVICES_MISSING,
-                        detail=f"{label} on {node}: device is gone",
-                    )
-                )
+                what = "device is gone"
             elif by_uuid[ref.uuid].health != constants.HEALTHY:
                 why = by_uuid[ref.uuid].health_reason
-                problems.append(
-                    Problem(
-                        node=node,
-                        uuid=ref.uuid,
-                        reason=REASON_DEVICE_UNHEALTHY,
-                        detail=f"{label} on {node}: unhealthy" + (f" ({why})" if why else ""),
-                    )
-                )
+                reason, what = REASON_DEVICE_UNHEALTHY, "unhealthy" + (f" ({why})" if why else "")
+            else:
+                continue
+            detail = f"gpu-{ref.minor}/{ref.uuid} on {node}: {what}"
+            problems.append(Problem(node=node, uuid=ref.uuid, reason=reason, detail=detail))
     return problems
 
 
@@ -440,23 +399,16 @@ def devices_lost_condition(
         message = "; ".join(details)
         if current and current.status == "True" and current.reason == reason and current.message == message:
             return None
-        return models.Condition(
-            type=constants.CONDITION_DEVICES_LOST,
-            status="True",
-            reason=reason,
-            message=message,
-            last_transition_time=timestamps.format_time(now),
-            observed_generation=claim.metadata.generation or None,
-        )
+        return _condition(claim, constants.CONDITION_DEVICES_LOST, "True", reason, message, now=now)
     if current is None or current.status == "False":
         return None
-    return models.Condition(
-        type=constants.CONDITION_DEVICES_LOST,
-        status="False",
-        reason=REASON_DEVICES_HEALTHY,
-        message="every allocated device is present and healthy",
-        last_transition_time=timestamps.format_time(now),
-        observed_generation=claim.metadata.generation or None,
+    return _condition(
+        claim,
+        constants.CONDITION_DEVICES_LOST,
+        "False",
+        REASON_DEVICES_HEALTHY,
+        "every allocated device is present and healthy",
+        now=now,
     )
 
 

@@ -64,8 +64,7 @@ import datetime
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
@@ -420,22 +419,39 @@ class Controller:
     def _is_ready(self, inventory: models.NodeInventory) -> bool:
         return planning.node_ready(inventory, now=_now(), stale_after=self.settings.node_stale_after)
 
-    def holders(self) -> Mapping[str, AbstractSet[str]]:
-        """Lease name -> the holders the cache and the overlay know of (a live view, not a copy)."""
-        return _Holders(self._lease_info, self.overlay.holders())
-
     def held_by(self, uid: str) -> dict[str, str]:
         """Lease name -> Lease uid of every Lease ``uid`` holds, as far as this process knows."""
         held = dict(self.overlay.held_by(uid))
         held.update(self._held.get(uid, {}))
         return held
 
+    async def _release(self, held: Mapping[str, str], uid: str) -> int:
+        """Delete the Leases ``held`` (name -> Lease uid) that ``uid`` holds; the number deleted."""
+        return await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
+
+    def _devices_lost(self, claim: models.GpuClaim, lost: Sequence[str] = ()) -> models.Condition | None:
+        """The DevicesLost condition an Allocated claim needs written, or None (``planning``)."""
+        problems = planning.allocation_problems(
+            claim.status.allocations, statuses=self._statuses, nodes=self._facts
+        )
+        return planning.devices_lost_condition(claim, problems, lost_leases=lost, now=_now())
+
     def node_views(self, claim_uid: str) -> list[allocator.NodeView]:
+        leases = self._lease_info
+        overlay = self.overlay.holders()
+
+        def is_taken(name: str) -> bool:
+            """The cache or the overlay knows ``name`` held by anyone but ``claim_uid``."""
+            info = leases.get(name)
+            if info is not None and info.holder != claim_uid:
+                return True
+            holder = overlay.get(name)
+            return holder is not None and holder != claim_uid
+
         return planning.build_node_views(
             statuses=self._statuses,
             nodes=self._facts,
-            holders=self.holders(),
-            claim_uid=claim_uid,
+            is_taken=is_taken,
             now=_now(),
             stale_after=self.settings.node_stale_after,
         )
@@ -487,9 +503,7 @@ class Controller:
         ):
             held = self.held_by(claim.metadata.uid)
             if held:  # a Failed status is final: nothing it holds can be recorded any more
-                await locking.release(
-                    self.api, self.settings.namespace, held, self.overlay, holder=claim.metadata.uid
-                )
+                await self._release(held, claim.metadata.uid)
             return
         await self._allocate(claim, raw)
 
@@ -512,7 +526,7 @@ class Controller:
     async def _finalize(self, claim: models.GpuClaim, raw: Obj) -> None:
         uid = claim.metadata.uid
         held = self.held_by(uid)
-        released = await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
+        released = await self._release(held, uid)
         if constants.FINALIZER not in claim.metadata.finalizers:
             return
         if held or claim.status.allocations:
@@ -573,7 +587,7 @@ class Controller:
             return
         extras = {n: u for n, u in self.held_by(uid).items() if n not in result.held}
         if extras:
-            await locking.release(self.api, self.settings.namespace, extras, self.overlay, holder=uid)
+            await self._release(extras, uid)
         self._retry.pop(key, None)
         self._failed_event.pop(key, None)
         self.metrics.claims_allocated.labels(strategy=claim.spec.strategy).inc()
@@ -655,7 +669,7 @@ class Controller:
                 return
             bumped = watching.resource_version_of(written) != claim.metadata.resource_version
             if held and bumped:
-                await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
+                await self._release(held, uid)
         if counted and not exhausted:
             self.metrics.allocation_retries.inc()  # one more retry scheduled with backoff
         if counted:
@@ -678,7 +692,7 @@ class Controller:
         held = self.held_by(uid)
         extras = {n: u for n, u in held.items() if n not in recorded}
         if extras:  # the allocation is final: anything else it holds is left from a lost race or a crash
-            await locking.release(self.api, self.settings.namespace, extras, self.overlay, holder=uid)
+            await self._release(extras, uid)
         lost: list[str] = []
         missing = sorted(recorded - held.keys())
         if missing:
@@ -688,10 +702,7 @@ class Controller:
                 self.queue.add_after(claim.key, LEASE_GRACE - age)
             else:
                 lost = await self._relock(claim, missing)
-        problems = planning.allocation_problems(
-            claim.status.allocations, statuses=self._statuses, nodes=self._facts
-        )
-        condition = planning.devices_lost_condition(claim, problems, lost_leases=lost, now=_now())
+        condition = self._devices_lost(claim, lost)
         if condition is None:
             return True
         if await self._write_status(claim, planning.condition_patch(claim, condition)) is None:
@@ -783,17 +794,13 @@ class Controller:
             return
         self.sweeps += 1
         self.overlay.expire()
-        by_holder: dict[str, list[planning.LeaseInfo]] = collections.defaultdict(list)
-        for info in list(self._lease_info.values()):
-            by_holder[info.holder].append(info)
+        # The holder index with each Lease's cached info, copied: the loop awaits.
+        by_holder = {holder: [self._lease_info[n] for n in names] for holder, names in self._held.items()}
         orphans = 0
         for holder, infos in sorted(by_holder.items()):
             if holder in self._uid_to_key or await self._claim_exists(holder, infos):
                 continue
-            gone = {i.name: i.uid for i in infos}
-            orphans += await locking.release(
-                self.api, self.settings.namespace, gone, self.overlay, holder=holder
-            )
+            orphans += await self._release({i.name: i.uid for i in infos}, holder)
         if orphans:
             log.info("released leases of vanished claims", extra={"leases": orphans})
         # Claims holding Leases their status does not explain, and Allocated claims whose devices changed.
@@ -811,16 +818,11 @@ class Controller:
         claim = self._claim(key, raw)
         if claim is None:
             return False
-        if claim.metadata.deletion_timestamp or claim.status.phase == constants.PHASE_FAILED:
-            return bool(held)
-        if claim.status.phase != constants.PHASE_ALLOCATED:
-            return bool(held)  # an attempt adopts or releases them
+        if claim.metadata.deletion_timestamp or claim.status.phase != constants.PHASE_ALLOCATED:
+            return bool(held)  # a reconcile adopts or releases them
         if planning.recorded_leases(claim.status) != held:
             return True
-        problems = planning.allocation_problems(
-            claim.status.allocations, statuses=self._statuses, nodes=self._facts
-        )
-        return planning.devices_lost_condition(claim, problems, now=_now()) is not None
+        return self._devices_lost(claim) is not None
 
     async def _claim_exists(self, uid: str, infos: list[planning.LeaseInfo]) -> bool:
         """Ask the API server (not the cache) whether the claim holding these Leases still exists."""
@@ -832,31 +834,6 @@ class Controller:
         except errors.NotFound:
             return False
         return str(_meta(raw).get("uid", "")) == uid
-
-
-class _Holders(Mapping[str, AbstractSet[str]]):
-    """The Lease cache and the overlay seen as one mapping, without copying the cache."""
-
-    def __init__(self, cache: Mapping[str, planning.LeaseInfo], overlay: Mapping[str, str]) -> None:
-        self._cache = cache
-        self._overlay = overlay
-
-    def __getitem__(self, name: str) -> AbstractSet[str]:
-        info = self._cache.get(name)
-        extra = self._overlay.get(name)
-        if info is None and extra is None:
-            raise KeyError(name)
-        found = {info.holder} if info is not None else set()
-        if extra is not None:
-            found.add(extra)
-        return found
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._cache
-        yield from (name for name in self._overlay if name not in self._cache)
-
-    def __len__(self) -> int:
-        return len(self._cache) + sum(1 for name in self._overlay if name not in self._cache)
 
 
 def make_ready_check(controller: Controller, lost: Callable[[], bool] = lambda: False) -> Callable[[], bool]:

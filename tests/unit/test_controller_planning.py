@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 
 import jsonpatch
 import pytest
@@ -88,6 +89,11 @@ def alloc(replica: int, node: str, node_no: int, indices: tuple[int, ...]) -> mo
 # ------------------------------------------------------------------ node views
 
 
+def held_by_others(holders: dict[str, set[str]], claim_uid: str) -> Callable[[str], bool]:
+    """``is_taken`` for ``build_node_views``: a Lease some holder other than ``claim_uid`` holds."""
+    return lambda name: bool(holders.get(name, set()) - {claim_uid})
+
+
 def test_node_views_mark_devices_held_by_other_claims_as_taken_but_not_our_own() -> None:
     statuses = {"n1": status("n1", inventory(1))}
     facts = {"n1": planning.NodeFacts(name="n1", labels={"zone": "a"}, unschedulable=False)}
@@ -97,7 +103,7 @@ def test_node_views_mark_devices_held_by_other_claims_as_taken_but_not_our_own()
         constants.lease_name(uuid(1, 2)): {"uid-c", "uid-racer"},  # cache and overlay disagree: taken
     }
     (view,) = planning.build_node_views(
-        statuses=statuses, nodes=facts, holders=holders, claim_uid="uid-c", now=NOW, stale_after=120
+        statuses=statuses, nodes=facts, is_taken=held_by_others(holders, "uid-c"), now=NOW, stale_after=120
     )
     assert view.taken == {uuid(1, 0), uuid(1, 2)}
     assert view.labels == {"zone": "a"} and view.node_present and view.ready
@@ -113,7 +119,7 @@ def test_node_views_flag_missing_nodes_and_stale_or_unready_statuses() -> None:
     views = {
         v.name: v
         for v in planning.build_node_views(
-            statuses=statuses, nodes=facts, holders={}, claim_uid="u", now=NOW, stale_after=120
+            statuses=statuses, nodes=facts, is_taken=held_by_others({}, "u"), now=NOW, stale_after=120
         )
     }
     assert views["fresh"].ready and not views["stale"].ready and not views["notready"].ready
@@ -126,7 +132,7 @@ def test_node_views_feed_the_allocator_which_avoids_taken_devices() -> None:
     facts = {"n1": planning.NodeFacts(name="n1", labels={}, unschedulable=False)}
     holders = {constants.lease_name(uuid(1, i)): {"someone"} for i in (0, 1)}
     views = planning.build_node_views(
-        statuses=statuses, nodes=facts, holders=holders, claim_uid="uid-c", now=NOW, stale_after=120
+        statuses=statuses, nodes=facts, is_taken=held_by_others(holders, "uid-c"), now=NOW, stale_after=120
     )
     decision = allocator.allocate(claim(count=2), views)
     assert decision.allocations
