@@ -64,14 +64,9 @@ class LeaderElector:
         self.leading = asyncio.Event()  # set while this process leads
         self.lost = asyncio.Event()  # set when it led and had to step down
         self.holder = ""  # the holder last observed
-        self.transitions = 0
         self._record: Obj | None = None  # the Lease as last read or written
         self._observed_rv = ""
         self._observed_at = 0.0
-
-    @property
-    def is_leader(self) -> bool:
-        return self.leading.is_set()
 
     async def run(self) -> None:
         """Campaign until leading, then renew until the renewals fail; returns after stepping down."""
@@ -132,16 +127,15 @@ class LeaderElector:
                 return True
         self._observe(record)
         spec = record.get("spec") or {}
-        holder = str(spec.get("holderIdentity") or "")
         duration = float(spec.get("leaseDurationSeconds") or self.lease_duration)
-        if holder and holder != self.identity and self._clock() < self._observed_at + duration:
+        if self.holder and self.holder != self.identity and self._clock() < self._observed_at + duration:
             return False
         body = copy.deepcopy(record)
         new_spec = body.setdefault("spec", {})
         new_spec["holderIdentity"] = self.identity
         new_spec["leaseDurationSeconds"] = round(self.lease_duration)
         new_spec["renewTime"] = leases.micro_time(now)
-        if holder != self.identity:
+        if self.holder != self.identity:
             new_spec["acquireTime"] = leases.micro_time(now)
             new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
         written = await leases.replace_lease(self.api, self.namespace, self.name, body)
@@ -154,7 +148,6 @@ class LeaderElector:
             self._observed_rv = rv
             self._observed_at = self._clock()
         self.holder = str((record.get("spec") or {}).get("holderIdentity") or "")
-        self.transitions = int((record.get("spec") or {}).get("leaseTransitions") or 0)
 
     def _remember(self, record: Obj) -> None:
         self._record = record

@@ -49,9 +49,6 @@ class Overlay:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def note(self, name: str, holder: str, uid: str = "") -> None:
         """``name`` is (or is about to be) held by ``holder``."""
         self._entries[name] = _Entry(holder=holder, uid=uid, expires=self._clock() + self._ttl)
@@ -101,8 +98,6 @@ class Overlay:
 class LockResult:
     ok: bool
     held: Mapping[str, str]  # lease name -> Lease uid, every Lease of the plan (ok) or nothing
-    conflict: str = ""  # the Lease held by someone else (not ok)
-    conflict_holder: str = ""
 
 
 async def acquire(
@@ -132,7 +127,7 @@ async def acquire(
                     extra={"claim": claim.key, "lease": item.lease, "holder": holder},
                 )
                 await _quiet_release(api, namespace, created, overlay, holder=uid)
-                return LockResult(ok=False, held={}, conflict=item.lease, conflict_holder=holder)
+                return LockResult(ok=False, held={})
             held[item.lease] = lease_uid
             overlay.note(item.lease, uid, lease_uid)
             if made:

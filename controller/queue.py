@@ -70,13 +70,6 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._queued or key in self._dirty
-
-    @property
-    def processing(self) -> frozenset[str]:
-        return frozenset(self._processing)
-
     def delayed_until(self, key: str) -> float | None:
         """The clock time a delayed add of ``key`` is due, or None."""
         entry = self._delayed.get(key)
