@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpualloc.api import models
+from gpualloc.api import islands, models
 
 
 def is_nvlink(link_type: str) -> bool:
@@ -55,22 +55,7 @@ def island_ids(inventory: models.NodeInventory) -> dict[int, int]:
                 groups.append(members)
         groups.extend([i] for i in indices if i not in seen)
     else:
-        parent = {i: i for i in indices}
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for link in inventory.links:
-            if is_nvlink(link.type) and link.a in parent and link.b in parent and link.a != link.b:
-                ra, rb = find(link.a), find(link.b)
-                if ra != rb:
-                    parent[max(ra, rb)] = min(ra, rb)
-        by_root: dict[int, list[int]] = {}
-        for i in indices:
-            by_root.setdefault(find(i), []).append(i)
-        groups = list(by_root.values())
+        nvlink = ((link.a, link.b) for link in inventory.links if is_nvlink(link.type) and link.a != link.b)
+        groups = [list(group) for group in islands.islands(indices, nvlink)]
     groups.sort(key=lambda g: min(g))
     return {i: n for n, group in enumerate(groups) for i in group}
