@@ -11,7 +11,7 @@ restarts, since recovering from them takes a GPU reset.
 
 A device that disappears (``GPU_IS_LOST``, or missing from a re-scan) is kept in
 the published status as Unhealthy with ``lost: ...``; ``carry_lost`` does that,
-purely, from the previous and the current scan.
+purely, from the previous and the current scan, PCIe levels included.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ ALL_DEVICES = ""  # an event whose device NVML could not name applies to every d
 @dataclasses.dataclass(**_FROZEN)
 class HealthEvent:
     uuid: str  # ALL_DEVICES when unknown
-    kind: str  # KIND_XID | KIND_ECC | KIND_LOST
+    kind: str  # KIND_XID | KIND_ECC (a lost device is a scan's business: carry_lost)
     xid: int = 0
-    detail: str = ""
 
 
 def parse_xids(text: str) -> frozenset[int]:
@@ -63,8 +62,6 @@ def reason_for(event: HealthEvent, ignored_xids: frozenset[int]) -> str | None:
         return f"XID {event.xid}"
     if event.kind == KIND_ECC:
         return "double-bit ECC error"
-    if event.kind == KIND_LOST:
-        return "lost: " + (event.detail or "GPU is lost")
     return None
 
 
@@ -109,8 +106,9 @@ def carry_lost(previous: inventory.NodeFacts | None, current: inventory.NodeFact
     """``current`` plus every device of ``previous`` that is now missing, marked lost.
 
     A missing device keeps its last facts and index (unless a present device
-    now has that index, in which case it cannot be shown and is dropped), and
-    the PCIe levels of its pairs are carried over.
+    now has that index, in which case it cannot be shown and is dropped). The
+    PCIe levels of the pairs of every lost device, missing or reported lost by
+    the source, are carried over from ``previous`` where ``current`` has none.
     """
     if previous is None:
         return current
@@ -129,14 +127,16 @@ def carry_lost(previous: inventory.NodeFacts | None, current: inventory.NodeFact
         lost = device.lost or "lost: missing from re-scan"
         carried.append(dataclasses.replace(device, lost=lost))
         taken.add(device.index)
-    if not carried:
+    lost_indices = {d.index for d in carried} | {d.index for d in current.devices if d.lost}
+    if not lost_indices:
         return current
-    carried_indices = {d.index for d in carried}
     ancestors = dict(current.common_ancestors)
     for pair, level in previous.common_ancestors.items():
-        if (pair[0] in carried_indices or pair[1] in carried_indices) and pair not in ancestors:
+        if (pair[0] in lost_indices or pair[1] in lost_indices) and pair not in ancestors:
             ancestors[pair] = level
-    devices = tuple(sorted((*current.devices, *carried), key=lambda d: d.index))
+    devices = current.devices
+    if carried:
+        devices = tuple(sorted((*devices, *carried), key=lambda d: d.index))
     return dataclasses.replace(current, devices=devices, common_ancestors=ancestors)
 
 

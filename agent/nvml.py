@@ -10,7 +10,8 @@ Calls that some devices do not support (NUMA, MIG, NVLink on consumer cards,
 remote device type on old drivers, power and temperature) tolerate
 NOT_SUPPORTED, FUNCTION_NOT_FOUND and the like and leave the field unknown.
 ``GPU_IS_LOST`` (or any failure to read a device that was seen before) reports
-that device as lost with its last known facts. Failures of the library itself
+that device as lost with its last known facts; ``health.carry_lost`` keeps the
+PCIe levels of its pairs from the previous scan. Failures of the library itself
 (init, device count) raise ``inventory.SourceUnavailable`` and make the next
 ``scan`` initialise again.
 
@@ -55,8 +56,6 @@ class NvmlSource:
         self.generation = 0  # incremented on every successful init
         self._handles: dict[int, tuple[str, Any]] = {}  # index -> (uuid, handle) from the last scan
         self._known: dict[int, inventory.DeviceFacts] = {}  # index -> last facts read
-        self._ancestors: dict[tuple[int, int], int] = {}
-        self.last_error = ""
 
     # ------------------------------------------------------------- library
 
@@ -119,28 +118,14 @@ class NvmlSource:
         with self._lock:
             if self._initialised:
                 return
+            nvml = self.nvml  # SourceUnavailable when pynvml is missing
             try:
-                self.nvml.nvmlInit()
-            except inventory.SourceUnavailable as exc:
-                self.last_error = str(exc)
-                raise
+                nvml.nvmlInit()
             except Exception as exc:
-                self.last_error = f"nvmlInit failed: {self._describe(exc)}"
-                raise inventory.SourceUnavailable(self.last_error) from exc
+                raise inventory.SourceUnavailable(f"nvmlInit failed: {self._describe(exc)}") from exc
             self._initialised = True
             self.generation += 1
-            self.last_error = ""
             log.info("NVML initialised", extra={"generation": self.generation})
-
-    def _reset(self, why: str) -> None:
-        with self._lock:
-            if self._initialised:
-                try:
-                    self.nvml.nvmlShutdown()
-                except Exception:
-                    log.debug("nvmlShutdown failed while resetting", exc_info=True)
-            self._initialised = False
-            self.last_error = why
 
     def close(self) -> None:
         with self._lock:
@@ -160,9 +145,8 @@ class NvmlSource:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
-            why = f"NVML unavailable: {self._describe(exc)}"
-            self._reset(why)
-            raise inventory.SourceUnavailable(why) from exc
+            self.close()  # the next scan initialises again
+            raise inventory.SourceUnavailable(f"NVML unavailable: {self._describe(exc)}") from exc
         cuda_raw = self._optional("nvmlSystemGetCudaDriverVersion_v2")
         if cuda_raw is None:
             cuda_raw = self._optional("nvmlSystemGetCudaDriverVersion")
@@ -189,11 +173,6 @@ class NvmlSource:
                 level = self._optional("nvmlDeviceGetTopologyCommonAncestor", handles[a][1], handles[b][1])
                 if level is not None:
                     ancestors[(a, b)] = int(level)
-        # Pairs with a device that is lost now keep the level last seen.
-        for pair, level in self._ancestors.items():
-            if pair not in ancestors and (pair[0] not in handles or pair[1] not in handles):
-                ancestors[pair] = level
-        self._ancestors = ancestors
         self._handles = handles
         self._known.update({d.index: d for d in devices if not d.lost})
         return inventory.NodeFacts(

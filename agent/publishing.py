@@ -213,7 +213,6 @@ class Publisher:
         self.last_write: float | None = None  # monotonic time of the last successful write
         self.writes: dict[str, int] = {"create": 0, "status": 0, "heartbeat": 0, "owner": 0}
         self.errors = 0
-        self.last_error = ""
 
     # -- state ---------------------------------------------------------------
 
@@ -329,7 +328,6 @@ class Publisher:
             except Exception as exc:
                 failures += 1
                 self.errors += 1
-                self.last_error = str(exc)
                 if self.metrics is not None:
                     self.metrics.publish_errors.inc()
                 if isinstance(exc, errors.Conflict | errors.NotFound | codecs.DecodeError):

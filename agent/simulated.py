@@ -437,7 +437,7 @@ class InjectionWatcher:
             if inj.kind == health.KIND_LOST:
                 lost_any = self.source.lose(inj.index) or lost_any
             else:
-                self._on_event(health.HealthEvent(uuid=uuid, kind=inj.kind, xid=inj.xid, detail="injected"))
+                self._on_event(health.HealthEvent(uuid=uuid, kind=inj.kind, xid=inj.xid))
         if lost_any:
             self._on_lost()
         return len(injections)
