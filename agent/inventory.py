@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gpualloc.api import constants, models
+from gpualloc.api.islands import islands
 
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 
@@ -299,21 +300,6 @@ def nvlink_pairs(devices: Sequence[DeviceFacts]) -> dict[tuple[int, int], _PairL
             if count:
                 out[(a, b)] = _PairLinks(count=count, version=min(seen_versions) if seen_versions else 0)
     return out
-
-
-def islands(indices: Iterable[int], nvlinked: Iterable[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
-    """Connected components over NVLink pairs; every index is in exactly one."""
-    uf = _UnionFind()
-    keys = {i: f"{i:04d}" for i in indices}
-    for key in keys.values():
-        uf.find(key)
-    for a, b in nvlinked:
-        if a in keys and b in keys:
-            uf.union(keys[a], keys[b])
-    groups: dict[str, list[int]] = {}
-    for index, key in keys.items():
-        groups.setdefault(uf.find(key), []).append(index)
-    return tuple(sorted((tuple(sorted(g)) for g in groups.values()), key=lambda g: g[0]))
 
 
 def product_summary(devices: Sequence[models.Device]) -> str:

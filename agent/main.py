@@ -27,7 +27,6 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import quote
 
 from agent import health, inventory, publishing, simulated
 from agent import metrics as agent_metrics
@@ -127,6 +126,10 @@ def make_source(args: argparse.Namespace) -> inventory.Source:
     return nvml.NvmlSource()
 
 
+def _node_path(name: str) -> str:
+    return transport.collection_path("", "v1", "nodes", name=name)
+
+
 class Agent:
     """One node's agent. ``run(stop)`` returns the exit code."""
 
@@ -152,7 +155,6 @@ class Agent:
         self.publisher: publishing.Publisher | None = None
         self.leases: watching.Reflector | None = None
         self.injections: simulated.InjectionWatcher | None = None
-        self._holders: dict[str, agent_metrics.LeaseHolder] = {}
         self._event_thread: health.EventThread | None = None
         self._event_generation = -1
         self._labels_applied: dict[str, str] | None = None
@@ -162,7 +164,7 @@ class Agent:
     def desired(self) -> models.NodeInventory:
         facts = self.facts or inventory.NodeFacts(source=self.source.name)
         uuids = [d.uuid for d in facts.devices]
-        allocated = sum(1 for u in uuids if u in self._holders)
+        allocated = sum(1 for u in uuids if u in self.metrics.leases)
         inv = inventory.derive(facts, unhealthy=self.tracker.marks(uuids), allocated=allocated)
         conds = publishing.conditions(
             source=self.source.name, source_error=self.source_error, devices=inv.devices
@@ -197,9 +199,8 @@ class Agent:
                     labels.get(constants.LABEL_CLAIM_UID, (lease.get("spec") or {}).get("holderIdentity", ""))
                 ),
             )
-        if holders != self._holders:
-            self._holders = holders
-            self.metrics.leases = dict(holders)
+        if holders != self.metrics.leases:
+            self.metrics.leases = holders
             self.wake.set()
 
     # -- scanning -------------------------------------------------------------
@@ -277,11 +278,9 @@ class Agent:
     # -- Kubernetes -----------------------------------------------------------
 
     async def lookup_node(self, name: str) -> dict[str, Any] | None:
+        """The Node; NotFound is raised, and the Publisher takes it for no Node."""
         assert self._api is not None
-        try:
-            node = await transport.request(self._api, "GET", f"/api/v1/nodes/{quote(name, safe='')}")
-        except errors.NotFound:
-            return None
+        node = await transport.request(self._api, "GET", _node_path(name))
         return node if isinstance(node, dict) else None
 
     async def _label_node(self) -> None:
@@ -294,7 +293,7 @@ class Agent:
             await transport.request(
                 self._api,
                 "PATCH",
-                f"/api/v1/nodes/{quote(self.node_name, safe='')}",
+                _node_path(self.node_name),
                 body={"metadata": {"labels": labels}},
                 content_type=transport.MERGE_PATCH,
             )
@@ -328,7 +327,14 @@ class Agent:
                 node_lookup=self.lookup_node,
                 metrics=self.metrics,
             )
-            runners.extend(await self._start_servers())
+            runners.extend(
+                await serving.start_probe_servers(
+                    self.args.bind_address,
+                    (self.args.health_port, self.args.metrics_port),
+                    ready=self.ready,
+                    registry=self.metrics.registry,
+                )
+            )
             tasks.append(asyncio.create_task(self.publisher.run(self.desired, self.wake), name="publish"))
             tasks.append(asyncio.create_task(self.scan_loop(), name="scan"))
             if self.args.lease_namespace:
@@ -381,23 +387,6 @@ class Agent:
             await asyncio.to_thread(self.source.close)
             if self._own_api and self._api is not None:
                 await self._api.close()
-
-    async def _start_servers(self) -> list[Any]:
-        args = self.args
-        runners = []
-        if args.health_port:
-            runners.append(
-                await serving.start_probes(
-                    args.bind_address, args.health_port, ready=self.ready, registry=self.metrics.registry
-                )
-            )
-        if args.metrics_port and args.metrics_port != args.health_port:
-            runners.append(
-                await serving.start_probes(
-                    args.bind_address, args.metrics_port, ready=self.ready, registry=self.metrics.registry
-                )
-            )
-        return runners
 
 
 async def _amain(args: argparse.Namespace) -> int:

@@ -113,7 +113,7 @@ class _GpuCollector(Collector):
             "The claim whose Lease holds the GPU (value 1).",
             labels=[*GPU_LABELS, "claim_namespace", "claim_name", "claim_uid"],
         )
-        for uuid, device in sorted(devices.items(), key=lambda kv: kv[1].index):
+        for uuid, device in devices.items():  # derive's order: by index
             labels = owner.gpu_labels(device)
             health.add_metric(labels, 1.0 if device.health == constants.HEALTHY else 0.0)
             holder = owner.leases.get(uuid)
