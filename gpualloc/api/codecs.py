@@ -33,15 +33,15 @@ def field_json_name(field: dataclasses.Field[Any]) -> str:
     return str(field.metadata.get("json", camel(field.name)))
 
 
+def model_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any], Any], ...]:
+    """(json name, field, resolved type) for each field of a model class; worked out once per class."""
+    return _model_fields(cls)
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def model_fields(cls: type) -> list[tuple[str, dataclasses.Field[Any], Any]]:
-    """(json name, field, resolved type) for each field of a model class."""
-    hints = _hints(cls)
-    return [(field_json_name(f), f, hints[f.name]) for f in dataclasses.fields(cls)]
+def _model_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any], Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((field_json_name(f), f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def _decode_value(tp: Any, raw: Any, path: str) -> Any:
@@ -115,11 +115,8 @@ def encode(obj: Any) -> dict[str, Any]:
 
 
 def decode_meta(raw: Mapping[str, Any]) -> models.ObjectMeta:
-    meta = dict(raw.get("metadata") or {})
-    return decode(models.ObjectMeta, {k: v for k, v in meta.items() if k in _META_KEYS}, "metadata")
-
-
-_META_KEYS = {key for key, _, _ in model_fields(models.ObjectMeta)}
+    # decode reads only the model's keys, so managedFields and the like are ignored.
+    return decode(models.ObjectMeta, dict(raw.get("metadata") or {}), "metadata")
 
 
 def parse_claim(raw: Mapping[str, Any]) -> models.GpuClaim:
