@@ -126,6 +126,9 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
 )
 
+# What ``mapped`` translates.
+_MAPPED_ERRORS: tuple[type[BaseException], ...] = (ApiException, *TRANSPORT_ERRORS)
+
 
 def truncate(text: str, limit: int = MAX_BODY) -> str:
     """``text`` cut to ``limit`` characters, marked when cut."""
@@ -157,10 +160,8 @@ def from_response(status: int, body: bytes | str | None, http_reason: str = "") 
         with contextlib.suppress(ValueError):
             parsed = json.loads(text)
     if isinstance(parsed, dict) and parsed.get("kind") == "Status":
-        err = from_status(parsed, default_code=status)
-        if err.status != status:  # the HTTP status is what happened; the body only explains it
-            err = _class_for(status, err.reason)(status, err.reason, err.message)
-        return err
+        # The HTTP status is what happened; the body only explains it.
+        return from_status({**parsed, "code": status})
     reason = http_reason or "Unknown"
     return _class_for(status, reason)(status, reason, truncate(text))
 
@@ -190,7 +191,5 @@ def mapped() -> Iterator[None]:
     """Re-raise ``ApiException`` and transport errors as the tree, chained with ``from``."""
     try:
         yield
-    except ApiException as exc:
-        raise translate(exc) from exc
-    except TRANSPORT_ERRORS as exc:
+    except _MAPPED_ERRORS as exc:
         raise translate(exc) from exc

@@ -1,7 +1,7 @@
 """coordination.k8s.io/v1 Leases, the device locks: raw JSON dicts (camelCase) in and out.
 
-Bodies go out as dicts (the client serialises them as they are; its stubs ask
-for models, hence the casts) and answers come back unparsed by the client.
+Bodies go out as dicts (the client serialises them as they are) and answers
+come back unparsed by the client.
 
 Creating a Lease is atomic in the API server: a second create of the same name
 fails with ``errors.AlreadyExists``, which is what makes a Lease a lock.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 
@@ -20,6 +20,14 @@ from gpualloc.kube import transport
 Obj = dict[str, Any]
 
 API_VERSION = "coordination.k8s.io/v1"
+
+
+async def _call(api: ApiClient, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``CoordinationV1Api(api).<method>(*args, **kwargs)`` with the request timeout; its JSON answer."""
+    pending = getattr(CoordinationV1Api(api), method)(
+        *args, _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT, **kwargs
+    )
+    return await transport.call_json(pending)
 
 
 def micro_time(when: datetime.datetime) -> str:
@@ -66,21 +74,13 @@ async def create_lease(
         duration_seconds=duration_seconds,
         now=datetime.datetime.now(datetime.UTC),
     )
-    result: Obj = await transport.call_json(
-        CoordinationV1Api(api).create_namespaced_lease(
-            namespace, cast(Any, body), _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT
-        )
-    )
+    result: Obj = await _call(api, "create_namespaced_lease", namespace, body)
     return result
 
 
 async def get_lease(api: ApiClient, namespace: str, name: str) -> Obj:
     """The Lease; ``errors.NotFound`` when there is none."""
-    result: Obj = await transport.call_json(
-        CoordinationV1Api(api).read_namespaced_lease(
-            name, namespace, _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT
-        )
-    )
+    result: Obj = await _call(api, "read_namespaced_lease", name, namespace)
     return result
 
 
@@ -105,39 +105,16 @@ async def delete_lease(
     body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions"}
     if preconditions:
         body["preconditions"] = preconditions
-    await transport.call_json(
-        CoordinationV1Api(api).delete_namespaced_lease(
-            name,
-            namespace,
-            body=cast(Any, body),
-            _preload_content=False,
-            _request_timeout=transport.REQUEST_TIMEOUT,
-        )
-    )
+    await _call(api, "delete_namespaced_lease", name, namespace, body=body)
 
 
 async def list_leases(api: ApiClient, namespace: str, label_selector: str = "") -> Obj:
     """The LeaseList (``items``, ``metadata.resourceVersion``)."""
-    result: Obj = await transport.call_json(
-        CoordinationV1Api(api).list_namespaced_lease(
-            namespace,
-            label_selector=label_selector,
-            _preload_content=False,
-            _request_timeout=transport.REQUEST_TIMEOUT,
-        )
-    )
+    result: Obj = await _call(api, "list_namespaced_lease", namespace, label_selector=label_selector)
     return result
 
 
 async def replace_lease(api: ApiClient, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
     """Update the Lease; the body's ``metadata.resourceVersion`` makes it ``errors.Conflict`` if stale."""
-    result: Obj = await transport.call_json(
-        CoordinationV1Api(api).replace_namespaced_lease(
-            name,
-            namespace,
-            cast(Any, dict(body)),
-            _preload_content=False,
-            _request_timeout=transport.REQUEST_TIMEOUT,
-        )
-    )
+    result: Obj = await _call(api, "replace_namespaced_lease", name, namespace, dict(body))
     return result
