@@ -368,7 +368,7 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
                     {
                         "name": "has-claim-annotation",
                         "expression": "has(object.metadata.annotations) && "
-                        "'gpu.scheduling/claim' in object.metadata.annotations",
+                        f"'{constants.ANNOTATION_CLAIM}' in object.metadata.annotations",
                     }
                 ],
             }

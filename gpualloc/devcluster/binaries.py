@@ -145,7 +145,8 @@ def _build_lock(path: Path, progress: Progress) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the text file at ``path`` ("" when it cannot be read)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -186,7 +187,7 @@ def _build_one(
         temporary.unlink(missing_ok=True)
         raise BuildError(
             f"building {name} failed (exit {returncode}) after {elapsed:.0f} s; "
-            f"full log: {log_path}\n{_tail(log_path)}"
+            f"full log: {log_path}\n{tail(log_path)}"
         )
     os.replace(temporary, target)
     progress(f"built {name} in {elapsed:.0f} s")

@@ -187,15 +187,15 @@ def _down(args: argparse.Namespace) -> int:
         else:
             stopped_owner = True
     # Whatever the owner left behind (it may have been killed with SIGKILL).
-    leftovers = cluster.stop_recorded(state_dir, timeout=min(args.timeout, 10.0))
+    leftovers = cluster.stop_recorded(cluster.load_state(state_dir), timeout=min(args.timeout, 10.0))
     for name in leftovers:
         _say(f"stopped {name}")
-    if not cluster.recorded_alive(cluster.load_state(state_dir)):
+    remaining = cluster.recorded_alive(cluster.load_state(state_dir))
+    if not remaining:
         with contextlib.suppress(FileNotFoundError):
             pid_file.unlink()
     if not stopped_owner and not leftovers:
         _say(f"nothing was running in {state_dir}")
-    remaining = cluster.recorded_alive(cluster.load_state(state_dir))
     if remaining:
         print(f"gpualloc dev down: still running: {remaining}", file=sys.stderr)
         return 1

@@ -24,12 +24,13 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gpualloc.api import constants
 from gpualloc.devcluster import binaries as binaries_mod
 from gpualloc.devcluster import pki as pki_mod
 
@@ -96,13 +97,6 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def process_matches(pid: int, executable: str) -> bool:
@@ -173,8 +167,9 @@ class _Process:
 
     def failure(self, what: str) -> ControlPlaneError:
         code = self.popen.poll() if self.popen is not None else None
+        last_lines = binaries_mod.tail(self.log_path, 30)
         return ControlPlaneError(
-            f"{self.name} {what} (exit status {code}); last lines of {self.log_path}:\n{_tail(self.log_path)}"
+            f"{self.name} {what} (exit status {code}); last lines of {self.log_path}:\n{last_lines}"
         )
 
 
@@ -369,7 +364,7 @@ class ControlPlane:
             "metadata": {
                 "name": name,
                 "labels": {
-                    "kubernetes.io/hostname": name,
+                    constants.HOSTNAME_LABEL: name,
                     "kubernetes.io/os": "linux",
                     "kubernetes.io/arch": "amd64",
                     "type": "kwok",
@@ -392,11 +387,13 @@ class ControlPlane:
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
             taints = node.get("spec", {}).get("taints") or []
             kept = [t for t in taints if t.get("key") not in _CONDITION_TAINTS]
-            if ready and kept != taints:
+            if ready and kept == taints:
+                return node
+            if ready:
                 # The node-lifecycle controller lifts these once the node is Ready; without
                 # kube-controller-manager nothing would, and no pod could be scheduled there.
                 try:
-                    node = self.request(
+                    patched: dict[str, Any] = self.request(
                         "PATCH",
                         f"/api/v1/nodes/{name}",
                         {
@@ -409,9 +406,7 @@ class ControlPlane:
                     if exc.status != 409:  # kwok wrote the node meanwhile: read it again
                         raise
                     continue
-                taints = kept
-            if ready and kept == taints:
-                return node
+                return patched
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"node {name} not Ready after {timeout:.0f} s (is kwok running?)")
             self.check_alive()
@@ -734,7 +729,7 @@ class ControlPlane:
                 f"{self.state_dir} is in use by process {owner}; "
                 "stop it first (gpualloc dev down --state-dir ...)"
             )
-        stopped = stop_recorded(self.state_dir, exclude=set(self.running().values()))
+        stopped = stop_recorded(state, exclude=set(self.running().values()))
         for name in stopped:
             self._progress(f"stopped {name} left over from an earlier run in {self.state_dir}")
 
@@ -748,30 +743,32 @@ def load_state(state_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def recorded_alive(state: Mapping[str, Any]) -> dict[str, int]:
-    """name -> pid of the processes recorded in a cluster.json that still run."""
-    alive: dict[str, int] = {}
+def _recorded(state: Mapping[str, Any]) -> Iterator[tuple[str, int, str]]:
+    """(name, pid, executable) of each well-formed process entry in a cluster.json."""
     for name, entry in (state.get("processes") or {}).items():
         if isinstance(entry, dict):
             pid, executable = entry.get("pid"), entry.get("executable")
-            if isinstance(pid, int) and isinstance(executable, str) and process_matches(pid, executable):
-                alive[name] = pid
-    return alive
+            if isinstance(pid, int) and isinstance(executable, str):
+                yield name, pid, executable
 
 
-def stop_recorded(state_dir: Path, *, exclude: Iterable[int] = (), timeout: float = 10.0) -> list[str]:
-    """Stop the processes recorded in ``state_dir``'s cluster.json that still run; their names."""
+def recorded_alive(state: Mapping[str, Any]) -> dict[str, int]:
+    """name -> pid of the processes recorded in a cluster.json that still run."""
+    return {name: pid for name, pid, executable in _recorded(state) if process_matches(pid, executable)}
+
+
+def stop_recorded(
+    state: Mapping[str, Any], *, exclude: Iterable[int] = (), timeout: float = 10.0
+) -> list[str]:
+    """Stop the processes recorded in a cluster.json (``load_state``'s result) that still run; their names."""
     excluded = set(exclude)
+    recorded = {name: (pid, executable) for name, pid, executable in _recorded(state)}
     stopped: list[str] = []
-    processes = load_state(state_dir).get("processes", {})
     for name in _STOP_ORDER:
-        entry = processes.get(name)
-        if not isinstance(entry, dict):
+        if name not in recorded:
             continue
-        pid, executable = entry.get("pid"), entry.get("executable")
-        if not isinstance(pid, int) or not isinstance(executable, str) or pid in excluded:
-            continue
-        if not process_matches(pid, executable):
+        pid, executable = recorded[name]
+        if pid in excluded or not process_matches(pid, executable):
             continue
         terminate_group(pid, timeout=timeout, is_alive=functools.partial(_alive, pid))
         stopped.append(name)
