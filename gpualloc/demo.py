@@ -104,6 +104,22 @@ async def list_claims(api: Any) -> list[Any]:
     return [codecs.parse_claim(item) for item in raw["items"]]
 
 
+async def service_account_ready(api: Any) -> bool:
+    """Whether kube-controller-manager has made the namespace's ``default`` ServiceAccount.
+
+    The API server refuses pods in a namespace until it exists, and on a fresh
+    control plane the pods can come before it.
+    """
+    from gpualloc.kube import errors, transport
+
+    path = transport.collection_path("", "v1", "serviceaccounts", namespace=DEMO_NAMESPACE, name="default")
+    try:
+        await transport.request(api, "GET", path)
+    except errors.NotFound:
+        return False
+    return True
+
+
 async def list_pods(api: Any) -> list[dict[str, Any]]:
     from kubernetes_asyncio import client as k8s
 
@@ -233,6 +249,7 @@ async def drive(
             if doc["kind"] == constants.CLAIM_KIND:
                 await apply_claim_doc(api, doc)
         await wait_for("the claims to be decided", lambda: claims_decided(api), 60, procs)
+        await wait_for("the default ServiceAccount", lambda: service_account_ready(api), 60, procs)
         say("applying the pods and the Indexed Job that use them")
         for doc in docs:
             if doc["kind"] != constants.CLAIM_KIND:
