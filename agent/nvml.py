@@ -2,7 +2,7 @@
 
 ``NvmlSource`` reads what ``inventory`` needs, per device: index, minor, UUID,
 name, memory, compute capability, PCI bus id (normalised to the sysfs form),
-NUMA node (``nvmlDeviceGetNumaNodeId``, else sysfs), max PCIe generation and
+NUMA node (NVML's memory affinity, else sysfs), max PCIe generation and
 width, MIG mode and MIG devices, and every NVLink's state, far end (PCI bus id
 and device type) and version; per pair of devices the common-ancestor level.
 
@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 MIB = 1024 * 1024
 DEFAULT_MAX_NVLINKS = 18
+NODE_SET_WORDS = 4  # 64-bit words of the node set asked of nvmlDeviceGetMemoryAffinity: 256 NUMA nodes
 
 
 def _text(value: Any) -> str:
@@ -224,13 +225,27 @@ class NvmlSource:
         )
 
     def _numa(self, handle: Any, bus_id: str) -> int:
-        node = self._optional("nvmlDeviceGetNumaNodeId", handle)
-        if node is not None and int(node) >= 0:
-            return int(node)
+        """The NUMA node of the CPUs and memory nearest the GPU; -1 when not known.
+
+        NVML's memory affinity at node scope (what ``nvidia-smi topo -m`` prints as
+        "NUMA Affinity") when it names exactly one node, else the PCI device's
+        ``numa_node`` in sysfs. Not ``nvmlDeviceGetNumaNodeId``: that is the GPU's
+        own node on platforms where GPU memory is a NUMA node (Grace Hopper,
+        "GPU NUMA ID" in topo -m), not the CPU socket the GPU hangs off.
+        """
+        scope = getattr(self.nvml, "NVML_AFFINITY_SCOPE_NODE", 0)
+        words = self._optional("nvmlDeviceGetMemoryAffinity", handle, NODE_SET_WORDS, scope)
+        if words is not None:
+            nodes = [
+                64 * w + bit for w, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1
+            ]
+            if len(nodes) == 1:
+                return nodes[0]
         try:
-            return int((self._sysfs / "bus" / "pci" / "devices" / bus_id / "numa_node").read_text().strip())
+            node = int((self._sysfs / "bus" / "pci" / "devices" / bus_id / "numa_node").read_text().strip())
         except (OSError, ValueError):
             return -1
+        return max(node, -1)
 
     def _mig(self, handle: Any) -> models.MigInfo | None:
         mode = self._optional("nvmlDeviceGetMigMode", handle)

@@ -80,6 +80,8 @@ NVML_NVLINK_VERSION_4_0 = 6
 NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
 NVML_TEMPERATURE_GPU = 0
+NVML_AFFINITY_SCOPE_NODE = 0
+NVML_AFFINITY_SCOPE_SOCKET = 1
 
 nvmlEventTypeSingleBitEccError = 0x1
 nvmlEventTypeDoubleBitEccError = 0x2
@@ -157,7 +159,9 @@ class FakeGpu:
     minor: int
     memory_mib: int
     cc: tuple[int, int] = (9, 0)
-    numa: int | None = None  # None: nvmlDeviceGetNumaNodeId is NOT_SUPPORTED
+    numa: int | None = None  # the CPU-side node; None: nvmlDeviceGetMemoryAffinity is NOT_SUPPORTED
+    numa_nodes: tuple[int, ...] = ()  # several nodes at once (overrides numa when set)
+    gpu_numa_id: int | None = None  # the GPU's own node (Grace Hopper); None: NOT_SUPPORTED
     pcie_gen: int = 5
     pcie_width: int = 16
     nvlinks: list[FakeLink] | None = None  # None: NVLink NOT_SUPPORTED (consumer card)
@@ -303,9 +307,19 @@ class FakeNvml:
 
     def nvmlDeviceGetNumaNodeId(self, handle: Handle) -> int:
         gpu = self._gpu(handle)
-        if gpu.numa is None:
+        if gpu.gpu_numa_id is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        return gpu.numa
+        return gpu.gpu_numa_id
+
+    def nvmlDeviceGetMemoryAffinity(self, handle: Handle, node_set_size: int, scope: int) -> list[int]:
+        gpu = self._gpu(handle)
+        nodes = gpu.numa_nodes or (() if gpu.numa is None else (gpu.numa,))
+        if not nodes or scope != NVML_AFFINITY_SCOPE_NODE:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        words = [0] * node_set_size
+        for node in nodes:
+            words[node // 64] |= 1 << (node % 64)
+        return words
 
     def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Handle) -> int:
         return self._gpu(handle).pcie_gen

@@ -44,7 +44,7 @@ def test_nvswitch_h100_box_reads_every_pair_as_nv18_900_one_island() -> None:
         "9.0",
     )
     assert (first.pcie_generation, first.pcie_width) == (5, 16)
-    assert [d.numa_node for d in inv.devices] == [0, 0, 0, 0, 1, 1, 1, 1]  # nvmlDeviceGetNumaNodeId
+    assert [d.numa_node for d in inv.devices] == [0, 0, 0, 0, 1, 1, 1, 1]  # nvmlDeviceGetMemoryAffinity
     assert facts.devices[0].nvlinks[0].remote_type == fake.NVML_NVLINK_DEVICE_TYPE_SWITCH
     assert len(facts.devices[0].nvlinks) == 18
 
@@ -74,6 +74,27 @@ def test_pcie_box_with_bridges_on_0_2_and_1_3_and_numa_from_sysfs(tmp_path: Path
     assert [d.numa_node for d in inv.devices] == [0, 0, 1, -1]
     assert inv.cuda_version == "12.8"
     assert inv.islands == ((0, 2), (1, 3))
+
+
+def test_numa_node_is_the_cpu_side_node_not_the_gpus_own_nor_an_ambiguous_set(tmp_path: Path) -> None:
+    """Grace Hopper: nvmlDeviceGetNumaNodeId is the GPU memory's own node, not the socket's.
+
+    Memory affinity naming several nodes says nothing about one socket: sysfs decides,
+    and its -1 (no NUMA information, as in many VMs) stays unknown.
+    """
+    machine = fake.pcie_bridged_box()
+    gh, wide, vm, plain = machine.gpus
+    gh.numa, gh.gpu_numa_id = 0, 4
+    wide.numa, wide.numa_nodes = None, (0, 1)
+    vm.numa = None
+    plain.numa = 65  # a node in the second word of the node set
+    for gpu, node in [(wide, 1), (vm, -1)]:
+        folder = tmp_path / "bus" / "pci" / "devices" / inventory.normalize_bus_id(gpu.bus_id)
+        folder.mkdir(parents=True)
+        (folder / "numa_node").write_text(f"{node}\n")
+    source, _ = _source(machine, sysfs=tmp_path)
+    inv = inventory.derive(source.scan())
+    assert [d.numa_node for d in inv.devices] == [0, 1, -1, 65]
 
 
 def test_optional_calls_that_are_not_supported_leave_fields_unknown() -> None:
