@@ -103,7 +103,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 # ------------------------------------------------------------ control plane
 
 
-def _progress_printer(config: pytest.Config) -> Any:
+def progress_printer(config: pytest.Config) -> Any:
     """Print build/start progress even while pytest captures output (a cold build takes minutes)."""
     capture = config.pluginmanager.getplugin("capturemanager")
 
@@ -122,7 +122,7 @@ def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """A running etcd + kube-apiserver with gpualloc's CRDs applied and Established."""
     from gpualloc.devcluster import binaries, cluster
 
-    say = _progress_printer(request.config)
+    say = progress_printer(request.config)
     paths = binaries.ensure(progress=say)  # BuildError fails every test that needs it
     plane = cluster.ControlPlane(tmp_path_factory.mktemp("controlplane"), binaries=paths, progress=say)
     plane.start()

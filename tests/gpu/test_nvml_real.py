@@ -4,7 +4,10 @@ Skipped, with the reason, where ``nvidia-smi`` is missing or ``pynvml.nvmlInit()
 fails (no driver, no GPU). Compared:
 
 * ``nvidia-smi -q -x``: driver and CUDA versions; per GPU the UUID, product
-  name, minor number, PCI bus id (NVML's form, normalised) and framebuffer total;
+  name, minor number, PCI bus id (NVML's form, normalised), framebuffer total,
+  maximum PCIe generation and width, and MIG mode;
+* ``nvidia-smi --query-gpu=compute_cap`` and the "NUMA Affinity" column of
+  ``nvidia-smi topo -m``;
 * ``nvidia-smi topo -m``: the link type of every GPU pair (NV<n>, PIX, PXB, PHB,
   NODE, SYS), which is what ``inventory.derive`` must reproduce from NVML facts.
 """
@@ -13,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import Any
@@ -22,27 +23,11 @@ from typing import Any
 import pytest
 
 from agent import health, inventory, nvml
-
-
-def _nvidia_smi(*args: str) -> str:
-    path = shutil.which("nvidia-smi")
-    if path is None:
-        pytest.skip("nvidia-smi is not on PATH: no NVIDIA driver on this machine")
-    done = subprocess.run([path, *args], capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"nvidia-smi {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[:300]}")
-    return done.stdout
+from tests.gpu import smi
 
 
 @pytest.fixture(scope="module")
-def source() -> Iterator[nvml.NvmlSource]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except Exception as exc:
-        pytest.skip(f"pynvml.nvmlInit() failed, so there is no usable NVIDIA GPU here: {exc}")
+def source(nvml_available: None) -> Iterator[nvml.NvmlSource]:
     src = nvml.NvmlSource()
     try:
         yield src
@@ -50,13 +35,10 @@ def source() -> Iterator[nvml.NvmlSource]:
         src.close()
 
 
-@pytest.fixture(scope="module")
-def smi_xml() -> ET.Element:
-    return ET.fromstring(_nvidia_smi("-q", "-x"))
-
-
-def _mib(text: str) -> int:
-    return int(text.split()[0])
+def _int_or_none(text: str | None) -> int | None:
+    """nvidia-smi's number, or None for 'N/A' and the like."""
+    value = (text or "").strip().removesuffix("x")
+    return int(value) if value.isdigit() else None
 
 
 def test_devices_match_nvidia_smi_query(source: nvml.NvmlSource, smi_xml: ET.Element) -> None:
@@ -75,12 +57,33 @@ def test_devices_match_nvidia_smi_query(source: nvml.NvmlSource, smi_xml: ET.Ele
         assert device.minor == int(gpu.findtext("minor_number") or -1)
         assert device.pci_bus_id == inventory.normalize_bus_id(gpu.findtext("pci/pci_bus_id") or "")
         assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]", device.pci_bus_id)
-        smi_total = _mib(gpu.findtext("fb_memory_usage/total") or "0")
+        smi_total = smi.mib(gpu.findtext("fb_memory_usage/total") or "0")
         # nvidia-smi reads the same NVML memory info; drivers that report reserved memory
         # separately can round differently, hence the 1 % allowance.
         assert abs(device.memory_mib - smi_total) <= max(1, smi_total // 100), (device.memory_mib, smi_total)
         assert re.fullmatch(r"GPU-[0-9a-f-]{36}", device.uuid)
         assert re.fullmatch(r"\d{1,2}\.\d{1,2}", device.compute_capability)
+        # The maximum PCIe generation and width (what the GPU and its slot can do, not the
+        # current, power-saving link state).
+        smi_gen = _int_or_none(gpu.findtext("pci/pci_gpu_link_info/pcie_gen/max_link_gen"))
+        smi_width = _int_or_none(gpu.findtext("pci/pci_gpu_link_info/link_widths/max_link_width"))
+        assert device.pcie_generation == (smi_gen or 0)
+        assert device.pcie_width == (smi_width or 0)
+
+
+def test_compute_capability_and_numa_node_match_nvidia_smi(source: nvml.NvmlSource) -> None:
+    inv = inventory.derive(source.scan())
+    rows = smi.run("--query-gpu=uuid,compute_cap", "--format=csv,noheader").strip().splitlines()
+    capability = {u.strip(): c.strip() for u, c in (row.split(",") for row in rows)}
+    assert {d.uuid: d.compute_capability for d in inv.devices} == capability
+    # topo -m's "NUMA Affinity" column; "N/A" where the platform does not say.
+    lines = [ln for ln in smi.run("topo", "-m").splitlines() if ln.strip()]
+    header = next(ln for ln in lines if "NUMA Affinity" in ln)
+    column = header.split("\t").index(next(c for c in header.split("\t") if "NUMA Affinity" in c))
+    for device in inv.devices:
+        row = next(ln for ln in lines if ln.split("\t")[0].strip() == f"GPU{device.index}")
+        cell = row.split("\t")[column].strip()
+        assert device.numa_node == (int(cell) if cell.isdigit() else -1), (device.index, row)
 
 
 def _topo_matrix(text: str) -> dict[tuple[int, int], str]:
@@ -105,9 +108,9 @@ def test_link_types_match_nvidia_smi_topo(source: nvml.NvmlSource) -> None:
     inv = inventory.derive(source.scan())
     if len(inv.devices) < 2:
         pytest.skip("one GPU: there are no pairs to compare with nvidia-smi topo -m")
-    smi = _topo_matrix(_nvidia_smi("topo", "-m"))
+    theirs = _topo_matrix(smi.run("topo", "-m"))
     ours = {(ln.a, ln.b): ln.type for ln in inv.links}
-    assert ours == smi
+    assert ours == theirs
 
 
 def test_mig_devices_match_nvidia_smi(source: nvml.NvmlSource, smi_xml: ET.Element) -> None:
