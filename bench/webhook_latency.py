@@ -480,8 +480,38 @@ def make_certs(directory: Path) -> tuple[str, str, str]:
 
 # The server and the load generator each get a CPU of their own when there are two: without
 # pinning, the scheduler moves them between the cores and the same target measured twice in a
-# row differed by up to 50%; pinned, by about 10%.
-SERVER_CPU, LOAD_CPU = 0, 1
+# row differed by up to 50%; pinned, by about 10%. Where CPUs are hyperthreads, the load
+# generator takes one on another core: siblings share a core's caches and execution units.
+SERVER_CPU = 0
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The CPUs sharing ``cpu``'s core (itself included), from sysfs; {cpu} when unknown."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return {cpu}
+    out: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def load_cpu() -> int:
+    """The first usable CPU not on the server CPU's core (1 when all share it)."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    others = [cpu for cpu in usable if cpu not in _siblings(SERVER_CPU)]
+    return others[0] if others else 1
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def pin_to(cpu: int) -> Callable[[], None] | None:
@@ -523,7 +553,7 @@ def run_target(target: str, certs: tuple[str, str, str], args: argparse.Namespac
             capture_output=True,
             text=True,
             timeout=args.duration * 4 + 120,
-            preexec_fn=pin_to(LOAD_CPU),
+            preexec_fn=pin_to(load_cpu()),
         )
         result: dict[str, Any] = json.loads(out.stdout)
         result["loadavg_1m_before"] = loadavg
@@ -611,6 +641,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         "figures are from the median of the rounds (open loop: by p99; closed loop: by throughput)",
         "host": {
             "cpus": os.cpu_count(),
+            "cpu_model": cpu_model(),
+            "server_cpu": SERVER_CPU,
+            "load_cpu": load_cpu(),
+            "server_cpu_siblings": sorted(_siblings(SERVER_CPU)),
             "loadavg_before": [round(x, 2) for x in before],
             "loadavg_after": [round(x, 2) for x in after],
             "python": platform.python_version(),
