@@ -117,13 +117,15 @@ def progress_printer(config: pytest.Config) -> Any:
     return say
 
 
-@pytest.fixture(scope="session")
-def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A running etcd + kube-apiserver with gpualloc's CRDs applied and Established."""
+def running_control_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, names: list[str] | None = None
+) -> Iterator[Any]:
+    """Build what is missing of ``names`` (default: every binary), start etcd + kube-apiserver,
+    apply the CRDs; yield the plane and stop it afterwards. A BuildError fails the tests."""
     from gpualloc.devcluster import binaries, cluster
 
     say = progress_printer(request.config)
-    paths = binaries.ensure(progress=say)  # BuildError fails every test that needs it
+    paths = binaries.ensure(names, progress=say)
     plane = cluster.ControlPlane(tmp_path_factory.mktemp("controlplane"), binaries=paths, progress=say)
     plane.start()
     try:
@@ -131,6 +133,12 @@ def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running etcd + kube-apiserver with gpualloc's CRDs applied and Established."""
+    yield from running_control_plane(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CRD_DIR, progress_printer
+from tests.conftest import running_control_plane
 from tests.gpu import smi
 
 
@@ -37,17 +37,7 @@ def control_plane(
     nvml_available: None, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     """etcd + kube-apiserver with the CRDs applied; the GPU tests need nothing else."""
-    from gpualloc.devcluster import binaries, cluster
-
-    say = progress_printer(request.config)
-    paths = binaries.ensure(["etcd", "kube-apiserver"], progress=say)
-    plane = cluster.ControlPlane(tmp_path_factory.mktemp("controlplane-gpu"), binaries=paths, progress=say)
-    plane.start()
-    try:
-        plane.apply_crds(CRD_DIR)
-        yield plane
-    finally:
-        plane.stop()
+    yield from running_control_plane(request, tmp_path_factory, ["etcd", "kube-apiserver"])
 
 
 @pytest.fixture(scope="session")

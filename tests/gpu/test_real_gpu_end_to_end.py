@@ -11,9 +11,7 @@ fresh process because CUDA reads ``CUDA_VISIBLE_DEVICES`` once, at ``cuInit``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import json
 import os
 import subprocess
@@ -27,7 +25,7 @@ import jsonpatch
 import pytest
 from kubernetes_asyncio.client import ApiClient
 
-from agent import inventory, main, publishing
+from agent import inventory, publishing
 from gpualloc.api import codecs, constants
 from gpualloc.kube import errors, resources, transport
 from tests.gpu import smi
@@ -38,6 +36,7 @@ from tests.integration.controller_support import (
     running_controller,
     wait_for,
 )
+from tests.integration.test_agent_apiserver import running_agent
 from tests.integration.test_webhook_cluster import create_pod, env, pod, webhook  # noqa: F401 - fixture
 from webhook import admission
 
@@ -95,29 +94,11 @@ async def _status(api: ApiClient, node: str) -> dict[str, Any] | None:
         return None
 
 
-@contextlib.asynccontextmanager
-async def real_agent(api: ApiClient, kubeconfig: str, node: str, namespace: str) -> AsyncIterator[main.Agent]:
-    """The agent with the real NVML source, publishing for ``node``; the Node is made first."""
-    args = main.parse_args(
-        [
-            *("--node-name", node, "--kubeconfig", kubeconfig, "--source", "nvml"),
-            *("--lease-namespace", namespace, "--node-labels", "--health-port", "0", "--metrics-port", "0"),
-        ]
-    )
-    agent = main.Agent(args)
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop), name=f"agent-{node}")
-    try:
-        yield agent
-        assert not task.done(), f"the agent ended early: {task}"
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 30) == main.EXIT_OK
-
-
 @pytest.fixture
-async def gpu_node(api: ApiClient, kubeconfig: str, namespace: str) -> AsyncIterator[tuple[str, str]]:
-    """(node name, run id): a Node labelled for this test, with the real agent publishing for it."""
+async def gpu_node(
+    control_plane: Any, api: ApiClient, kubeconfig: str, namespace: str
+) -> AsyncIterator[tuple[str, str]]:
+    """(node name, run id): a Node labelled for this test, with the real NVML agent publishing for it."""
     run = uuid.uuid4().hex[:8]
     node = f"real-gpu-{run}"
     labels = {constants.HOSTNAME_LABEL: node, RUN_LABEL: run}
@@ -127,13 +108,9 @@ async def gpu_node(api: ApiClient, kubeconfig: str, namespace: str) -> AsyncIter
         "/api/v1/nodes",
         body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}},
     )
-    try:
-        async with real_agent(api, kubeconfig, node, namespace):
-            yield node, run
-    finally:
-        for path in (f"{GNS}/{node}", f"/api/v1/nodes/{node}"):
-            with contextlib.suppress(errors.NotFound):
-                await transport.request(api, "DELETE", path)
+    flags = ["--source", "nvml", "--lease-namespace", namespace, "--node-labels"]
+    async with running_agent(control_plane, kubeconfig, node, *flags):  # deletes the Node afterwards
+        yield node, run
 
 
 async def _published(api: ApiClient, node: str) -> dict[str, Any]:

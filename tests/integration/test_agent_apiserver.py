@@ -70,7 +70,7 @@ def _device(obj: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _running_agent(
+async def running_agent(
     control_plane: Any, kubeconfig: str, node: str, *flags: str, source: inventory.Source | None = None
 ) -> AsyncIterator[main.Agent]:
     args = main.parse_args(
@@ -126,7 +126,7 @@ async def test_agent_publishes_a_schema_valid_status_owned_by_its_node(
         namespace,
         "--node-labels",
     ]
-    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
         obj = await _until(control_plane, node, _published(8), 15)
         assert obj["spec"] == {"nodeName": node}
         assert obj["metadata"]["ownerReferences"] == [
@@ -173,7 +173,7 @@ async def test_agent_without_a_node_object_creates_the_status_without_owner(
 ) -> None:
     node = _node_name("agent-orphan")
     flags = ["--source", "simulated", "--profile", "consumer-8"]
-    async with _running_agent(control_plane, kubeconfig, node, *flags):
+    async with running_agent(control_plane, kubeconfig, node, *flags):
         obj = await _until(control_plane, node, _published(8), 15)
         assert "ownerReferences" not in obj["metadata"]
         assert {ln["type"] for ln in obj["status"]["links"]} == {"PIX", "NODE", "SYS"}
@@ -204,7 +204,7 @@ async def test_two_minutes_without_change_write_only_heartbeats(control_plane: A
     interval, window = 10.0, 120.0
     flags = ["--source", "simulated", "--profile", "a100-sxm-8", "--heartbeat-interval", str(interval)]
     flags += ["--scan-interval", "2"]  # scans wake the publisher often; none of them may write
-    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
         await _until(control_plane, node, _published(8), 15)
         start = dt.datetime.now(dt.UTC)
         await asyncio.sleep(window)
@@ -229,7 +229,7 @@ async def test_injected_xid_turns_the_device_unhealthy_in_the_api_within_2_s(
     node = _node_name("agent-xid")
     inject = tmp_path / "xids"
     flags = ["--source", "simulated", "--profile", "h100-sxm-8", "--xid-inject-file", str(inject)]
-    async with _running_agent(control_plane, kubeconfig, node, *flags):
+    async with running_agent(control_plane, kubeconfig, node, *flags):
         await _until(control_plane, node, _published(8), 15)
         started = time.monotonic()
         inject.write_text("3 79\n5 13\n")  # 13 is an application XID: ignored
@@ -248,7 +248,7 @@ async def test_publishing_continues_after_an_apiserver_restart(
     inject = tmp_path / "xids"
     flags = ["--source", "simulated", "--profile", "a100-pcie-4-nvlink", "--xid-inject-file", str(inject)]
     flags += ["--heartbeat-interval", "5"]
-    async with _running_agent(control_plane, kubeconfig, node, *flags) as agent:
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
         await _until(control_plane, node, _published(4), 15)
         await asyncio.to_thread(control_plane.restart_apiserver)
         inject.write_text("2 ecc\n")  # a change made after the restart
@@ -274,7 +274,7 @@ async def test_nvml_init_failure_is_published_as_nvml_ready_false_then_recovers(
 
         return check
 
-    async with _running_agent(control_plane, kubeconfig, node, "--source", "nvml", source=source):
+    async with running_agent(control_plane, kubeconfig, node, "--source", "nvml", source=source):
         obj = await _until(control_plane, node, nvml_ready("False"), 15)
         conds = {c["type"]: c for c in obj["status"]["conditions"]}
         assert "NVML Shared Library Not Found" in conds[constants.CONDITION_NVML_READY]["message"]
