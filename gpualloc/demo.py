@@ -15,7 +15,6 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
-import functools
 import os
 import signal
 import subprocess
@@ -48,10 +47,6 @@ def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _alive(proc: subprocess.Popen[bytes]) -> bool:
-    return proc.poll() is None
-
-
 class Processes:
     """The component processes the demo starts; all stopped on exit."""
 
@@ -81,9 +76,14 @@ class Processes:
         for _, proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10  # one deadline for all: they stop in parallel
         for _, proc in self.procs:
-            cluster.terminate_group(proc.pid, timeout=10, is_alive=functools.partial(_alive, proc))
-            proc.wait()
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 async def wait_for(what: str, check: Any, limit_s: float, procs: Processes) -> None:
@@ -102,22 +102,6 @@ async def list_claims(api: Any) -> list[Any]:
 
     raw = await resources.CustomResources(api).list_claims(DEMO_NAMESPACE)
     return [codecs.parse_claim(item) for item in raw["items"]]
-
-
-async def service_account_ready(api: Any) -> bool:
-    """Whether kube-controller-manager has made the namespace's ``default`` ServiceAccount.
-
-    The API server refuses pods in a namespace until it exists, and on a fresh
-    control plane the pods can come before it.
-    """
-    from gpualloc.kube import errors, transport
-
-    path = transport.collection_path("", "v1", "serviceaccounts", namespace=DEMO_NAMESPACE, name="default")
-    try:
-        await transport.request(api, "GET", path)
-    except errors.NotFound:
-        return False
-    return True
 
 
 async def list_pods(api: Any) -> list[dict[str, Any]]:
@@ -249,7 +233,6 @@ async def drive(
             if doc["kind"] == constants.CLAIM_KIND:
                 await apply_claim_doc(api, doc)
         await wait_for("the claims to be decided", lambda: claims_decided(api), 60, procs)
-        await wait_for("the default ServiceAccount", lambda: service_account_ready(api), 60, procs)
         say("applying the pods and the Indexed Job that use them")
         for doc in docs:
             if doc["kind"] != constants.CLAIM_KIND:
@@ -421,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp.add_kwok_node(name, {**labels, "gpualloc.dev/profile": profile})
             say(f"  node {name}: a kwok node with a simulated {profile}")
         cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        cp.ensure_service_account(DEMO_NAMESPACE)  # pods come before kube-controller-manager makes it
         say(f"starting 3 agents, the controller (device Leases in {NAMESPACE}) and the webhook")
         port = cluster.free_port()
         certs_dir = state / "webhook-certs"

@@ -163,13 +163,7 @@ def namespace(control_plane: Any, request: pytest.FixtureRequest) -> Iterator[st
 
     name = _namespace_name(request.node.name)
     control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-    try:
-        control_plane.request(
-            "POST", f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
-        )
-    except cluster.RequestError as exc:
-        if exc.status != 409:  # kube-controller-manager made it first
-            raise
+    control_plane.ensure_service_account(name)
     try:
         yield name
     finally:

@@ -485,6 +485,17 @@ class ControlPlane:
             raise RequestError(method, path, status, payload)
         return payload
 
+    def ensure_service_account(self, namespace: str, name: str = "default") -> None:
+        """Create the ServiceAccount unless it exists. The API server refuses pods in a namespace
+        until its ``default`` one exists, and kube-controller-manager (if it runs) makes it later."""
+        try:
+            self.request(
+                "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": name}}
+            )
+        except RequestError as exc:
+            if exc.status != 409:  # 409: it exists already
+                raise
+
     def version(self) -> dict[str, Any]:
         """The API server's /version."""
         result: dict[str, Any] = self.request("GET", "/version")

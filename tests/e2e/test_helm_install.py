@@ -243,17 +243,10 @@ def release(helm: Helm, cluster: Any, namespace: str) -> Iterator[str]:
 @pytest.fixture
 def other_namespace(cluster: Any) -> Iterator[str]:
     """A namespace for workload pods (not excluded from the webhook)."""
-    from gpualloc.devcluster import cluster as cluster_mod
 
     name = f"work-{uuid.uuid4().hex[:6]}"
     cluster.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-    try:
-        cluster.request(
-            "POST", f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
-        )
-    except cluster_mod.RequestError as exc:
-        if exc.status != 409:
-            raise
+    cluster.ensure_service_account(name)
     try:
         yield name
     finally:
