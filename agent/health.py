@@ -185,7 +185,7 @@ class EventThread:
                 failures += 1
                 log.exception("health event wait failed")
                 # Back off a little so a broken event set cannot spin a core.
-                self._stop.wait(watching.backoff_delay(failures + 1, None, base=0.1, cap=5.0))
+                self._stop.wait(watching.backoff_delay(failures, None))
                 continue
             for event in events:
                 try:

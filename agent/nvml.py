@@ -236,11 +236,9 @@ class NvmlSource:
         scope = getattr(self.nvml, "NVML_AFFINITY_SCOPE_NODE", 0)
         words = self._optional("nvmlDeviceGetMemoryAffinity", handle, NODE_SET_WORDS, scope)
         if words is not None:
-            nodes = [
-                64 * w + bit for w, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1
-            ]
-            if len(nodes) == 1:
-                return nodes[0]
+            mask = sum(int(word) << 64 * w for w, word in enumerate(words))
+            if mask and not mask & (mask - 1):  # exactly one node
+                return mask.bit_length() - 1
         try:
             node = int((self._sysfs / "bus" / "pci" / "devices" / bus_id / "numa_node").read_text().strip())
         except (OSError, ValueError):

@@ -187,10 +187,11 @@ def _down(args: argparse.Namespace) -> int:
         else:
             stopped_owner = True
     # Whatever the owner left behind (it may have been killed with SIGKILL).
-    leftovers = cluster.stop_recorded(cluster.load_state(state_dir), timeout=min(args.timeout, 10.0))
+    state = cluster.load_state(state_dir)
+    leftovers = cluster.stop_recorded(state, timeout=min(args.timeout, 10.0))
     for name in leftovers:
         _say(f"stopped {name}")
-    remaining = cluster.recorded_alive(cluster.load_state(state_dir))
+    remaining = cluster.recorded_alive(state)
     if not remaining:
         with contextlib.suppress(FileNotFoundError):
             pid_file.unlink()

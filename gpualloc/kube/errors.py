@@ -143,10 +143,10 @@ def _class_for(status: int, reason: str) -> type[KubeError]:
     return _BY_STATUS.get(status, KubeError)
 
 
-def from_status(status: Mapping[str, Any], *, default_code: int = 0) -> KubeError:
+def from_status(status: Mapping[str, Any]) -> KubeError:
     """The error a ``Status`` object describes (a response body, or a watch ERROR event's object)."""
     code = status.get("code")
-    code = code if isinstance(code, int) else default_code
+    code = code if isinstance(code, int) else 0
     reason = str(status.get("reason") or "")
     message = truncate(str(status.get("message") or ""))
     return _class_for(code, reason)(code, reason or "Unknown", message)
