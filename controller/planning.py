@@ -529,8 +529,8 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
         selector = spec["nodeSelector"] = {}
     selector.setdefault(constants.HOSTNAME_LABEL, allocation.node_name)
     labels = metadata.get("labels")
-    if isinstance(labels, dict) and constants.LABEL_GATED in labels:
-        metadata["labels"] = {k: v for k, v in labels.items() if k != constants.LABEL_GATED}
+    if isinstance(labels, dict):  # ``new`` is a deep copy: edit it in place
+        labels.pop(constants.LABEL_GATED, None)
     gates = (pod.get("spec") or {}).get("schedulingGates") or []
     remaining = [g for g in gates if g.get("name") != constants.SCHEDULING_GATE]
     if remaining:

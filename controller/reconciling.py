@@ -104,13 +104,6 @@ def _meta(raw: Obj) -> Obj:
     return meta if isinstance(meta, dict) else {}
 
 
-def _finalizers_patch(claim: models.GpuClaim, finalizers: list[str]) -> Obj:
-    """Set the claim's finalizers, only if it is still the version the cache saw (else Conflict)."""
-    return resources.with_resource_version(
-        {"metadata": {"finalizers": finalizers}}, claim.metadata.resource_version
-    )
-
-
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -493,7 +486,9 @@ class Controller:
             return
         if constants.FINALIZER not in claim.metadata.finalizers:
             raw = await self._add_finalizer(claim, raw)
-            claim = codecs.parse_claim(raw)
+            claim = self._claim(key, raw)  # parsed once: the watch event of this write hits the cache
+            if claim is None:
+                return
         if planning.allocation_complete(claim):
             if await self._maintain(claim, raw):
                 await self._ungate(claim)
@@ -516,12 +511,19 @@ class Controller:
 
     async def _add_finalizer(self, claim: models.GpuClaim, raw: Obj) -> Obj:
         finalizers = [*claim.metadata.finalizers, constants.FINALIZER]
-        patch = _finalizers_patch(claim, finalizers)
-        written = await self.cr.patch_claim(claim.metadata.namespace, claim.metadata.name, patch)
+        written = await self._patch_finalizers(claim, finalizers)
         written.setdefault("apiVersion", raw.get("apiVersion", constants.API_VERSION))
         written.setdefault("kind", raw.get("kind", constants.CLAIM_KIND))
         self._expect_write(claim.key, written)
         return written
+
+    async def _patch_finalizers(self, claim: models.GpuClaim, finalizers: list[str]) -> Obj:
+        """Set the claim's finalizers, only if it is still the version the cache saw (else Conflict)."""
+        meta = claim.metadata
+        body = {"metadata": {"finalizers": finalizers}}
+        return await self.cr.patch_claim(
+            meta.namespace, meta.name, body, resource_version=meta.resource_version
+        )
 
     async def _finalize(self, claim: models.GpuClaim, raw: Obj) -> None:
         uid = claim.metadata.uid
@@ -533,9 +535,8 @@ class Controller:
             count = sum(len(a.devices) for a in claim.status.allocations) or released
             self._emit(raw, "Released", f"released {count} GPU{'s' if count != 1 else ''}")
         finalizers = [f for f in claim.metadata.finalizers if f != constants.FINALIZER]
-        patch = _finalizers_patch(claim, finalizers)
         with contextlib.suppress(errors.NotFound):
-            await self.cr.patch_claim(claim.metadata.namespace, claim.metadata.name, patch)
+            await self._patch_finalizers(claim, finalizers)
         log.info("released", extra={"claim": claim.key, "leases": released})
 
     # ---------------------------------------------------------------- allocate
@@ -602,8 +603,9 @@ class Controller:
         written.setdefault("apiVersion", constants.API_VERSION)
         written.setdefault("kind", constants.CLAIM_KIND)
         self._emit(written, "Allocated", f"{status['message']}: devices {status['devices']}")
-        with contextlib.suppress(codecs.DecodeError):
-            await self._ungate(codecs.parse_claim(written))
+        again = self._claim(key, written)
+        if again is not None:
+            await self._ungate(again)
 
     async def _write_status(self, claim: models.GpuClaim, patch: Obj) -> Obj | None:
         """Patch the claim's status at the resourceVersion our cache saw; None when it moved on.

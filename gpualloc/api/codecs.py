@@ -34,7 +34,10 @@ def field_json_name(field: dataclasses.Field[Any]) -> str:
 
 
 def model_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any], Any], ...]:
-    """(json name, field, resolved type) for each field of a model class; worked out once per class."""
+    """(json name, field, resolved type) for each field of a model class; worked out once per class.
+
+    A typed front for the cache: ``functools.cache`` types its argument as Hashable, which
+    mypy does not grant ``type[T]``."""
     return _model_fields(cls)
 
 

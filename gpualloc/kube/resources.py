@@ -70,14 +70,17 @@ class CustomResources:
             "create_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, dict(body)
         )
 
-    async def patch_claim(self, namespace: str, name: str, patch: Mapping[str, Any]) -> Obj:
-        """A JSON merge patch of the claim (spec, metadata); status is ignored on this endpoint."""
+    async def patch_claim(
+        self, namespace: str, name: str, patch: Mapping[str, Any], resource_version: str | None = None
+    ) -> Obj:
+        """A JSON merge patch of the claim (spec, metadata; status is ignored on this endpoint);
+        with ``resource_version``, ``Conflict`` if stale."""
         return await self._call(
             "patch_namespaced_custom_object",
             namespace,
             constants.CLAIM_PLURAL,
             name,
-            dict(patch),
+            with_resource_version(patch, resource_version),
             _content_type=transport.MERGE_PATCH,
         )
 
