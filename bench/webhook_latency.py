@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -255,6 +256,7 @@ def serve(target: str, cert: str, key: str) -> None:
     """Run one server on 127.0.0.1 (a free port, printed as ``PORT <n>``) until SIGTERM."""
     from aiohttp import web
 
+    from gpualloc.runtime import serving
     from webhook import admission, cache, server
 
     async def main() -> None:
@@ -277,7 +279,7 @@ def serve(target: str, cert: str, key: str) -> None:
 
             app = web.Application(client_max_size=server.MAX_BODY)
             app.router.add_post("/mutate", allowed)
-        runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1)
+        runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1)
         print(f"PORT {runner.addresses[0][1]}", flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -485,20 +487,22 @@ def make_certs(directory: Path) -> tuple[str, str, str]:
 SERVER_CPU = 0
 
 
-def _siblings(cpu: int) -> set[int]:
+@functools.cache
+def _siblings(cpu: int) -> frozenset[int]:
     """The CPUs sharing ``cpu``'s core (itself included), from sysfs; {cpu} when unknown."""
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
     try:
         text = path.read_text().strip()
     except OSError:
-        return {cpu}
+        return frozenset({cpu})
     out: set[int] = set()
     for part in text.split(","):
         low, _, high = part.partition("-")
         out.update(range(int(low), int(high or low) + 1))
-    return out
+    return frozenset(out)
 
 
+@functools.cache
 def load_cpu() -> int:
     """The first usable CPU not on the server CPU's core (1 when all share it)."""
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
@@ -633,6 +637,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         / webhook["closed_loop"]["server_cpu_us_per_request"]
     )
     p99 = webhook["open_loop"]["p99_ms"]
+
+    def vs_minimal(target: str) -> float:
+        saturation: float = results[target]["closed_loop"]["throughput_rps"]
+        baseline: float = minimal["closed_loop"]["throughput_rps"]
+        return round(saturation / baseline, 3)
+
     report = {
         "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(["bench/webhook_latency.py", *sys.argv[1:]]),
@@ -675,15 +685,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             round(w["closed_loop"]["throughput_rps"] / m["closed_loop"]["throughput_rps"], 3)
             for w, m in zip(webhook["rounds"], minimal["rounds"], strict=True)
         ],
-        "saturation_ratio_parse_only": round(
-            results["parse"]["closed_loop"]["throughput_rps"] / minimal["closed_loop"]["throughput_rps"], 3
-        ),
-        "saturation_ratio_answer_only": round(
-            results["answer"]["closed_loop"]["throughput_rps"] / minimal["closed_loop"]["throughput_rps"], 3
-        ),
-        "saturation_ratio_floor": round(
-            results["floor"]["closed_loop"]["throughput_rps"] / minimal["closed_loop"]["throughput_rps"], 3
-        ),
+        "saturation_ratio_parse_only": vs_minimal("parse"),
+        "saturation_ratio_answer_only": vs_minimal("answer"),
+        "saturation_ratio_floor": vs_minimal("floor"),
         "server_cpu_per_request_ratio": round(cpu_ratio, 3),
         "targets": {
             "p99_ms_at_rate": {"limit": TARGET_P99_MS, "measured": p99, "met": p99 < TARGET_P99_MS},

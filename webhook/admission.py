@@ -50,9 +50,6 @@ import msgspec
 from gpualloc.api import codecs, constants, models, pods
 from webhook import mutations, objects, patches
 
-API_VERSION = objects.API_VERSION
-KIND = objects.KIND
-
 PendingMode = Literal["deny", "gate"]
 DeviceIdMode = Literal["uuid", "index"]
 
@@ -62,8 +59,8 @@ MUTATED = "mutated"  # allowed with the allocation written in
 GATED = "gated"  # allowed with a scheduling gate
 DENIED = "denied"  # a policy denial (claim not ready, conflict, bad replica)
 INVALID = "invalid"  # a malformed review or object
-OUTCOMES = (ALLOWED, MUTATED, GATED, DENIED, INVALID)
 ERROR = "error"  # an unexpected failure, answered with a denial (the server's outcome, not decide's)
+OUTCOMES = (ALLOWED, MUTATED, GATED, DENIED, INVALID, ERROR)
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _MESSAGE_LIMIT = 512
@@ -207,9 +204,10 @@ def prepare(review: objects.AnyReview) -> PodCreate | Decision:
     once, looks the claim up (``PodCreate.claim_ref``), then ``decide_prepared``.
     """
     uid = request_uid(review)
-    if review.api_version != API_VERSION or review.kind != KIND:
+    if review.api_version != objects.API_VERSION or review.kind != objects.KIND:
         got = f"apiVersion {review.api_version!r} kind {review.kind!r}"
-        return _invalid(uid, f"expected apiVersion {API_VERSION} kind {KIND}, got {got}"[:300])
+        expected = f"expected apiVersion {objects.API_VERSION} kind {objects.KIND}"
+        return _invalid(uid, f"{expected}, got {got}"[:300])
     request = review.request
     assert request is not None  # request_uid checked it
     kind = request.kind
@@ -289,8 +287,8 @@ def decide_prepared(
     uid, namespace, pod, name = parsed.uid, parsed.namespace, parsed.pod, parsed.claim_name
     claim_words = f"GpuClaim {namespace}/{name}"
 
-    users = mutations.device_plugin_requests(pod)
-    if users and not options.allow_device_plugin:
+    users = [] if options.allow_device_plugin else mutations.device_plugin_requests(pod)
+    if users:
         return _denied(
             uid,
             f"the pod uses {claim_words} and also requests {mutations.GPU_RESOURCE} from the NVIDIA "

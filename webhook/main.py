@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace) -> int:
         reloader = server.CertificateReloader(
             context, args.tls_cert_file, args.tls_key_file, interval=args.cert_poll_interval, metrics=metrics
         )
-        runner = await server.start(
+        runner = await serving.start_app(
             app, args.host, args.port, ssl_context=context, shutdown_timeout=args.shutdown_timeout
         )
         extra = await serving.start_probe_servers(

@@ -24,9 +24,7 @@ class Metrics:
             registry=self.registry,
         )
         # The labelled children, bound once: ``labels()`` takes a lock and builds a key every call.
-        self.outcomes = {
-            outcome: self.admissions.labels(outcome) for outcome in (*admission.OUTCOMES, admission.ERROR)
-        }
+        self.outcomes = {outcome: self.admissions.labels(outcome) for outcome in admission.OUTCOMES}
         self.latency = prometheus_client.Histogram(
             "gpualloc_webhook_admission_duration_seconds",
             "Time from reading a request body to having the response, claim lookup included",

@@ -101,7 +101,8 @@ def device_plugin_requests(pod: objects.Pod) -> list[str]:
     if spec is None:
         return []
     found = ["<pod>"] if _requests_gpu(spec.resources) else []
-    found += [c.name or "<unnamed>" for _, c in containers(pod) if _requests_gpu(c.resources)]
+    every = (*(spec.init_containers or ()), *(spec.containers or ()))
+    found += [c.name or "<unnamed>" for c in every if _requests_gpu(c.resources)]
     return found
 
 

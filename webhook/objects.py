@@ -205,9 +205,5 @@ class Answer(_Struct):
     kind: str = KIND
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
-def encode(value: Any) -> bytes:
-    """Compact JSON of an Answer, or of a value built by the webhook (dicts, lists, strings, numbers)."""
-    return _ENCODER.encode(value)
+# Compact JSON of an Answer, or of a value built by the webhook (dicts, lists, strings, numbers).
+encode = msgspec.json.Encoder().encode

@@ -234,24 +234,6 @@ class CertificateReloader:
 # ------------------------------------------------------------------ running
 
 
-async def start(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    ssl_context: ssl.SSLContext | None,
-    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
-) -> web.AppRunner:
-    """Serve ``app`` on ``host:port`` (0: any free port); the caller does ``await runner.cleanup()``.
-
-    ``cleanup`` stops listening, lets requests in flight finish for up to
-    ``shutdown_timeout`` seconds, then closes the connections.
-    """
-    return await serving.start_app(
-        app, host, port, ssl_context=ssl_context, shutdown_timeout=shutdown_timeout
-    )
-
-
 async def stop(app: web.Application, runner: web.AppRunner, *, drain_delay: float = 0.0) -> None:
     """Graceful stop: readiness goes false, requests keep being served for ``drain_delay`` seconds
     (while endpoints drop this replica), then the runner shuts down."""

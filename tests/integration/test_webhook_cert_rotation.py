@@ -23,6 +23,7 @@ from cryptography import x509
 
 from certs import building, keys
 from gpualloc.api import constants
+from gpualloc.runtime import serving
 from webhook import cache, server
 
 NOW = datetime.datetime.now(datetime.UTC)
@@ -113,7 +114,7 @@ async def running(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.Ce
     context = server.make_ssl_context(volume.cert_file, volume.key_file)
     app = server.make_app(claims=cache.ClaimCache(cache.StaticStore([]), _no_fetch))
     reloader = server.CertificateReloader(context, volume.cert_file, volume.key_file, interval=0.05)
-    runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reloader.run())
     try:
         yield volume, reloader, runner.addresses[0][1]

@@ -24,6 +24,7 @@ from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
+from gpualloc.runtime import serving
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
@@ -179,7 +180,7 @@ async def webhook(
     reflector = watching.Reflector(api, watching.CLAIMS)
     claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics)
     app = server.make_app(claims=claims, options=webhook_options, metrics=metrics)
-    runner = await server.start(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reflector.run())
     running = RunningWebhook(app, runner, reflector, metrics, runner.addresses[0][1])
     name = f"gpualloc-test-{uuid.uuid4().hex[:10]}"

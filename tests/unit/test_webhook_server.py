@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
+from gpualloc.runtime import serving
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
 
@@ -201,7 +202,7 @@ async def test_graceful_stop_finishes_a_request_in_flight() -> None:
             return admission.lookup_from({})
 
     app = server.make_app(claims=Slow())
-    runner = await server.start(app, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
+    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
     port = runner.addresses[0][1]
     async with aiohttp.ClientSession() as session:
         pending = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/mutate", json=review()))
