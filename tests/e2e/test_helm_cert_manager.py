@@ -36,7 +36,8 @@ from typing import Any
 import pytest
 from cryptography import x509
 
-from gpualloc.devcluster import binaries
+from gpualloc.devcluster import binaries, cluster
+from tests.integration.tls_support import http_status
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager"
@@ -276,29 +277,9 @@ def _wait(what: str, check: Callable[[], Any], log: Path, timeout: float = 90.0)
         time.sleep(0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _https_status(port: int, path: str, context: ssl.SSLContext, server_name: str) -> int:
-    try:
-        with (
-            socket.create_connection(("127.0.0.1", port), timeout=2) as raw,
-            context.wrap_socket(raw, server_hostname=server_name) as sock,
-        ):
-            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {server_name}\r\nConnection: close\r\n\r\n".encode())
-            head = sock.recv(64).decode(errors="replace")
-    except OSError:
-        return 0
-    return int(head.split()[1]) if head.startswith("HTTP/") else 0
-
-
 def test_cert_manager_issues_the_chain_and_cainjector_fills_the_ca_bundle_the_webhook_serves_with(
     control_plane: Any, cert_manager: Path, namespace: str, tmp_path: Path
 ) -> None:
-    from gpualloc.devcluster import cluster
 
     helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
     release = f"cm{uuid.uuid4().hex[:6]}"
@@ -357,7 +338,7 @@ def test_cert_manager_issues_the_chain_and_cainjector_fills_the_ca_bundle_the_we
         # name the API server uses (<service>.<namespace>.svc).
         for name in ("tls.crt", "tls.key"):
             (tmp_path / name).write_bytes(files[name])
-        port = _free_port()
+        port = cluster.free_port()
         webhook = subprocess.Popen(
             [sys.executable, "-m", "gpualloc.cli", "webhook", f"--kubeconfig={control_plane.kubeconfig}",
              f"--tls-cert-file={tmp_path / 'tls.crt'}", f"--tls-key-file={tmp_path / 'tls.key'}",
@@ -365,9 +346,10 @@ def test_cert_manager_issues_the_chain_and_cainjector_fills_the_ca_bundle_the_we
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         context = ssl.create_default_context(cadata=bundle.decode())
+        dns_name = f"{service}.{namespace}.svc"
         _wait(
             "the webhook's /readyz over TLS",
-            lambda: _https_status(port, "/readyz", context, f"{service}.{namespace}.svc") == 200,
+            lambda: http_status(port, "/readyz", tls=context, server_name=dns_name) == 200,
             cert_manager,
             timeout=30,
         )

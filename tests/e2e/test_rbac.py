@@ -13,7 +13,6 @@ import asyncio
 import base64
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -29,8 +28,9 @@ import yaml
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpualloc.devcluster import binaries
+from gpualloc.devcluster import binaries, cluster
 from gpualloc.kube import client as kube_client
+from tests.integration.tls_support import http_status
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 GROUP, VERSION = "gpu.scheduling", "v1"
@@ -455,12 +455,6 @@ async def test_certs_token_writes_only_its_secret_and_its_webhook_configuration(
 # ----------------------------------------------------------------------------- the programs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Program:
     """``gpualloc <args>`` as a child process, its output in a log file; stopped with SIGTERM."""
 
@@ -492,20 +486,6 @@ class Program:
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
-
-
-def _http_status(port: int, path: str, *, tls: ssl.SSLContext | None = None, server_name: str = "") -> int:
-    """GET http(s)://127.0.0.1:port/path; 0 when nothing answers. TLS checks the name ``server_name``."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
-            sock = tls.wrap_socket(raw, server_hostname=server_name) if tls is not None else raw
-            with sock:
-                host = server_name or "localhost"
-                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-                head = sock.recv(64).decode(errors="replace")
-        return int(head.split()[1]) if head.startswith("HTTP/") else 0
-    except OSError:
-        return 0
 
 
 async def _eventually(
@@ -562,7 +542,11 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
         for name in ("tls.crt", "tls.key"):
             (tmp_path / name).write_bytes(files[name])
 
-        agent_port, controller_port, webhook_port = _free_port(), _free_port(), _free_port()
+        agent_port, controller_port, webhook_port = (
+            cluster.free_port(),
+            cluster.free_port(),
+            cluster.free_port(),
+        )
         programs.append(Program("agent", [
             "agent", f"--kubeconfig={kc['agent']}", f"--node-name={node}", "--source=simulated",
             "--profile=h100-sxm-8", f"--lease-namespace={ns}", "--heartbeat-interval=5",
@@ -588,7 +572,7 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
         await _eventually("the agent's GpuNodeStatus with 8 GPUs", status_published, programs)
 
         async def http_ready(port: int) -> bool:
-            return _http_status(port, "/readyz") == 200
+            return http_status(port, "/readyz") == 200
 
         await _eventually("agent /readyz", lambda: http_ready(agent_port), programs)
         await _eventually("controller /readyz", lambda: http_ready(controller_port), programs)
@@ -596,7 +580,7 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
         server_name = f"{service}.{ns}.svc"
 
         async def webhook_ready() -> bool:
-            return _http_status(webhook_port, "/readyz", tls=tls, server_name=server_name) == 200
+            return http_status(webhook_port, "/readyz", tls=tls, server_name=server_name) == 200
 
         # TLS verified against the caBundle, for the Service's DNS name: the chain certs made works.
         await _eventually("webhook /readyz over TLS", webhook_ready, programs)

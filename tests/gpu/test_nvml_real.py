@@ -35,10 +35,10 @@ def source(nvml_available: None) -> Iterator[nvml.NvmlSource]:
         src.close()
 
 
-def _int_or_none(text: str | None) -> int | None:
-    """nvidia-smi's number, or None for 'N/A' and the like."""
+def _int_or_zero(text: str | None) -> int:
+    """nvidia-smi's number (``16x`` too), or 0 for 'N/A' and the like, as the agent reports unknowns."""
     value = (text or "").strip().removesuffix("x")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isdigit() else 0
 
 
 def test_devices_match_nvidia_smi_query(source: nvml.NvmlSource, smi_xml: ET.Element) -> None:
@@ -65,10 +65,10 @@ def test_devices_match_nvidia_smi_query(source: nvml.NvmlSource, smi_xml: ET.Ele
         assert re.fullmatch(r"\d{1,2}\.\d{1,2}", device.compute_capability)
         # The maximum PCIe generation and width (what the GPU and its slot can do, not the
         # current, power-saving link state).
-        smi_gen = _int_or_none(gpu.findtext("pci/pci_gpu_link_info/pcie_gen/max_link_gen"))
-        smi_width = _int_or_none(gpu.findtext("pci/pci_gpu_link_info/link_widths/max_link_width"))
-        assert device.pcie_generation == (smi_gen or 0)
-        assert device.pcie_width == (smi_width or 0)
+        smi_gen = _int_or_zero(gpu.findtext("pci/pci_gpu_link_info/pcie_gen/max_link_gen"))
+        smi_width = _int_or_zero(gpu.findtext("pci/pci_gpu_link_info/link_widths/max_link_width"))
+        assert device.pcie_generation == smi_gen
+        assert device.pcie_width == smi_width
 
 
 def test_compute_capability_and_numa_node_match_nvidia_smi(source: nvml.NvmlSource) -> None:
@@ -79,7 +79,7 @@ def test_compute_capability_and_numa_node_match_nvidia_smi(source: nvml.NvmlSour
     # topo -m's "NUMA Affinity" column; "N/A" where the platform does not say.
     lines = [ln for ln in smi.run("topo", "-m").splitlines() if ln.strip()]
     header = next(ln for ln in lines if "NUMA Affinity" in ln)
-    column = header.split("\t").index(next(c for c in header.split("\t") if "NUMA Affinity" in c))
+    column = next(i for i, cell in enumerate(header.split("\t")) if "NUMA Affinity" in cell)
     for device in inv.devices:
         row = next(ln for ln in lines if ln.split("\t")[0].strip() == f"GPU{device.index}")
         cell = row.split("\t")[column].strip()

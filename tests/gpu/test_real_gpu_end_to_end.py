@@ -12,6 +12,7 @@ fresh process because CUDA reads ``CUDA_VISIBLE_DEVICES`` once, at ``cuInit``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -35,12 +36,19 @@ from tests.integration.controller_support import (
     controller_argv,
     running_controller,
     wait_for,
+    wait_phase,
 )
 from tests.integration.test_agent_apiserver import running_agent
-from tests.integration.test_webhook_cluster import create_pod, env, pod, webhook  # noqa: F401 - fixture
+from tests.integration.test_webhook_cluster import (  # noqa: F401 - webhook, webhook_options: fixtures
+    RunningWebhook,
+    create_pod,
+    env,
+    pod,
+    wait_cached,
+    webhook,
+    webhook_options,
+)
 from webhook import admission
-
-GNS = "/apis/gpu.scheduling/v1/gpunodestatuses"
 
 # Lists the GPUs CUDA sees, as nvidia-smi writes UUIDs. ctypes on libcuda, so no
 # CUDA toolkit or framework is needed, only the driver.
@@ -81,20 +89,6 @@ def cuda_sees(env_vars: dict[str, str]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def webhook_options() -> admission.Options:
-    """The webhook fixture's options: the defaults (UUIDs, deny while pending)."""
-    return admission.Options()
-
-
-async def _status(api: ApiClient, node: str) -> dict[str, Any] | None:
-    try:
-        got: dict[str, Any] = await transport.request(api, "GET", f"{GNS}/{node}")
-        return got
-    except errors.NotFound:
-        return None
-
-
-@pytest.fixture
 async def gpu_node(
     control_plane: Any, api: ApiClient, kubeconfig: str, namespace: str
 ) -> AsyncIterator[tuple[str, str]]:
@@ -115,7 +109,9 @@ async def gpu_node(
 
 async def _published(api: ApiClient, node: str) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
-        got = await _status(api, node)
+        got = None
+        with contextlib.suppress(errors.NotFound):
+            got = await resources.CustomResources(api).get_node_status(node)
         status = (got or {}).get("status") or {}
         ready = {c["type"]: c["status"] for c in status.get("conditions") or []}
         return got if status.get("devices") and ready.get(constants.CONDITION_NVML_READY) == "True" else None
@@ -148,25 +144,24 @@ async def test_agent_publishes_what_nvidia_smi_reports(
     assert labels[publishing.LABEL_GPU_MEMORY] == str(first.memory_mib)
 
 
-@pytest.mark.usefixtures("webhook")
 async def test_allocated_gpu_is_the_one_cuda_sees_in_the_claim_pod(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
+    api: ApiClient,
+    kubeconfig: str,
+    namespace: str,
+    gpu_node: tuple[str, str],
+    webhook: RunningWebhook,  # noqa: F811 - the fixture imported above
 ) -> None:
     node, run = gpu_node
     await _published(api, node)
     crs = resources.CustomResources(api)
     async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
         await crs.create_claim(namespace, claim_body("real", 1, run=run))
-
-        async def allocated() -> dict[str, Any] | None:
-            got = await crs.get_claim(namespace, "real")
-            return got if (got.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED else None
-
-        claim = await wait_for(allocated, within=60, what="claim real Allocated")
+        claim = await wait_phase(api, namespace, "real", constants.PHASE_ALLOCATED, within=60)
     allocation = claim["status"]["allocations"][0]
     assert allocation["nodeName"] == node
     [device] = allocation["devices"]
 
+    await wait_cached(webhook, f"{namespace}/real", constants.PHASE_ALLOCATED)  # its watch may lag
     stored = await create_pod(api, namespace, pod("cuda", "real"))
     assert stored["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: node}
     containers = stored["spec"]["initContainers"] + stored["spec"]["containers"]
@@ -189,7 +184,7 @@ async def test_allocated_gpu_is_the_one_cuda_sees_in_the_claim_pod(
         },
     }
     answer = admission.admit(
-        json.dumps(review).encode(),
+        review,
         admission.lookup_from({f"{namespace}/real": codecs.parse_claim(claim)}),
         admission.Options(device_ids="index"),
     )["response"]

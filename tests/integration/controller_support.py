@@ -211,6 +211,23 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+async def get_claim(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return await resources.CustomResources(api).get_claim(namespace, name)
+    except errors.NotFound:
+        return None
+
+
+async def wait_phase(
+    api: ApiClient, namespace: str, name: str, phase: str, within: float = 30
+) -> dict[str, Any]:
+    async def probe() -> dict[str, Any] | None:
+        got = await get_claim(api, namespace, name)
+        return got if got and (got.get("status") or {}).get("phase") == phase else None
+
+    return await wait_for(probe, within=within, what=f"{namespace}/{name} {phase}")
+
+
 async def device_leases(api: ApiClient, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
     selector = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
     if label_selector:

@@ -19,10 +19,12 @@ from tests.integration.controller_support import (
     create_gpu_node,
     delete_gpu_node,
     device_leases,
+    get_claim,
     gpu_uuid,
     running_controller,
     status_uuids,
     wait_for,
+    wait_phase,
 )
 
 NodeFactory = Callable[..., Awaitable[str]]
@@ -48,23 +50,6 @@ async def gpu_nodes(api: ApiClient, run_id: str) -> AsyncIterator[NodeFactory]:
     yield make
     for name in made:
         await delete_gpu_node(api, name)
-
-
-async def get_claim(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        return await resources.CustomResources(api).get_claim(namespace, name)
-    except errors.NotFound:
-        return None
-
-
-async def wait_phase(
-    api: ApiClient, namespace: str, name: str, phase: str, within: float = 30
-) -> dict[str, Any]:
-    async def probe() -> dict[str, Any] | None:
-        got = await get_claim(api, namespace, name)
-        return got if got and (got.get("status") or {}).get("phase") == phase else None
-
-    return await wait_for(probe, within=within, what=f"{namespace}/{name} {phase}")
 
 
 async def test_claim_is_allocated_with_leases_held_by_its_uid_and_deleting_it_releases_them(

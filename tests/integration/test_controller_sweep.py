@@ -23,6 +23,7 @@ from tests.integration.controller_support import (
     device_leases,
     status_uuids,
     wait_for,
+    wait_phase,
 )
 
 
@@ -78,9 +79,7 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
             },
         )
         async with controller_in_process(api, namespace, run) as ctl:
-            got = await wait_for(
-                lambda: _allocated(crs, namespace, "live"), within=30, what="live claim allocated"
-            )
+            got = await wait_phase(api, namespace, "live", constants.PHASE_ALLOCATED, within=30)
 
             async def orphan_gone() -> bool:
                 names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
@@ -97,11 +96,6 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
         await delete_gpu_node(api, node)
 
 
-async def _allocated(crs: resources.CustomResources, namespace: str, name: str) -> dict[str, Any] | None:
-    claim = await crs.get_claim(namespace, name)
-    return claim if (claim.get("status") or {}).get("phase") == "Allocated" else None
-
-
 async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_reallocating_and_metrics_follow(
     api: ApiClient, namespace: str
 ) -> None:
@@ -112,7 +106,7 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
     try:
         async with controller_in_process(api, namespace, run) as ctl:
             await crs.create_claim(namespace, claim_body("job", 2, run=run))
-            before = await wait_for(lambda: _allocated(crs, namespace, "job"), within=30, what="allocation")
+            before = await wait_phase(api, namespace, "job", constants.PHASE_ALLOCATED, within=30)
             assert sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0
             assert sample(ctl, "gpualloc_time_to_allocated_seconds_count") == 1.0
             await wait_for(

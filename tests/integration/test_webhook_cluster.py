@@ -217,7 +217,7 @@ async def _wait_until_registered(api: ApiClient, namespace: str) -> None:
     raise AssertionError("the API server never called the webhook")
 
 
-async def _wait_cached(running: RunningWebhook, key: str, phase: str) -> None:
+async def wait_cached(running: RunningWebhook, key: str, phase: str) -> None:
     for _ in range(100):
         raw = running.reflector.get(key)
         if raw is not None and (raw.get("status") or {}).get("phase") == phase:
@@ -237,7 +237,7 @@ async def test_allocated_claim_pod_is_stored_pinned_with_env_everywhere_and_the_
     api: ApiClient, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
-    await _wait_cached(webhook, f"{namespace}/train", constants.PHASE_ALLOCATED)
+    await wait_cached(webhook, f"{namespace}/train", constants.PHASE_ALLOCATED)
     misses = webhook.metrics.registry.get_sample_value("gpualloc_webhook_claim_cache_misses_total")
 
     await create_pod(api, namespace, pod("worker", "train"))
