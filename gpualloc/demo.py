@@ -228,11 +228,12 @@ async def drive(
         await register_webhook(api, webhook_port, ca_bundle)
         await wait_for_nodes(api, procs)
         await wait_for_webhook(webhook_port, procs)
-        say("applying the claims in examples/")
+        # One claim at a time, each decided before the next: where a claim lands depends on what
+        # the claims before it took, and the walkthrough should come out the same on every run.
+        say("applying the claims in examples/, one at a time")
         for doc in docs:
             if doc["kind"] == constants.CLAIM_KIND:
-                await apply_claim_doc(api, doc)
-        await wait_for("the claims to be decided", lambda: claims_decided(api), 60, procs)
+                await apply_claim_doc(api, doc, procs)
         say("applying the pods and the Indexed Job that use them")
         for doc in docs:
             if doc["kind"] != constants.CLAIM_KIND:
@@ -258,11 +259,30 @@ async def drive(
         await api.close()
 
 
-async def apply_claim_doc(api: Any, doc: dict[str, Any]) -> None:
+async def apply_claim_doc(api: Any, doc: dict[str, Any], procs: Processes) -> None:
+    """Create the claim, wait until the controller has decided it, and say where it landed."""
     from gpualloc.kube import resources
 
+    name = doc["metadata"]["name"]
     await resources.CustomResources(api).create_claim(DEMO_NAMESPACE, doc)
-    say(f"  GpuClaim {doc['metadata']['name']}")
+    decided: list[Any] = []
+
+    async def is_decided() -> bool:
+        claim = codecs.parse_claim(await resources.CustomResources(api).get_claim(DEMO_NAMESPACE, name))
+        if claim.status.phase == constants.PHASE_ALLOCATED or claim.status.message:
+            decided.append(claim)
+        return bool(decided)
+
+    await wait_for(f"GpuClaim {name} to be decided", is_decided, 60, procs)
+    claim = decided[-1]
+    if claim.status.phase == constants.PHASE_ALLOCATED:
+        where = ", ".join(
+            f"{a.node_name} GPUs {','.join(str(d.index) for d in a.devices)}"
+            for a in claim.status.allocations
+        )
+        say(f"  GpuClaim {name}: Allocated on {where}")
+    else:
+        say(f"  GpuClaim {name}: {claim.status.phase}: {claim.status.message}")
 
 
 async def apply_workload_doc(api: Any, doc: dict[str, Any]) -> None:
@@ -275,13 +295,6 @@ async def apply_workload_doc(api: Any, doc: dict[str, Any]) -> None:
     else:
         raise ValueError(f"the demo does not apply {doc['kind']}")
     say(f"  {doc['kind']} {doc['metadata']['name']}")
-
-
-async def claims_decided(api: Any) -> bool:
-    claims = await list_claims(api)
-    return bool(claims) and all(
-        c.status.phase == constants.PHASE_ALLOCATED or c.status.message for c in claims
-    )
 
 
 async def pods_running(api: Any, expected: int) -> bool:
@@ -386,9 +399,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     docs = [d for path in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
 
+    state = Path(args.state_dir or tempfile.mkdtemp(prefix="gpualloc-demo-"))
+    if state.is_dir() and any(state.iterdir()):
+        # A used one holds the last run's etcd data: the demo would meet its own objects again.
+        print(
+            f"demo failed: --state-dir {state} is not empty; give a new or empty directory", file=sys.stderr
+        )
+        return 2
     say("building what is missing (cached in ~/.cache/gpualloc after the first run)")
     bins = binaries.ensure(progress=lambda line: say("  " + line))
-    state = Path(args.state_dir or tempfile.mkdtemp(prefix="gpualloc-demo-"))
     state.mkdir(parents=True, exist_ok=True)
     say(f"starting the local control plane in {state}")
     cp = cluster.ControlPlane(state_dir=state, binaries=bins)

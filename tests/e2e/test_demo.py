@@ -37,8 +37,27 @@ def test_demo_places_every_pod_explains_the_unfit_claim_and_tears_down(
     claims = {line.split()[0]: line for line in table if line}
     assert all(claims[name].split()[2] == "Allocated" for name in ("notebook", "trainer", "ddp"))
     assert claims["a100-quad"].split()[2] == "Pending"
+    # Claims go in one at a time, so the placement is the same on every run.
+    decided = [line.split("GpuClaim ", 1)[1] for line in out.splitlines() if "  GpuClaim " in line]
+    assert [line.split(":")[0] for line in decided] == ["notebook", "trainer", "ddp", "a100-quad"]
+    assert decided[0] == "notebook: Allocated on gpu-node-c GPUs 0"
+    assert decided[2].startswith("ddp: Allocated on gpu-node-a GPUs ") and "gpu-node-c GPUs " in decided[2]
     explain = out.split("gpualloc explain claim a100-quad)")[1]
     assert "gpu-node-b   no 4-GPU set with >=600 GB/s" in explain
     assert "stopped every process the demo started" in out
     leftover = subprocess.run(["pgrep", "-f", str(state)], capture_output=True, text=True, check=False)
     assert leftover.stdout == "", f"processes left running: {leftover.stdout}"
+
+
+def test_demo_refuses_a_state_dir_that_is_not_empty(tmp_path: Path) -> None:
+    (tmp_path / "etcd").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "gpualloc.demo", "--exit", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert f"--state-dir {tmp_path} is not empty" in result.stderr
+    assert "starting the local control plane" not in result.stdout
