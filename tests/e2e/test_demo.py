@@ -15,18 +15,22 @@ from pathlib import Path
 from typing import Any
 
 
+def run_demo(state: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpualloc.demo", "--exit", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_demo_places_every_pod_explains_the_unfit_claim_and_tears_down(
     control_plane: Any, tmp_path: Path
 ) -> None:
     # control_plane: the session's binaries are built (or the build error fails this test).
     state = tmp_path / "demo"
-    result = subprocess.run(
-        [sys.executable, "-m", "gpualloc.demo", "--exit", "--state-dir", str(state)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_demo(state, timeout=300)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "ERROR" not in out
@@ -51,13 +55,7 @@ def test_demo_places_every_pod_explains_the_unfit_claim_and_tears_down(
 
 def test_demo_refuses_a_state_dir_that_is_not_empty(tmp_path: Path) -> None:
     (tmp_path / "etcd").mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "gpualloc.demo", "--exit", "--state-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_demo(tmp_path, timeout=60)
     assert result.returncode == 2
     assert f"--state-dir {tmp_path} is not empty" in result.stderr
     assert "starting the local control plane" not in result.stdout
