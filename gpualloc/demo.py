@@ -197,11 +197,16 @@ async def summary(api: Any, kubeconfig: Path) -> bool:
     return ok
 
 
-def start_components(procs: Processes, kubeconfig: str, certs_dir: Path, webhook_port: int) -> None:
-    """One simulated agent per node, the controller, and the webhook with fresh certificates."""
+def start_components(procs: Processes, kubeconfig: str, certs_dir: Path) -> int:
+    """One simulated agent per node, the controller, and the webhook with fresh certificates.
+
+    Returns the webhook's port.
+    """
+    spare = cluster.free_ports(2 * (len(NODES) + 1) + 1)  # chosen together: all different
+    webhook_port = spare.pop()
 
     def ports() -> list[str]:
-        return ["--metrics-port", str(cluster.free_port()), "--health-port", str(cluster.free_port())]
+        return ["--metrics-port", str(spare.pop()), "--health-port", str(spare.pop())]
 
     for name, profile, _ in NODES:
         agent = ["agent", "--source", "simulated", "--profile", profile, "--node-name", name]
@@ -215,6 +220,7 @@ def start_components(procs: Processes, kubeconfig: str, certs_dir: Path, webhook
     webhook = ["webhook", "--kubeconfig", kubeconfig, "--host", "127.0.0.1", "--port", str(webhook_port)]
     webhook += ["--tls-cert-file", str(certs_dir / "tls.crt"), "--tls-key-file", str(certs_dir / "tls.key")]
     procs.start("webhook", webhook)
+    return webhook_port
 
 
 async def drive(
@@ -425,9 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
         cp.ensure_service_account(DEMO_NAMESPACE)  # pods come before kube-controller-manager makes it
         say(f"starting 3 agents, the controller (device Leases in {NAMESPACE}) and the webhook")
-        port = cluster.free_port()
         certs_dir = state / "webhook-certs"
-        start_components(procs, str(cp.kubeconfig), certs_dir, port)
+        port = start_components(procs, str(cp.kubeconfig), certs_dir)
         ca_bundle = (certs_dir / "ca.crt").read_bytes()
         return asyncio.run(drive(cp, procs, port, ca_bundle, docs, stay=not args.exit))
     except KeyboardInterrupt:

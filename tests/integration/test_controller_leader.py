@@ -46,8 +46,8 @@ def election_argv(namespace: str, identity: str, run: str) -> list[str]:
     ]
 
 
-def status_writers(audit_log: Path, namespace: str) -> list[str]:
-    """User agents of the requests that wrote GpuClaim status in ``namespace``."""
+def status_writers(audit_log: Path, namespace: str, name: str) -> list[str]:
+    """User agents of the requests that wrote GpuClaim ``name``'s status in ``namespace``."""
     agents = []
     for line in audit_log.read_text().splitlines():
         try:
@@ -60,11 +60,21 @@ def status_writers(audit_log: Path, namespace: str) -> list[str]:
             and ref.get("resource") == "gpuclaims"
             and ref.get("subresource") == "status"
             and ref.get("namespace") == namespace
+            and ref.get("name") == name
             and event.get("verb") in ("patch", "update")
             and (event.get("responseStatus") or {}).get("code", 0) < 300
         ):
             agents.append(str(event.get("userAgent", "")))
     return agents
+
+
+async def audited_writers(audit_log: Path, namespace: str, name: str) -> list[str]:
+    """``status_writers``, once the audit log has at least one."""
+
+    async def logged() -> list[str]:
+        return status_writers(audit_log, namespace, name)
+
+    return await wait_for(logged, within=10, what=f"the audit log to show {name}'s status write")
 
 
 async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_lease_duration(
@@ -99,8 +109,9 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
                 return (claim.get("status") or {}).get("phase") == "Allocated"
 
             await wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
-            writers = status_writers(control_plane.audit_log, namespace)
-            assert writers and all(agent.endswith(f"/{leader}") for agent in writers), writers
+            # The API server logs a write's audit event after answering it: wait for the line.
+            writers = await audited_writers(control_plane.audit_log, namespace, "first")
+            assert all(agent.endswith(f"/{leader}") for agent in writers), writers
 
             # Kill the leader: its Lease is not released, the standby must wait for it to expire.
             killed_at = time.monotonic()
@@ -116,14 +127,16 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
             )
             took = time.monotonic() - killed_at
             print(f"\nstandby took over {took:.1f} s after the leader died (lease {LEASE_DURATION} s)")
-            assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 1.0, f"took over after {took:.1f} s"
+            # The standby sees the lease expire up to a retry period late and needs one more to take
+            # it; 2 s more for API round trips on a loaded 2-core machine (measured 4.2-4.4 s there).
+            assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 2.0, f"took over after {took:.1f} s"
 
             await crs.create_claim(namespace, claim_body("second", 2, run=run))
             await wait_for(
                 lambda: allocated("second"), within=30, what="second claim allocated by the new leader"
             )
-            later = status_writers(control_plane.audit_log, namespace)[len(writers) :]
-            assert later and all(agent.endswith(f"/{standby}") for agent in later), later
+            later = await audited_writers(control_plane.audit_log, namespace, "second")
+            assert all(agent.endswith(f"/{standby}") for agent in later), later
             first = await crs.get_claim(namespace, "first")
             second = await crs.get_claim(namespace, "second")
             assert not {d["uuid"] for a in first["status"]["allocations"] for d in a["devices"]} & {

@@ -107,8 +107,18 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
         async with controller_in_process(api, namespace, run) as ctl:
             await crs.create_claim(namespace, claim_body("job", 2, run=run))
             before = await wait_phase(api, namespace, "job", constants.PHASE_ALLOCATED, within=30)
-            assert sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0
-            assert sample(ctl, "gpualloc_time_to_allocated_seconds_count") == 1.0
+            # The counters go up once the controller has read its status write's answer, which
+            # may be just after this test's own read saw the status.
+            await wait_for(
+                _async(
+                    lambda: (
+                        sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0
+                        and sample(ctl, "gpualloc_time_to_allocated_seconds_count") == 1.0
+                    )
+                ),
+                within=10,
+                what="one allocation counted",
+            )
             await wait_for(
                 _async(lambda: sample(ctl, "gpualloc_devices", {"node": node, "state": "allocated"}) == 2.0),
                 within=10,

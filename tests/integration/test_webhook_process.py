@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import ssl
 import sys
 from pathlib import Path
 
 import aiohttp
 
+from gpualloc.devcluster import cluster
 from tests.integration.tls_support import write_serving_pair
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def status_of(session: aiohttp.ClientSession, url: str) -> int | None:
@@ -33,7 +27,7 @@ async def test_webhook_process_becomes_ready_serves_metrics_and_stops_gracefully
     kubeconfig: str, tmp_path: Path
 ) -> None:
     ca, _, _ = write_serving_pair(tmp_path)
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = cluster.free_ports(2)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -46,7 +40,7 @@ async def test_webhook_process_becomes_ready_serves_metrics_and_stops_gracefully
         f"--metrics-port={metrics_port}",
         "--bind-address=127.0.0.1",
         f"--kubeconfig={kubeconfig}",
-        "--shutdown-delay=1",
+        "--shutdown-delay=3",  # room for the checks below on a loaded machine
         "--log-format=json",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -71,7 +65,7 @@ async def test_webhook_process_becomes_ready_serves_metrics_and_stops_gracefully
             proc.send_signal(signal.SIGTERM)
             # Readiness goes false first, while requests are still served (the drain delay).
             seen = None
-            for _ in range(20):
+            for _ in range(40):
                 seen = await status_of(session, f"{base}/readyz")
                 if seen == 503:
                     break

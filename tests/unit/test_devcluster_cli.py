@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -141,3 +142,13 @@ def test_free_port_is_a_loopback_port_nothing_listens_on() -> None:
 
     assert 1024 <= port <= 65535
     assert cluster._port_is_free(port)
+
+
+def test_free_ports_are_all_different_and_free() -> None:
+    # 200 ports taken one by one, each released before the next, repeat in most runs (the kernel
+    # picks them at random among about 14,000); taken together they cannot.
+    ports = cluster.free_ports(200)
+    assert len(set(ports)) == 200
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -191,13 +191,14 @@ async def test_metrics_count_admissions_by_outcome_and_time_them(aiohttp_client:
 
 
 async def test_graceful_stop_finishes_a_request_in_flight() -> None:
-    release = asyncio.Event()
+    entered, release = asyncio.Event(), asyncio.Event()
 
     class Slow:
         def synced(self) -> bool:
             return True
 
         async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
+            entered.set()
             await release.wait()
             return admission.lookup_from({})
 
@@ -206,7 +207,7 @@ async def test_graceful_stop_finishes_a_request_in_flight() -> None:
     port = runner.addresses[0][1]
     async with aiohttp.ClientSession() as session:
         pending = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/mutate", json=review()))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(entered.wait(), 10)  # the request is in the handler
         stopping = asyncio.create_task(server.stop(app, runner))
         await asyncio.sleep(0.2)
         assert not app[server.STATE].ready()
