@@ -29,6 +29,7 @@ from kubernetes_asyncio.client import ApiClient
 from agent import inventory, publishing
 from gpualloc.api import codecs, constants
 from gpualloc.kube import errors, resources, transport
+from tests import reviews
 from tests.gpu import smi
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -171,18 +172,7 @@ async def test_allocated_gpu_is_the_one_cuda_sees_in_the_claim_pod(
         assert seen == {"cuInit": 0, "uuids": [device["uuid"]]}, container["name"]
 
     # --device-ids index: the host index with CUDA_DEVICE_ORDER=PCI_BUS_ID names the same GPU.
-    review: dict[str, Any] = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "index-mode",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": namespace,
-            "operation": "CREATE",
-            "object": pod("cuda-index", "real", init=False),
-        },
-    }
+    review = reviews.pod_review(pod("cuda-index", "real", init=False), namespace=namespace, uid="index-mode")
     answer = admission.admit(
         review,
         admission.lookup_from({f"{namespace}/real": codecs.parse_claim(claim)}),

@@ -24,6 +24,7 @@ from cryptography import x509
 from certs import building, keys
 from gpualloc.api import constants
 from gpualloc.runtime import serving
+from tests import reviews
 from webhook import cache, server
 
 NOW = datetime.datetime.now(datetime.UTC)
@@ -91,20 +92,14 @@ async def peer_serial(port: int) -> int:
         await writer.wait_closed()
 
 
-REVIEW: dict[str, Any] = {
-    "apiVersion": "admission.k8s.io/v1",
-    "kind": "AdmissionReview",
-    "request": {
-        "uid": "rot",
-        "kind": {"group": "", "version": "v1", "kind": "Pod"},
-        "namespace": "ns",
-        "operation": "CREATE",
-        "object": {
-            "metadata": {"name": "p", "annotations": {constants.ANNOTATION_CLAIM: "missing"}},
-            "spec": {"containers": [{"name": "c"}]},
-        },
+REVIEW = reviews.pod_review(
+    {
+        "metadata": {"name": "p", "annotations": {constants.ANNOTATION_CLAIM: "missing"}},
+        "spec": {"containers": [{"name": "c"}]},
     },
-}
+    namespace="ns",
+    uid="rot",
+)
 
 
 @pytest.fixture

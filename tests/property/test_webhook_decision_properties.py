@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpualloc.api import constants, models
 from gpualloc.api import pods as pod_rules
+from tests import reviews
 from webhook import admission, mutations
 
 NS = "ns"
@@ -100,17 +101,7 @@ def claim(phase: str, replicas: int) -> models.GpuClaim:
 
 
 def review(pod: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "u",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "namespace": NS,
-            "operation": "CREATE",
-            "object": pod,
-        },
-    }
+    return reviews.pod_review(pod, namespace=NS, uid="u")
 
 
 options_st = st.builds(

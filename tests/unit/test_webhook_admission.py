@@ -11,6 +11,7 @@ import jsonpatch
 import pytest
 
 from gpualloc.api import codecs, constants, models
+from tests import reviews
 from webhook import admission, mutations, objects
 
 NS = "team-a"
@@ -78,23 +79,8 @@ def make_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def make_review(
-    pod: Any, *, uid: str = "uid-1", operation: str = "CREATE", kind: str = "Pod", dry_run: bool = False
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": kind},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": NS,
-            "operation": operation,
-            "object": pod,
-            "oldObject": None,
-            "dryRun": dry_run,
-        },
-    }
+def make_review(pod: Any, **fields: Any) -> dict[str, Any]:
+    return reviews.pod_review(pod, namespace=NS, **fields)
 
 
 def lookup(*claims: models.GpuClaim) -> admission.ClaimLookup:

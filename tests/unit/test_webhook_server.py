@@ -13,6 +13,7 @@ from aiohttp import web
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
 from gpualloc.runtime import serving
+from tests import reviews
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
 
@@ -36,17 +37,9 @@ def review(claim: str | None = "train", uid: str = "u-1") -> dict[str, Any]:
     meta: dict[str, Any] = {"name": "p", "namespace": NS}
     if claim is not None:
         meta["annotations"] = {constants.ANNOTATION_CLAIM: claim}
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "namespace": NS,
-            "operation": "CREATE",
-            "object": {"metadata": meta, "spec": {"containers": [{"name": "c"}]}},
-        },
-    }
+    return reviews.pod_review(
+        {"metadata": meta, "spec": {"containers": [{"name": "c"}]}}, namespace=NS, uid=uid
+    )
 
 
 class CountingFetch:
