@@ -192,9 +192,10 @@ class Agent:
             if uuid is None:
                 continue
             labels = meta.get("labels") or {}
+            claim_namespace, claim_name = constants.lease_claim(meta)
             holders[uuid] = agent_metrics.LeaseHolder(
-                claim_namespace=str(labels.get(constants.LABEL_CLAIM_NAMESPACE, "")),
-                claim_name=str(labels.get(constants.LABEL_CLAIM_NAME, "")),
+                claim_namespace=claim_namespace,
+                claim_name=claim_name,
                 claim_uid=str(
                     labels.get(constants.LABEL_CLAIM_UID, (lease.get("spec") or {}).get("holderIdentity", ""))
                 ),

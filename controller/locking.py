@@ -146,7 +146,12 @@ async def _create_or_read(
     for _ in range(3):
         try:
             raw = await leases.create_lease(
-                api, namespace, item.lease, holder=uid, labels=planning.lease_labels(item, claim)
+                api,
+                namespace,
+                item.lease,
+                holder=uid,
+                labels=planning.lease_labels(item, claim),
+                annotations=planning.lease_annotations(claim),
             )
             return planning.lease_info(raw).uid, uid, True
         except errors.AlreadyExists:

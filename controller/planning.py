@@ -77,14 +77,14 @@ class LeaseInfo:
 
 def lease_info(raw: Mapping[str, Any]) -> LeaseInfo:
     metadata = raw.get("metadata") or {}
-    labels = metadata.get("labels") or {}
     spec = raw.get("spec") or {}
+    namespace, name = constants.lease_claim(metadata)
     return LeaseInfo(
         name=str(metadata.get("name", "")),
         uid=str(metadata.get("uid", "")),
         holder=str(spec.get("holderIdentity") or ""),
-        claim_namespace=str(labels.get(constants.LABEL_CLAIM_NAMESPACE, "")),
-        claim_name=str(labels.get(constants.LABEL_CLAIM_NAME, "")),
+        claim_namespace=namespace,
+        claim_name=name,
     )
 
 
@@ -169,12 +169,22 @@ def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
 
 
 def lease_labels(item: LockItem, claim: models.GpuClaim) -> dict[str, str]:
+    """For selecting and for ``kubectl get leases -L``. The node's name is its
+    ``kubernetes.io/hostname`` label, so it fits; a claim's name may not (``label_value``)."""
     return {
         constants.LABEL_NODE: item.node,
         constants.LABEL_CLAIM_NAMESPACE: claim.metadata.namespace,
-        constants.LABEL_CLAIM_NAME: claim.metadata.name,
+        constants.LABEL_CLAIM_NAME: constants.label_value(claim.metadata.name),
         constants.LABEL_CLAIM_UID: claim.metadata.uid,
         constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
+    }
+
+
+def lease_annotations(claim: models.GpuClaim) -> dict[str, str]:
+    """The claim's namespace and whole name, which the sweep GETs (``lease_claim`` reads them)."""
+    return {
+        constants.LABEL_CLAIM_NAMESPACE: claim.metadata.namespace,
+        constants.LABEL_CLAIM_NAME: claim.metadata.name,
     }
 
 

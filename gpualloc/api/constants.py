@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+from collections.abc import Mapping
+from typing import Any
 
 GROUP = "gpu.scheduling"
 VERSION = "v1"
@@ -73,3 +76,35 @@ def lease_name(uuid: str) -> str:
     of the old ``MIG-GPU-…/gi/ci`` form carry slashes, which are folded to ``-``.
     """
     return "gpu-" + _LEASE_UNSAFE.sub("-", uuid.lower())
+
+
+LABEL_VALUE_MAX = 63
+
+
+def label_value(value: str) -> str:
+    """``value`` as a label value: itself when it fits in 63 characters, else a prefix and a hash.
+
+    Object names may be 253 characters (a GpuClaim's is a DNS subdomain) but
+    label values only 63: a longer one is cut to 52 characters and given ``-``
+    and 10 hex digits of its SHA-256, so it stays distinct and selectable. The
+    whole name goes in an annotation of the same key (``controller.planning.lease_annotations``).
+    """
+    if len(value) <= LABEL_VALUE_MAX:
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:10]
+    return f"{value[: LABEL_VALUE_MAX - 11]}-{digest}"
+
+
+def lease_claim(metadata: Mapping[str, Any]) -> tuple[str, str]:
+    """``(namespace, name)`` of the claim a device Lease's metadata names, ``""`` where it names none.
+
+    From the annotations, which hold the whole name; else from the labels (Leases
+    made before the annotations existed, whose names fit in a label).
+    """
+    annotations = metadata.get("annotations") or {}
+    labels = metadata.get("labels") or {}
+
+    def read(key: str) -> str:
+        return str(annotations.get(key) or labels.get(key) or "")
+
+    return read(LABEL_CLAIM_NAMESPACE), read(LABEL_CLAIM_NAME)

@@ -41,6 +41,7 @@ def lease_body(
     *,
     holder: str,
     labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
     duration_seconds: int | None,
     now: datetime.datetime,
 ) -> Obj:
@@ -48,12 +49,10 @@ def lease_body(
     spec: Obj = {"holderIdentity": holder, "acquireTime": micro_time(now), "renewTime": micro_time(now)}
     if duration_seconds is not None:
         spec["leaseDurationSeconds"] = duration_seconds
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Lease",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
-        "spec": spec,
-    }
+    metadata: Obj = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {"apiVersion": API_VERSION, "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
 async def create_lease(
@@ -63,6 +62,7 @@ async def create_lease(
     *,
     holder: str,
     labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
     duration_seconds: int | None = None,
 ) -> Obj:
     """Create the Lease held by ``holder``; ``errors.AlreadyExists`` when the name is taken."""
@@ -71,6 +71,7 @@ async def create_lease(
         name,
         holder=holder,
         labels=labels,
+        annotations=annotations,
         duration_seconds=duration_seconds,
         now=datetime.datetime.now(datetime.UTC),
     )

@@ -92,6 +92,39 @@ async def test_claim_is_allocated_with_leases_held_by_its_uid_and_deleting_it_re
         await wait_for(released, within=30, what="claim gone and its leases released")
 
 
+async def test_a_claim_name_past_the_63_character_label_limit_is_allocated_and_kept_whole_in_annotations(
+    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+) -> None:
+    # A claim's name may be 253 characters, a label value only 63. (A node's name is its
+    # kubernetes.io/hostname label, so it is a valid label value already.)
+    await gpu_nodes("a")
+    name = "c" * 200
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run_id)):
+        created = await crs.create_claim(namespace, claim_body(name, 2, run=run_id))
+        got = await wait_phase(api, namespace, name, "Allocated")
+        leases = await device_leases(api, namespace)
+        assert sorted(lease["metadata"]["name"] for lease in leases) == sorted(
+            constants.lease_name(u) for u in status_uuids(got)
+        )
+        for lease in leases:
+            meta = lease["metadata"]
+            assert meta["annotations"] == {
+                constants.LABEL_CLAIM_NAMESPACE: namespace,
+                constants.LABEL_CLAIM_NAME: name,
+            }
+            label = meta["labels"][constants.LABEL_CLAIM_NAME]
+            assert len(label) <= 63 and label.startswith("c" * 40) and label != name
+            assert meta["labels"][constants.LABEL_CLAIM_UID] == created["metadata"]["uid"]
+
+        await crs.delete_claim(namespace, name)
+
+        async def released() -> bool:
+            return await get_claim(api, namespace, name) is None and not await device_leases(api, namespace)
+
+        await wait_for(released, within=30, what="claim gone and its leases released")
+
+
 async def test_two_namespaces_wanting_the_whole_node_get_it_exactly_once(
     api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:

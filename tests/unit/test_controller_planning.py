@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from collections.abc import Callable
 
 import jsonpatch
@@ -170,6 +171,44 @@ def test_lease_labels_name_node_claim_and_manager() -> None:
         constants.LABEL_CLAIM_UID: "uid-c",
         constants.LABEL_MANAGED_BY: "gpualloc",
     }
+
+
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 200, 253])
+def test_label_value_keeps_names_that_fit_and_shortens_longer_ones_to_a_distinct_valid_value(
+    length: int,
+) -> None:
+    name = ("a." * length)[: length - 1] + "z"  # a DNS subdomain; "." lands before the cut
+    value = constants.label_value(name)
+    assert len(value) <= 63 and _LABEL_VALUE.fullmatch(value)
+    if length <= 63:
+        assert value == name
+    else:
+        assert value.startswith(name[:52]) and value != name
+        assert constants.label_value(name[:-1] + "y") != value
+
+
+def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_the_label() -> None:
+    item = planning.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    long = claim("c" * 253)
+    labels = planning.lease_labels(item, long)
+    annotations = planning.lease_annotations(long)
+    assert labels[constants.LABEL_CLAIM_NAME] == constants.label_value("c" * 253)
+    assert annotations == {constants.LABEL_CLAIM_NAMESPACE: "ns", constants.LABEL_CLAIM_NAME: "c" * 253}
+    lease = {"metadata": {"name": item.lease, "labels": labels, "annotations": annotations}}
+    assert (planning.lease_info(lease).claim_namespace, planning.lease_info(lease).claim_name) == (
+        "ns",
+        "c" * 253,
+    )
+
+
+def test_a_lease_made_before_the_annotations_is_read_from_its_labels() -> None:
+    item = planning.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    lease = {"metadata": {"name": item.lease, "labels": planning.lease_labels(item, claim())}}
+    info = planning.lease_info(lease)
+    assert (info.claim_namespace, info.claim_name) == ("ns", "c")
 
 
 # ------------------------------------------------------------------ status
