@@ -46,6 +46,20 @@ KUBERNETES_LDFLAGS = " ".join(
     ]
 )
 
+# As helm's own release build: without the k8sVersion flags, ``helm template`` (no cluster to
+# ask) assumes Kubernetes v1.20 and refuses the chart's ``kubeVersion: >=1.30.0-0``.
+HELM_LDFLAGS = " ".join(
+    [
+        "-s -w",
+        f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+        *(
+            f"-X helm.sh/helm/v3/pkg/{package}.k8sVersion{part}={value}"
+            for package in ("chartutil", "lint/rules")
+            for part, value in (("Major", _MAJOR), ("Minor", _MINOR))
+        ),
+    ]
+)
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Module:
@@ -82,7 +96,7 @@ MODULES: tuple[Module, ...] = (
         version=HELM_VERSION,
         directory="tools/helm",
         packages=(("helm", "helm.sh/helm/v3/cmd/helm"),),
-        ldflags=f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+        ldflags=HELM_LDFLAGS,
     ),
 )
 

@@ -26,7 +26,7 @@ from gpualloc.devcluster import binaries
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 RELEASE = "ga"
 NAMESPACE = "gpu-system"
-KUBE_VERSION = "1.36.0"  # helm's built-in default is older than the chart's kubeVersion
+KUBE_VERSION = "1.36.0"  # the API server the e2e tests run
 FULLNAME = f"{RELEASE}-gpualloc"
 CLAIM_CONDITION = "has(object.metadata.annotations) && 'gpu.scheduling/claim' in object.metadata.annotations"
 
@@ -154,6 +154,14 @@ def test_chart_refuses_a_kubernetes_older_than_1_30() -> None:
     result = _run("template", RELEASE, str(CHART), "--kube-version", "1.29.5")
     assert result.returncode != 0
     assert "kubeVersion" in result.stderr
+
+
+def test_the_built_helm_renders_the_chart_offline_without_being_told_a_kubernetes_version() -> None:
+    # The dev build sets helm's default Kubernetes version to the control plane's (1.36), as
+    # helm's release builds do; left at helm's source default (1.20) it would refuse the chart.
+    result = _run("template", RELEASE, str(CHART))
+    assert result.returncode == 0, result.stderr
+    assert any(doc and doc["kind"] == "Deployment" for doc in yaml.safe_load_all(result.stdout))
 
 
 def test_chart_metadata_and_the_crds_ship_in_crds_dir() -> None:
