@@ -386,6 +386,28 @@ def allocation_problems(
     return problems
 
 
+# Far below the schema's 32768 for a condition message, and still readable in kubectl describe.
+DEVICES_LOST_MESSAGE_LIMIT = 4096
+
+
+def join_capped(details: Sequence[str], limit: int = DEVICES_LOST_MESSAGE_LIMIT) -> str:
+    """``"; ".join(details)`` with as many whole details as fit in ``limit`` characters, then
+    ``"... and N more"``: a gang losing hundreds of devices at once must not make the
+    status write fail schema validation. Deterministic, so an unchanged list compares equal."""
+    joined = "; ".join(details)
+    if len(joined) <= limit:
+        return joined
+    kept: list[str] = []
+    used = 0
+    for detail in details:
+        tail = len(f"; ... and {len(details) - len(kept)} more")
+        if used + len(detail) + 2 + tail > limit:
+            break
+        kept.append(detail)
+        used += len(detail) + 2
+    return "; ".join([*kept, f"... and {len(details) - len(kept)} more"])
+
+
 def devices_lost_condition(
     claim: models.GpuClaim,
     problems: Sequence[Problem],
@@ -406,7 +428,7 @@ def devices_lost_condition(
     if details:
         missing = lost_leases or any(p.reason == REASON_DEVICES_MISSING for p in problems)
         reason = REASON_DEVICES_MISSING if missing else REASON_DEVICE_UNHEALTHY
-        message = "; ".join(details)
+        message = join_capped(details)
         if current and current.status == "True" and current.reason == reason and current.message == message:
             return None
         return _condition(claim, constants.CONDITION_DEVICES_LOST, "True", reason, message, now=now)

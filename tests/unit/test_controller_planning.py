@@ -6,9 +6,11 @@ import dataclasses
 import datetime
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import jsonpatch
 import pytest
+import yaml
 
 from controller import allocator, locking, planning
 from gpualloc.api import codecs, constants, models, timestamps
@@ -325,6 +327,36 @@ def test_devices_lost_condition_turns_true_then_false_and_is_none_when_nothing_c
     assert lost is not None and lost.reason == "DevicesMissing"
     healed = planning.devices_lost_condition(c2, [], now=NOW)
     assert healed is not None and healed.status == "False" and healed.reason == "DevicesHealthy"
+
+
+def _crd_condition_message_limit() -> int:
+    crd = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "helm/gpualloc/crds/gpuclaims.yaml").read_text()
+    )
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    return int(status["properties"]["conditions"]["items"]["properties"]["message"]["maxLength"])
+
+
+def test_devices_lost_message_stays_under_the_schema_limit_when_a_whole_64_by_64_gang_is_lost() -> None:
+    node = "ip-10-120-33-201.eu-west-1.compute.internal"
+    allocations = tuple(alloc(r, f"{node}-{r}", r, tuple(range(64))) for r in range(64))
+    c = claim(replicas=64, status_=models.GpuClaimStatus(phase="Allocated", allocations=allocations))
+    problems = planning.allocation_problems(allocations, statuses={}, nodes={})
+    assert len(problems) == 64 * 64
+    cond = planning.devices_lost_condition(c, problems, now=NOW)
+    assert cond is not None and cond.reason == "DevicesMissing"
+    assert len(cond.message) <= planning.DEVICES_LOST_MESSAGE_LIMIT < _crd_condition_message_limit()
+    kept = cond.message.count(" on ")
+    assert 0 < kept < 64 * 64 and cond.message.endswith(f"; ... and {64 * 64 - kept} more")
+    # The same problems give the same message, so nothing is rewritten while they last.
+    again = dataclasses.replace(c, status=dataclasses.replace(c.status, conditions=(cond,)))
+    assert planning.devices_lost_condition(again, problems, now=NOW) is None
+
+
+def test_join_capped_keeps_whole_details_and_counts_the_rest() -> None:
+    assert planning.join_capped(["a", "b"], limit=100) == "a; b"
+    assert planning.join_capped(["x" * 10] * 10, limit=50) == "; ".join(["x" * 10] * 2 + ["... and 8 more"])
+    assert len(planning.join_capped(["x" * 10] * 10, limit=50)) <= 50
 
 
 # ------------------------------------------------------------------ retries
