@@ -363,6 +363,13 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options
             f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
             f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
         )
+    excluded = pods.affinity_excludes(pod.spec.affinity if pod.spec is not None else None, node)
+    if excluded is not None:
+        return _denied(
+            uid,
+            f"pod {mutations.display_name(pod)} is kept off node {node!r} by its {excluded}, but "
+            f"{claim_words} (replica {replica}) holds GPUs on that node; remove the pin or use another claim",
+        )
 
     uuids = ",".join(d.uuid for d in allocation.devices)
     if options.device_ids == "index":

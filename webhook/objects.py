@@ -84,6 +84,7 @@ class ObjectMeta(_Struct):
 class PodSpec(_Struct):
     node_name: str | None = None
     node_selector: dict[str, str] | None = None
+    affinity: Any = None  # read by ``pods.affinity_excludes``, which takes any JSON
     scheduling_gates: list[SchedulingGate] | None = None
     resources: Resources | None = None  # pod-level resources
     init_containers: list[Container] | None = None

@@ -1,7 +1,7 @@
-"""What a claim pod says about itself: which gang replica it is. Pure.
+"""What a claim pod says about itself: which gang replica it is, and which nodes it may run on. Pure.
 
 The webhook (choosing the devices to inject) and the controller (ungating pods
-in gate mode) must read the replica index the same way, so the rule lives here.
+in gate mode) must read these the same way, so the rules live here.
 """
 
 from __future__ import annotations
@@ -56,4 +56,74 @@ def replica_of(metadata: Mapping[str, Any]) -> Replica | None:
             shown = raw if isinstance(raw, str) else repr(raw)
             raise ReplicaError(f"{words} must be a non-negative integer, got {shown[:40]!r}")
         return Replica(index=int(raw), source=words)
+    return None
+
+
+# ------------------------------------------------------------------ node affinity
+
+_NAME_KEYS = {
+    ("matchFields", "metadata.name"): "metadata.name",
+    ("matchExpressions", constants.HOSTNAME_LABEL): constants.HOSTNAME_LABEL,
+}
+
+
+def _refuses(requirement: Mapping[str, Any], node: str) -> bool:
+    """Whether a requirement on the node's name (or hostname label, the same) rules ``node`` out."""
+    operator = requirement.get("operator")
+    values = requirement.get("values")
+    if operator in ("In", "NotIn") and not isinstance(values, list):
+        return False  # malformed: the API server's validation refuses the pod anyway
+    names = [v for v in values if isinstance(v, str)] if isinstance(values, list) else []
+    if operator == "In":
+        return node not in names
+    if operator == "NotIn":
+        return node in names
+    return operator == "DoesNotExist"  # every node has a name and a hostname label
+
+
+def affinity_excludes(affinity: Any, node: str) -> str | None:
+    """The required node affinity that keeps a pod off ``node``, in words; None when it may run there.
+
+    Judges only requirements on a node's name: ``matchFields metadata.name`` (as a
+    DaemonSet's pods carry) and ``matchExpressions kubernetes.io/hostname`` (which
+    gpualloc takes to be the node's name, as the kubelet sets it). Any other
+    requirement might match, so it never rules a node out here. The terms are
+    ORed: the pod is kept off ``node`` only when every term rules it out. The
+    object may be malformed (mutating webhooks run before validation): a part of
+    the wrong type is ignored.
+    """
+    if not isinstance(affinity, Mapping):
+        return None
+    node_affinity = affinity.get("nodeAffinity")
+    required = (
+        node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+        if isinstance(node_affinity, Mapping)
+        else None
+    )
+    terms = required.get("nodeSelectorTerms") if isinstance(required, Mapping) else None
+    if not isinstance(terms, list) or not terms:
+        return None
+    refusals: list[str] = []
+    for term in terms:
+        refusal = _term_refusal(term, node) if isinstance(term, Mapping) else None
+        if refusal is None:
+            return None
+        refusals.append(refusal)
+    return "required node affinity (" + " or ".join(refusals)[:300] + ")"
+
+
+def _term_refusal(term: Mapping[str, Any], node: str) -> str | None:
+    for (part, key), words in _NAME_KEYS.items():
+        requirements = term.get(part)
+        for requirement in requirements if isinstance(requirements, list) else ():
+            if (
+                isinstance(requirement, Mapping)
+                and requirement.get("key") == key
+                and _refuses(requirement, node)
+            ):
+                values = requirement.get("values")
+                shown = (
+                    f" [{','.join(str(v) for v in values)}]" if isinstance(values, list) and values else ""
+                )
+                return f"{words} {requirement.get('operator')}{shown}"
     return None

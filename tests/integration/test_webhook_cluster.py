@@ -306,3 +306,21 @@ async def test_pod_pinned_to_another_node_is_denied(
     body["spec"]["nodeSelector"] = {constants.HOSTNAME_LABEL: "elsewhere"}
     refused = await denial(api, namespace, body)
     assert "elsewhere" in refused.message and "gpu-node-7" in refused.message
+
+
+async def test_pod_kept_off_the_claims_node_by_required_node_affinity_is_denied(
+    api: ApiClient, namespace: str, webhook: RunningWebhook
+) -> None:
+    await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
+    body = pod("daemon-like", "train", init=False)
+    requirement = {"key": "metadata.name", "operator": "In", "values": ["elsewhere"]}
+    body["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [requirement]}]
+            }
+        }
+    }
+    refused = await denial(api, namespace, body)
+    assert "required node affinity (metadata.name In [elsewhere])" in refused.message
+    assert "gpu-node-7" in refused.message
