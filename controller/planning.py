@@ -11,7 +11,7 @@ Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
 * ``allocation_problems`` / ``devices_lost_condition``: what became of the
   devices of an Allocated claim.
 * ``record_failure``: the retry bookkeeping behind ``retryPolicy``.
-* ``resolve_replica`` / ``ungate_patch``: gate mode, for pods held by the
+* ``pod_allocation`` / ``placement_conflict`` / ``ungate_patch``: gate mode, for pods held by the
   ``gpu.scheduling/claim-allocated`` scheduling gate.
 """
 
@@ -498,16 +498,6 @@ def retries_exhausted(state: RetryState, policy: models.RetryPolicy) -> bool:
 # ------------------------------------------------------------------- gate mode
 
 
-def resolve_replica(annotations: Mapping[str, str], labels: Mapping[str, str]) -> int | None:
-    """A pod's gang replica index (``gpualloc.api.pods.replica_of``, the webhook's rule too);
-    None when it names none or names it badly."""
-    try:
-        replica = pods.replica_of({"annotations": annotations, "labels": labels})
-    except pods.ReplicaError:
-        return None
-    return None if replica is None else replica.index
-
-
 def is_gated(pod: Mapping[str, Any]) -> bool:
     gates = (pod.get("spec") or {}).get("schedulingGates") or []
     return any(g.get("name") == constants.SCHEDULING_GATE for g in gates)
@@ -525,7 +515,13 @@ def pod_claim(pod: Mapping[str, Any]) -> str | None:
 def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[models.Allocation | None, str]:
     """The allocation a gated pod gets, or None and the reason it cannot get one."""
     metadata = pod.get("metadata") or {}
-    replica = resolve_replica(metadata.get("annotations") or {}, metadata.get("labels") or {})
+    try:  # the webhook's rule: a malformed index is an error, never replica 0
+        found = pods.replica_of(
+            {"annotations": metadata.get("annotations") or {}, "labels": metadata.get("labels") or {}}
+        )
+    except pods.ReplicaError as exc:
+        return None, str(exc)
+    replica = None if found is None else found.index
     if replica is None:
         if claim.spec.replicas != 1:
             return None, (
@@ -537,6 +533,23 @@ def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[mode
         if alloc.replica == replica:
             return alloc, ""
     return None, f"claim {claim.metadata.name} has no replica {replica}"
+
+
+def placement_conflict(
+    pod: Mapping[str, Any], claim: models.GpuClaim, allocation: models.Allocation
+) -> str | None:
+    """Why a gated pod cannot run on its allocation's node (a hostname nodeSelector or a required
+    node affinity that rules the node out), or None. The webhook denies the same pods at admission
+    when the claim is Allocated already."""
+    spec = pod.get("spec") or {}
+    node = allocation.node_name
+    pinned = (spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL)
+    if pinned and pinned != node:
+        return f"pod is pinned to {pinned} but claim {claim.metadata.name} is on {node}"
+    excluded = pods.affinity_excludes(spec.get("affinity"), node)
+    if excluded is not None:
+        return f"pod is kept off {node}, where claim {claim.metadata.name} is, by its {excluded}"
+    return None
 
 
 def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[Obj]:

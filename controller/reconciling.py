@@ -82,6 +82,9 @@ Obj = dict[str, Any]
 COMPONENT = "gpualloc-controller"
 LOCK_ATTEMPTS = 3  # plans tried per reconcile when another controller wins a device
 EVENT_INTERVAL = 60.0  # AllocationFailed at most this often per claim, unless the reason changes
+# The Warning on a gated pod the controller cannot release (no replica, a conflicting pin, a Failed
+# or deleted claim); at most once per EVENT_INTERVAL per pod for the same message.
+EVENT_STILL_GATED = "StillGated"
 LEASE_GRACE = 10.0  # a recorded Lease missing from the cache this soon after allocation is cache lag
 EXPECTATION_TIMEOUT = 10.0  # wait this long for our own write to reach the cache
 ERROR_BACKOFF_BASE = 0.5
@@ -499,6 +502,11 @@ class Controller:
             held = self.held_by(claim.metadata.uid)
             if held:  # a Failed status is final: nothing it holds can be recorded any more
                 await self._release(held, claim.metadata.uid)
+            self._warn_gated(
+                claim,
+                f"claim {claim.metadata.name} is Failed ({claim.status.message or 'no message'}); "
+                "the pod stays gated: delete it, or delete and re-create the claim",
+            )
             return
         await self._allocate(claim, raw)
 
@@ -526,6 +534,7 @@ class Controller:
         )
 
     async def _finalize(self, claim: models.GpuClaim, raw: Obj) -> None:
+        self._warn_gated(claim, f"claim {claim.metadata.name} is being deleted; the pod stays gated")
         uid = claim.metadata.uid
         held = self.held_by(uid)
         released = await self._release(held, uid)
@@ -742,13 +751,9 @@ class Controller:
             if allocation is None:
                 self._pod_warning(pod_key, pod, why)
                 continue
-            pinned = ((pod.get("spec") or {}).get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL)
-            if pinned and pinned != allocation.node_name:
-                self._pod_warning(
-                    pod_key,
-                    pod,
-                    f"pod is pinned to {pinned} but claim {claim.metadata.name} is on {allocation.node_name}",
-                )
+            conflict = planning.placement_conflict(pod, claim, allocation)
+            if conflict is not None:
+                self._pod_warning(pod_key, pod, conflict)
                 continue
             meta = _meta(pod)
             path = transport.collection_path(
@@ -779,6 +784,13 @@ class Controller:
                 },
             )
 
+    def _warn_gated(self, claim: models.GpuClaim, message: str) -> None:
+        """A Warning event on each pod still gated for a claim that will not release it."""
+        for pod_key in sorted(self._pods_by_claim.get(claim.key, ())):
+            pod = self.pods.get(pod_key)
+            if pod is not None and planning.is_gated(pod):
+                self._pod_warning(pod_key, pod, message[:1000])
+
     def _pod_warning(self, pod_key: str, pod: Obj, message: str) -> None:
         mono = time.monotonic()
         last = self._pod_event.get(pod_key)
@@ -786,7 +798,7 @@ class Controller:
             return
         self._pod_event[pod_key] = (message, mono)
         log.warning("gated pod cannot be released", extra={"pod": pod_key, "reason": message})
-        self._emit(pod, "ClaimReplicaUnresolved", message, "Warning")
+        self._emit(pod, EVENT_STILL_GATED, message, "Warning")
 
     # ---------------------------------------------------------------- sweep
 

@@ -82,3 +82,55 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
     finally:
         for node in nodes:
             await delete_gpu_node(api, node)
+
+
+async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_warning_saying_why(
+    api: ApiClient, kubeconfig: str, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    node = f"gpu-{run}-a"
+    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    pods_path = f"/api/v1/namespaces/{namespace}/pods"
+    pinned = gated_pod("pinned-elsewhere", "one")
+    requirement = {"key": "metadata.name", "operator": "In", "values": ["some-other-node"]}
+    pinned["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [requirement]}]
+            }
+        }
+    }
+    typo = gated_pod("replica-typo", "one")
+    typo["metadata"]["annotations"][constants.ANNOTATION_REPLICA] = "first"
+    expected = {
+        "pinned-elsewhere": "by its required node affinity (metadata.name In [some-other-node])",
+        "replica-typo": "annotation gpu.scheduling/replica must be a non-negative integer",
+        "for-failed": "claim doomed is Failed",
+    }
+    try:
+        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+            for body in (pinned, typo, gated_pod("for-failed", "doomed")):
+                await transport.request(api, "POST", pods_path, body=body)
+            crs = resources.CustomResources(api)
+            await crs.create_claim(namespace, claim_body("one", 1, run=run))
+            # 9 GPUs never fit on an 8-GPU node: Failed after one retry.
+            await crs.create_claim(namespace, claim_body("doomed", 9, run=run, max_retries=1))
+
+            async def warnings() -> dict[str, str] | None:
+                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+                found = {
+                    e["involvedObject"]["name"]: e["message"]
+                    for e in listing["items"]
+                    if e["reason"] == "StillGated" and e["type"] == "Warning"
+                }
+                return found if set(found) == set(expected) else None
+
+            found = await wait_for(warnings, within=40, what="a StillGated warning on each of the three pods")
+            for name, words in expected.items():
+                assert words in found[name], (name, found[name])
+                stored = await transport.request(api, "GET", f"{pods_path}/{name}")
+                gates = {g["name"] for g in stored["spec"]["schedulingGates"]}
+                assert constants.SCHEDULING_GATE in gates, f"{name} was un-gated"
+                assert constants.ANNOTATION_DEVICES not in (stored["metadata"].get("annotations") or {})
+    finally:
+        await delete_gpu_node(api, node)

@@ -213,6 +213,40 @@ def test_a_lease_made_before_the_annotations_is_read_from_its_labels() -> None:
     assert (info.claim_namespace, info.claim_name) == ("ns", "c")
 
 
+@pytest.mark.parametrize(
+    ("spec", "conflict"),
+    [
+        ({}, None),
+        ({"nodeSelector": {constants.HOSTNAME_LABEL: "n1"}}, None),
+        ({"nodeSelector": {constants.HOSTNAME_LABEL: "n9"}}, "pod is pinned to n9 but claim c is on n1"),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchFields": [
+                                        {"key": "metadata.name", "operator": "In", "values": ["n9"]}
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                }
+            },
+            "pod is kept off n1, where claim c is, by its required node affinity (metadata.name In [n9])",
+        ),
+    ],
+)
+def test_placement_conflict_names_a_selector_or_affinity_that_keeps_a_gated_pod_off_its_node(
+    spec: dict[str, object], conflict: str | None
+) -> None:
+    allocation = alloc(0, "n1", 1, (0,))
+    pod = {"metadata": {"name": "p"}, "spec": spec}
+    assert planning.placement_conflict(pod, claim(), allocation) == conflict
+
+
 # ------------------------------------------------------------------ status
 
 
@@ -408,24 +442,6 @@ def test_overlay_holds_entries_until_observed_or_expired() -> None:
 # ------------------------------------------------------------------ gate mode
 
 
-@pytest.mark.parametrize(
-    ("annotations", "labels", "expected"),
-    [
-        ({}, {}, None),
-        ({constants.ANNOTATION_REPLICA: "2"}, {constants.LABEL_STATEFULSET_POD_INDEX: "5"}, 2),
-        ({}, {constants.LABEL_STATEFULSET_POD_INDEX: "5", constants.LABEL_JOB_COMPLETION_INDEX: "1"}, 5),
-        ({}, {constants.LABEL_JOB_COMPLETION_INDEX: "1"}, 1),
-        ({constants.ANNOTATION_JOB_COMPLETION_INDEX: "3"}, {constants.LABEL_JOB_COMPLETION_INDEX: "1"}, 3),
-        ({constants.ANNOTATION_REPLICA: "x"}, {constants.LABEL_STATEFULSET_POD_INDEX: "5"}, None),
-        ({constants.ANNOTATION_REPLICA: "-1"}, {}, None),
-    ],
-)
-def test_resolve_replica_takes_the_first_source_present(
-    annotations: dict[str, str], labels: dict[str, str], expected: int | None
-) -> None:
-    assert planning.resolve_replica(annotations, labels) == expected
-
-
 def gated_pod(**extra_meta: object) -> dict[str, object]:
     return {
         "metadata": {
@@ -485,6 +501,15 @@ def test_pod_allocation_picks_the_replica_and_explains_when_it_cannot() -> None:
     single = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
     got, _ = planning.pod_allocation(gated_pod(), single)
     assert got is not None and got.replica == 0
+
+
+@pytest.mark.parametrize("value", ["x", "-1", ""])
+def test_a_malformed_replica_index_keeps_the_pod_gated_even_for_a_one_replica_claim(value: str) -> None:
+    # As the webhook denies such a pod: it must not fall back to replica 0 here.
+    single = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
+    pod = gated_pod(annotations={constants.ANNOTATION_CLAIM: "c", constants.ANNOTATION_REPLICA: value})
+    got, why = planning.pod_allocation(pod, single)
+    assert got is None and "annotation gpu.scheduling/replica must be a non-negative integer" in why
 
 
 def test_seed_is_stable_per_claim_uid() -> None:
