@@ -789,7 +789,7 @@ class Controller:
         for pod_key in sorted(self._pods_by_claim.get(claim.key, ())):
             pod = self.pods.get(pod_key)
             if pod is not None and planning.is_gated(pod):
-                self._pod_warning(pod_key, pod, message[:1000])
+                self._pod_warning(pod_key, pod, message)  # events.emit cuts it to 1024
 
     def _pod_warning(self, pod_key: str, pod: Obj, message: str) -> None:
         mono = time.monotonic()

@@ -1,4 +1,5 @@
-"""The ``admission.k8s.io/v1`` AdmissionReview envelope around an object, as the API server sends it."""
+"""The ``admission.k8s.io/v1`` AdmissionReview envelope around an object, as the API server sends it,
+and pod parts the webhook and the controller tests share."""
 
 from __future__ import annotations
 
@@ -28,3 +29,10 @@ def pod_review(
             "dryRun": dry_run,
         },
     }
+
+
+def name_affinity(operator: str, *nodes: str) -> dict[str, Any]:
+    """A required node affinity on ``matchFields metadata.name``: a DaemonSet pod's pin (``In``)."""
+    requirement = {"key": "metadata.name", "operator": operator, "values": list(nodes)}
+    terms = [{"matchFields": [requirement]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}

@@ -61,10 +61,8 @@ def replica_of(metadata: Mapping[str, Any]) -> Replica | None:
 
 # ------------------------------------------------------------------ node affinity
 
-_NAME_KEYS = {
-    ("matchFields", "metadata.name"): "metadata.name",
-    ("matchExpressions", constants.HOSTNAME_LABEL): constants.HOSTNAME_LABEL,
-}
+# (where in a term, which key): the requirements on a node's name.
+_NAME_KEYS = (("matchFields", "metadata.name"), ("matchExpressions", constants.HOSTNAME_LABEL))
 
 
 def _refuses(requirement: Mapping[str, Any], node: str) -> bool:
@@ -113,7 +111,7 @@ def affinity_excludes(affinity: Any, node: str) -> str | None:
 
 
 def _term_refusal(term: Mapping[str, Any], node: str) -> str | None:
-    for (part, key), words in _NAME_KEYS.items():
+    for part, key in _NAME_KEYS:
         requirements = term.get(part)
         for requirement in requirements if isinstance(requirements, list) else ():
             if (
@@ -125,5 +123,5 @@ def _term_refusal(term: Mapping[str, Any], node: str) -> str | None:
                 shown = (
                     f" [{','.join(str(v) for v in values)}]" if isinstance(values, list) and values else ""
                 )
-                return f"{words} {requirement.get('operator')}{shown}"
+                return f"{key} {requirement.get('operator')}{shown}"
     return None

@@ -9,6 +9,7 @@ from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from tests import reviews
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -92,14 +93,7 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
     await create_gpu_node(api, node, labels={RUN_LABEL: run})
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
     pinned = gated_pod("pinned-elsewhere", "one")
-    requirement = {"key": "metadata.name", "operator": "In", "values": ["some-other-node"]}
-    pinned["spec"]["affinity"] = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchFields": [requirement]}]
-            }
-        }
-    }
+    pinned["spec"]["affinity"] = reviews.name_affinity("In", "some-other-node")
     typo = gated_pod("replica-typo", "one")
     typo["metadata"]["annotations"][constants.ANNOTATION_REPLICA] = "first"
     expected = {

@@ -25,6 +25,7 @@ from kubernetes_asyncio.client import ApiClient
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.runtime import serving
+from tests import reviews
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
@@ -313,14 +314,7 @@ async def test_pod_kept_off_the_claims_node_by_required_node_affinity_is_denied(
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
     body = pod("daemon-like", "train", init=False)
-    requirement = {"key": "metadata.name", "operator": "In", "values": ["elsewhere"]}
-    body["spec"]["affinity"] = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchFields": [requirement]}]
-            }
-        }
-    }
+    body["spec"]["affinity"] = reviews.name_affinity("In", "elsewhere")
     refused = await denial(api, namespace, body)
     assert "required node affinity (metadata.name In [elsewhere])" in refused.message
     assert "gpu-node-7" in refused.message

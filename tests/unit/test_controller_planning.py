@@ -14,6 +14,7 @@ import yaml
 
 from controller import allocator, locking, planning
 from gpualloc.api import codecs, constants, models, timestamps
+from tests import reviews
 
 NOW = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 
@@ -220,21 +221,7 @@ def test_a_lease_made_before_the_annotations_is_read_from_its_labels() -> None:
         ({"nodeSelector": {constants.HOSTNAME_LABEL: "n1"}}, None),
         ({"nodeSelector": {constants.HOSTNAME_LABEL: "n9"}}, "pod is pinned to n9 but claim c is on n1"),
         (
-            {
-                "affinity": {
-                    "nodeAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [
-                                {
-                                    "matchFields": [
-                                        {"key": "metadata.name", "operator": "In", "values": ["n9"]}
-                                    ]
-                                }
-                            ]
-                        }
-                    }
-                }
-            },
+            {"affinity": reviews.name_affinity("In", "n9")},
             "pod is kept off n1, where claim c is, by its required node affinity (metadata.name In [n9])",
         ),
     ],

@@ -252,15 +252,8 @@ def test_pod_pinned_to_another_node_is_denied_with_a_message_saying_so(
     assert "other-node" in message and how in message and "gpu-node-1" in message
 
 
-def _node_affinity(operator: str, *nodes: str) -> dict[str, Any]:
-    """A DaemonSet pod's pin: required node affinity on matchFields metadata.name."""
-    requirement = {"key": "metadata.name", "operator": operator, "values": list(nodes)}
-    terms = [{"matchFields": [requirement]}]
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
-
-
 def test_pod_kept_off_the_allocated_node_by_required_node_affinity_is_denied_naming_the_rule() -> None:
-    response = answer(make_pod(spec={"affinity": _node_affinity("In", "other-node")}), make_claim())
+    response = answer(make_pod(spec={"affinity": reviews.name_affinity("In", "other-node")}), make_claim())
     assert response["allowed"] is False
     message = response["status"]["message"]
     assert "required node affinity (metadata.name In [other-node])" in message
@@ -268,7 +261,8 @@ def test_pod_kept_off_the_allocated_node_by_required_node_affinity_is_denied_nam
 
 
 @pytest.mark.parametrize(
-    "affinity", [_node_affinity("In", "gpu-node-1", "other-node"), _node_affinity("NotIn", "other-node")]
+    "affinity",
+    [reviews.name_affinity("In", "gpu-node-1", "other-node"), reviews.name_affinity("NotIn", "other-node")],
 )
 def test_pod_whose_node_affinity_allows_the_allocated_node_is_admitted_and_keeps_it(
     affinity: dict[str, Any],
