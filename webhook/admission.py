@@ -156,7 +156,7 @@ def allow(
         uid=uid,
         allowed=True,
         patch_type="JSONPatch" if patch else None,
-        patch=dump_json(patch) if patch else None,
+        patch=patches.document(patch) if patch else None,
         warnings=warnings or None,
     )
     return objects.Answer(response=response)
@@ -197,13 +197,15 @@ def request_uid(review: objects.AnyReview) -> str:
     return uid
 
 
-def prepare(review: objects.AnyReview) -> PodCreate | Decision:
+def prepare(review: objects.AnyReview, uid: str | None = None) -> PodCreate | Decision:
     """The Pod CREATE with a claim annotation to decide on, or the answer for everything else.
 
-    Raises BadReview when there is no uid to answer. The server calls this
+    Raises BadReview when there is no uid to answer; ``uid`` is the review's
+    ``request_uid`` when the caller has read it already. The server calls this
     once, looks the claim up (``PodCreate.claim_ref``), then ``decide_prepared``.
     """
-    uid = request_uid(review)
+    if uid is None:
+        uid = request_uid(review)
     if review.api_version != objects.API_VERSION or review.kind != objects.KIND:
         got = f"apiVersion {review.api_version!r} kind {review.kind!r}"
         expected = f"expected apiVersion {objects.API_VERSION} kind {objects.KIND}"
@@ -221,14 +223,15 @@ def prepare(review: objects.AnyReview) -> PodCreate | Decision:
     if operation != "CREATE":
         return Decision(answer=allow(uid), outcome=ALLOWED)
     try:
-        pod = objects.pod_of(request)
+        pod = request.object if isinstance(request, objects.Request) else objects.pod_of(request)
     except objects.PodShapeError as exc:
         return _invalid(uid, f"request.object is not a Pod: {exc}"[:400])
     if pod is None:
         return _invalid(uid, "request.object is not a Pod: it is missing or null")
     if pod.kind is not None and pod.kind != "Pod":
         return _invalid(uid, f"request.object is not a Pod: it is a {pod.kind[:60]!r}")
-    claim_name = mutations.pod_annotations(pod).get(constants.ANNOTATION_CLAIM)
+    annotations = pod.metadata.annotations if pod.metadata is not None else None
+    claim_name = annotations.get(constants.ANNOTATION_CLAIM) if annotations else None
     if claim_name is None:
         return Decision(answer=allow(uid), outcome=ALLOWED)
     annotation = f"annotation {constants.ANNOTATION_CLAIM}"
@@ -347,41 +350,63 @@ def _replica(pod: objects.Pod, claim: models.GpuClaim, claim_words: str) -> int 
 
 
 def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
+    # The common case (one replica, no pin, no affinity, no env var of ours set) runs few
+    # functions: each costs about a microsecond in the server (see ``mutations``).
     uid, pod = req.uid, req.pod
-    replica = _replica(pod, claim, claim_words)
-    if isinstance(replica, str):
-        return _denied(uid, replica)
-    allocation = next((a for a in claim.status.allocations if a.replica == replica), None)
+    meta = pod.metadata
+    names_replica = meta is not None and (  # most pods carry no replica index source
+        (meta.annotations is not None and not meta.annotations.keys().isdisjoint(pods.REPLICA_ANNOTATIONS))
+        or (meta.labels is not None and not meta.labels.keys().isdisjoint(pods.REPLICA_LABELS))
+    )
+    if claim.spec.replicas != 1 or names_replica:
+        replica = _replica(pod, claim, claim_words)
+        if isinstance(replica, str):
+            return _denied(uid, replica)
+    else:
+        replica = 0
+    for allocation in claim.status.allocations:
+        if allocation.replica == replica:
+            break
+    else:
+        allocation = None
     if allocation is None or not allocation.devices:
         return _denied(uid, f"{claim_words} is Allocated but holds no devices for replica {replica}")
     node = allocation.node_name
-    pin = mutations.node_pin(pod)
-    if pin is not None and pin[1] != node:
-        how, pinned = pin
-        return _denied(
-            uid,
-            f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
-            f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
-        )
-    excluded = pods.affinity_excludes(pod.spec.affinity if pod.spec is not None else None, node)
-    if excluded is not None:
-        return _denied(
-            uid,
-            f"pod {mutations.display_name(pod)} is kept off node {node!r} by its {excluded}, but "
-            f"{claim_words} (replica {replica}) holds GPUs on that node; remove the pin or use another claim",
-        )
+    spec = pod.spec
+    if spec is not None:
+        pin = mutations.node_pin(pod) if spec.node_name or spec.node_selector else None
+        if pin is not None and pin[1] != node:
+            how, pinned = pin
+            return _denied(
+                uid,
+                f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
+                f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
+            )
+        excluded = pods.affinity_excludes(spec.affinity, node) if spec.affinity is not None else None
+        if excluded is not None:
+            return _denied(
+                uid,
+                f"pod {mutations.display_name(pod)} is kept off node {node!r} by its {excluded}, but "
+                f"{claim_words} (replica {replica}) holds GPUs on that node; remove the pin or use another "
+                "claim",
+            )
 
-    uuids = ",".join(d.uuid for d in allocation.devices)
+    devices = allocation.devices
+    uuids = devices[0].uuid
+    for device in devices[1:]:
+        uuids += "," + device.uuid
     if options.device_ids == "index":
+        indices = ",".join([str(d.index) for d in devices])
         entries = [
-            mutations.value_env(
-                mutations.ENV_CUDA_VISIBLE_DEVICES, ",".join(str(d.index) for d in allocation.devices)
-            ),
-            mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),
-            mutations.value_env(mutations.ENV_CUDA_DEVICE_ORDER, "PCI_BUS_ID"),
+            {"name": mutations.ENV_CUDA_VISIBLE_DEVICES, "value": indices},
+            {"name": mutations.ENV_NVIDIA_VISIBLE_DEVICES, "value": "all"},
+            {"name": mutations.ENV_CUDA_DEVICE_ORDER, "value": "PCI_BUS_ID"},
         ]
     else:
-        entries = [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
+        entries = [
+            {"name": mutations.ENV_CUDA_VISIBLE_DEVICES, "value": uuids},
+            {"name": mutations.ENV_NVIDIA_VISIBLE_DEVICES, "value": uuids},
+        ]
 
     ops, replaced = edit_allocated(pod, node=node, entries=entries, uuids=uuids)
     warnings = (
@@ -415,7 +440,8 @@ def edit_allocated(
 ) -> tuple[list[patches.Op], list[str]]:
     """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
     ops: list[patches.Op] = []
-    mutations.remove_scheduling_gate(pod, ops)
+    if pod.spec is not None and pod.spec.scheduling_gates:
+        mutations.remove_scheduling_gate(pod, ops)
     mutations.pin_to_node(pod, node, ops)
     replaced = mutations.set_env_everywhere(pod, entries, ops)
     mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)

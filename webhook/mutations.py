@@ -16,12 +16,23 @@ The two traps of hand-made paths: keys with ``/`` or ``~`` are escaped
 and a missing map or ``env`` list is added whole, never appended to. The
 property tests apply every patch with ``jsonpatch`` and compare the result
 with what a plain dict editor makes of the pod.
+
+Why the common case is written out in few functions: in the server, between
+two admissions the TLS and HTTP code evicts the webhook's code and data from
+the CPU caches, and each distinct Python function an admission runs then
+costs about a microsecond before it does anything (BENCHMARKS.md, "cold").
+So ``set_env_everywhere`` handles the usual container (no env var of ours
+set) in its own loop and calls the general ``set_env`` only for a container
+whose user already set one, and the keys the webhook writes are escaped once,
+at import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from gpualloc.api import constants
 from webhook import objects, patches
@@ -35,6 +46,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
 _EMPTY: Mapping[str, str] = {}
+
+# Env entries by name, each with its JSON text (encoded once per admission).
+Wanted = dict[str, tuple[dict[str, Any], str]]
 
 
 # ------------------------------------------------------------------ reading
@@ -100,9 +114,16 @@ def device_plugin_requests(pod: objects.Pod) -> list[str]:
     spec = pod.spec
     if spec is None:
         return []
-    found = ["<pod>"] if _requests_gpu(spec.resources) else []
-    every = (*(spec.init_containers or ()), *(spec.containers or ()))
-    found += [c.name or "<unnamed>" for c in every if _requests_gpu(c.resources)]
+    found = ["<pod>"] if spec.resources is not None and _requests_gpu(spec.resources) else []
+    for items in (spec.init_containers, spec.containers):
+        for c in items or ():
+            r = c.resources  # the quantity is parsed only when the resource is named at all
+            if r is None or (
+                (r.limits is None or r.limits.gpu is None) and (r.requests is None or r.requests.gpu is None)
+            ):
+                continue
+            if _requests_gpu(r):
+                found.append(c.name or "<unnamed>")
     return found
 
 
@@ -135,63 +156,97 @@ def annotation_env(name: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": DEVICES_FIELD_PATH}}}
 
 
-def _defines(item: objects.EnvVar, entry: Mapping[str, Any]) -> bool:
-    """Whether the user's entry already says what ``entry`` says."""
-    return item.value == entry.get("value") and item.value_from == entry.get("valueFrom")
-
-
 # ------------------------------------------------------------------ editing
 
 
-def set_env(
-    path: str,
-    env: Sequence[objects.EnvVar] | None,
-    entries: list[dict[str, Any]],
-    ops: list[patches.Op],
-    wanted: Mapping[str, dict[str, Any]],
-) -> list[str]:
-    """Operations making ``entries`` the definitions of their names in the env list at ``path``.
+def _defines(item: objects.EnvVar, entry: Mapping[str, Any]) -> bool:
+    """Whether the user's entry already says what ``entry`` says."""
+    if item.value != entry.get("value"):
+        return False
+    source = entry.get("valueFrom")
+    if source is None:
+        return bytes(item.value_from) == b"null"
+    return bool(msgspec.json.decode(item.value_from) == source)
+
+
+def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wanted: Wanted) -> list[str]:
+    """Operations making the entries in ``wanted`` the definitions of their names in the env list at ``path``.
 
     A user's entry of the same name (``value`` or ``valueFrom``) is replaced in
     place, so later entries referring to it with ``$(NAME)`` still see it;
-    later duplicates are removed; names not present are appended; a missing
-    ``env`` is added whole. Returns the names whose user-set definition differed.
-    ``wanted`` is ``entries`` by name (the caller builds it once for every container).
+    later duplicates are removed; names not present are appended. Returns the
+    names whose user-set definition differed. ``wanted`` maps each name to its
+    entry and the entry's JSON text; ``path`` is made of fixed keys and
+    indices, written into the operations as it is.
     """
-    if env is None:
-        ops.append(patches.add(path + "/env", entries))
-        return []
     placed: set[str] = set()
     replaced: list[str] = []
     duplicates: list[int] = []
-    for i in [i for i, item in enumerate(env) if item.name in wanted]:  # usually none
-        item = env[i]
-        if item.name in placed:
+    for i, item in enumerate(env):
+        name = item.name
+        if name not in wanted:
+            continue
+        if name in placed:
             duplicates.append(i)
             continue
-        placed.add(item.name)
-        entry = wanted[item.name]
+        placed.add(name)
+        entry, text = wanted[name]
         if not _defines(item, entry):
-            replaced.append(item.name)
-            ops.append(patches.replace(f"{path}/env/{i}", entry))
+            replaced.append(name)
+            ops.append(f'{{"op":"replace","path":"{path}/env/{i}","value":{text}}}')
     # Replacements first (indices as they came), removals from the end, then appends.
     for i in reversed(duplicates):
-        ops.append(patches.remove(f"{path}/env/{i}"))
-    for entry in entries:
-        if entry["name"] not in placed:
-            ops.append(patches.add(path + "/env/-", entry))
+        ops.append(f'{{"op":"remove","path":"{path}/env/{i}"}}')
+    for name, (_, text) in wanted.items():
+        if name not in placed:
+            ops.append(f'{{"op":"add","path":"{path}/env/-","value":{text}}}')
     return replaced
 
 
 def set_env_everywhere(pod: objects.Pod, entries: list[dict[str, Any]], ops: list[patches.Op]) -> list[str]:
-    """``set_env`` on every container and init container; returns ``container/NAME`` for each replacement."""
-    wanted = {e["name"]: e for e in entries}
+    """``set_env`` on every container and init container; returns ``container/NAME`` for each replacement.
+
+    A container whose env has none of the names is handled here, with the
+    entries encoded once for all containers (the paths are fixed keys and
+    indices: nothing in them needs escaping); ``set_env`` takes the rest.
+    """
+    spec = pod.spec
+    if spec is None:
+        return []
+    wanted: Wanted = {}
+    texts: list[str] = []
+    for entry in entries:
+        text = patches.text(entry)
+        wanted[entry["name"]] = (entry, text)
+        texts.append(text)
     replaced: list[str] = []
-    for path, container in containers(pod):
-        names = set_env(path, container.env, entries, ops, wanted)
-        if names:
-            replaced += [f"{container.name or '<unnamed>'}/{name}" for name in names]
+    for key, items in (("initContainers", spec.init_containers), ("containers", spec.containers)):
+        for i, container in enumerate(items or ()):
+            env = container.env
+            if env is None:
+                ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env","value":[{",".join(texts)}]}}')
+                continue
+            for item in env:
+                if item.name in wanted:  # the user set one of ours: replace it in place
+                    names = set_env(f"/spec/{key}/{i}", env, ops, wanted)
+                    replaced += [f"{container.name or '<unnamed>'}/{name}" for name in names]
+                    break
+            else:
+                for value in texts:
+                    ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env/-","value":{value}}}')
     return replaced
+
+
+# JSON Pointer tokens of the keys the webhook writes, escaped once.
+_TOKENS = {
+    key: patches.escape(key)
+    for key in (
+        constants.HOSTNAME_LABEL,
+        constants.ANNOTATION_DEVICES,
+        constants.ANNOTATION_CLAIM,
+        constants.LABEL_GATED,
+    )
+}
 
 
 def _put(
@@ -204,14 +259,14 @@ def _put(
     value: str,
 ) -> None:
     """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing."""
-    if mapping is not None and mapping.get(key) == value:
-        return
-    if not parent_present:
-        ops.append(patches.add(parent, {member: {key: value}}))
-    elif mapping is None:
-        ops.append(patches.add(f"{parent}/{member}", {key: value}))
-    else:
-        ops.append(patches.add(f"{parent}/{member}/{patches.escape(key)}", value))  # add replaces a member
+    if mapping is None:
+        if parent_present:
+            ops.append(patches.add(f"{parent}/{member}", {key: value}))
+        else:
+            ops.append(patches.add(parent, {member: {key: value}}))
+    elif mapping.get(key) != value:
+        token = _TOKENS.get(key) or patches.escape(key)
+        ops.append(patches.add(f"{parent}/{member}/{token}", value))  # add replaces a member
 
 
 def set_annotation(pod: objects.Pod, key: str, value: str, ops: list[patches.Op]) -> None:

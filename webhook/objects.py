@@ -49,7 +49,7 @@ class _Struct(msgspec.Struct, rename="camel", gc=False):
 class EnvVar(_Struct):
     name: str = ""
     value: str | None = None
-    value_from: Any = None
+    value_from: msgspec.Raw = msgspec.Raw(b"null")  # kept as JSON text: read only for our own names
 
 
 class GpuAmount(msgspec.Struct, rename={"gpu": "nvidia.com/gpu"}, gc=False):

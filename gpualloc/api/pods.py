@@ -25,6 +25,10 @@ REPLICA_SOURCES: tuple[tuple[str, str, str], ...] = (
     ("labels", constants.LABEL_JOB_COMPLETION_INDEX, f"label {constants.LABEL_JOB_COMPLETION_INDEX}"),
 )
 
+# The keys of those sources, by part: a pod carrying none of them names no replica.
+REPLICA_ANNOTATIONS = frozenset(key for part, key, _ in REPLICA_SOURCES if part == "annotations")
+REPLICA_LABELS = frozenset(key for part, key, _ in REPLICA_SOURCES if part == "labels")
+
 _INDEX = re.compile(r"[0-9]{1,9}")
 
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpualloc.api import constants
-from webhook import admission, mutations, objects
+from webhook import admission, mutations, objects, patches
 
 GATE = constants.SCHEDULING_GATE
 ENTRIES = [
@@ -141,18 +141,18 @@ def test_patch_applied_by_jsonpatch_equals_editing_the_pod(pod: dict[str, Any], 
         ops, _ = admission.edit_allocated(typed(pod), node="n1", entries=ENTRIES, uuids="GPU-1")
     want = copy.deepcopy(pod)
     (edit_gated if gated else edit_allocated)(want)
-    assert jsonpatch.apply_patch(pod, ops) == want, ops
+    assert jsonpatch.apply_patch(pod, patches.loads(ops)) == want, ops
 
 
 @settings(max_examples=200, deadline=None)
 @given(pod=pods, gated=st.booleans())
 def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> None:
-    def ops_for(p: dict[str, Any]) -> list[dict[str, Any]]:
+    def ops_for(p: dict[str, Any]) -> list[patches.Op]:
         if gated:
             return admission.edit_gated(typed(p))
         return admission.edit_allocated(typed(p), node="n1", entries=ENTRIES, uuids="GPU-1")[0]
 
-    once = jsonpatch.apply_patch(pod, ops_for(pod))
+    once = jsonpatch.apply_patch(pod, patches.loads(ops_for(pod)))
     assert ops_for(once) == []
 
 
