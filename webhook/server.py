@@ -35,6 +35,7 @@ from typing import Protocol
 from aiohttp import web
 from cryptography import x509
 
+from gpualloc.api import models
 from gpualloc.runtime import serving
 from webhook import admission
 from webhook import metrics as metrics_
@@ -50,6 +51,10 @@ class ClaimSource(Protocol):
     """What the app needs from the claim cache (``cache.ClaimCache``)."""
 
     def synced(self) -> bool: ...
+
+    def contains(self, namespace: str, name: str) -> bool: ...
+
+    def get(self, namespace: str, name: str, /) -> models.GpuClaim | None: ...
 
     async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup: ...
 
@@ -73,12 +78,8 @@ STATE: web.AppKey[State] = web.AppKey("state", State)
 # ------------------------------------------------------------------ handlers
 
 
-_JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}  # as ``text=`` would have set it
-
-
 def _bad_request(state: State, started: float, message: str) -> web.Response:
-    state.metrics.outcomes[admission.INVALID].inc()
-    state.metrics.latency.observe(time.perf_counter() - started)
+    state.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
     return web.Response(status=400, text=message + "\n")
 
 
@@ -88,7 +89,7 @@ async def mutate(request: web.Request) -> web.Response:
     try:
         body = await request.read()  # raises 413 past client_max_size
     except web.HTTPRequestEntityTooLarge:
-        state.metrics.outcomes[admission.INVALID].inc()
+        state.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
         raise
     try:
         review = admission.read_review(body)
@@ -96,9 +97,13 @@ async def mutate(request: web.Request) -> web.Response:
     except (admission.NotJSON, admission.BadReview) as exc:
         return _bad_request(state, started, str(exc))
     try:
-        prepared = admission.prepare(review)
-        ref = prepared.claim_ref if isinstance(prepared, admission.PodCreate) else None
-        lookup = await state.claims.lookup_for(ref)
+        prepared = admission.prepare(review, uid)
+        claims = state.claims
+        lookup: admission.ClaimLookup = claims.get  # the steady state: the watch cache has the claim
+        if isinstance(prepared, admission.PodCreate) and not claims.contains(
+            prepared.namespace, prepared.claim_name
+        ):
+            lookup = await claims.lookup_for(prepared.claim_ref)  # one GET
         decision = admission.decide_prepared(prepared, lookup, state.options)
         answer, outcome = decision.answer, decision.outcome
     except Exception as exc:  # never a 500: the API server shows the denial to the user
@@ -108,12 +113,11 @@ async def mutate(request: web.Request) -> web.Response:
         )
         outcome = admission.ERROR
     text = admission.dump_json(answer)
-    state.metrics.outcomes[outcome].inc()
-    state.metrics.latency.observe(time.perf_counter() - started)
+    state.metrics.admissions.record(outcome, time.perf_counter() - started)
     status = answer.response.status
     if status is not None and outcome in (admission.DENIED, admission.INVALID):
         log.info("denied", extra={"uid": uid, "outcome": outcome, "reason": status.message})
-    return web.Response(body=text, headers=_JSON_HEADERS)
+    return web.Response(body=text, content_type="application/json", charset="utf-8")
 
 
 def make_app(

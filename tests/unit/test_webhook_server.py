@@ -186,9 +186,15 @@ async def test_metrics_count_admissions_by_outcome_and_time_them(aiohttp_client:
 async def test_graceful_stop_finishes_a_request_in_flight() -> None:
     entered, release = asyncio.Event(), asyncio.Event()
 
-    class Slow:
+    class Slow:  # every claim is a cache miss whose GET takes until ``release``
         def synced(self) -> bool:
             return True
+
+        def contains(self, namespace: str, name: str) -> bool:
+            return False
+
+        def get(self, namespace: str, name: str, /) -> None:
+            return None
 
         async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
             entered.set()
