@@ -350,8 +350,8 @@ def _replica(pod: objects.Pod, claim: models.GpuClaim, claim_words: str) -> int 
 
 
 def _allocated(req: PodCreate, claim: models.GpuClaim, claim_words: str, options: Options) -> Decision:
-    # The common case (one replica, no pin, no affinity, no env var of ours set) runs few
-    # functions: each costs about a microsecond in the server (see ``mutations``).
+    # The common case (one replica, no pin, no affinity) skips the checks that cannot apply: in the
+    # server every object an admission creates costs about 0.3 µs (see ``mutations``).
     uid, pod = req.uid, req.pod
     meta = pod.metadata
     names_replica = meta is not None and (  # most pods carry no replica index source
