@@ -156,6 +156,9 @@ def annotation_env(name: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": DEVICES_FIELD_PATH}}}
 
 
+_GATED_SOURCE = annotation_env("")["valueFrom"]
+
+
 # ------------------------------------------------------------------ editing
 
 
@@ -169,13 +172,20 @@ def _defines(item: objects.EnvVar, entry: Mapping[str, Any]) -> bool:
     return bool(msgspec.json.decode(item.value_from) == source)
 
 
+def _ours(item: objects.EnvVar) -> bool:
+    """Whether the entry is the one gate mode writes (read from the devices annotation): not the user's."""
+    return item.value is None and bool(msgspec.json.decode(item.value_from) == _GATED_SOURCE)
+
+
 def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wanted: Wanted) -> list[str]:
     """Operations making the entries in ``wanted`` the definitions of their names in the env list at ``path``.
 
     A user's entry of the same name (``value`` or ``valueFrom``) is replaced in
     place, so later entries referring to it with ``$(NAME)`` still see it;
     later duplicates are removed; names not present are appended. Returns the
-    names whose user-set definition differed. ``wanted`` maps each name to its
+    names whose user-set definition differed (an entry gate mode wrote is not the
+    user's: a gated pod reinvoked once its claim is Allocated gets its devices
+    without a warning). ``wanted`` maps each name to its
     entry and the entry's JSON text; ``path`` is made of fixed keys and
     indices, written into the operations as it is.
     """
@@ -192,7 +202,8 @@ def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wan
         placed.add(name)
         entry, text = wanted[name]
         if not _defines(item, entry):
-            replaced.append(name)
+            if not _ours(item):
+                replaced.append(name)
             ops.append(f'{{"op":"replace","path":"{path}/env/{i}","value":{text}}}')
     # Replacements first (indices as they came), removals from the end, then appends.
     for i in reversed(duplicates):

@@ -446,6 +446,20 @@ def test_gate_mode_still_checks_the_replica_of_an_existing_gang_claim() -> None:
     assert response["allowed"] is False and "2 replicas" in response["status"]["message"]
 
 
+def test_gated_pod_reinvoked_after_allocation_gets_its_devices_without_a_replaced_warning() -> None:
+    options = admission.Options(pending="gate")
+    pod = make_pod(init=[{"name": "i"}])
+    gated = patched(pod, answer(pod, make_claim(phase="Pending"), options=options))
+    response = answer(gated, make_claim(), options=options)  # reinvoked: the claim is Allocated now
+    assert "warnings" not in response, "the env entries replaced are the webhook's own, not the user's"
+    out = patched(gated, response)
+    assert "schedulingGates" not in out["spec"]
+    assert out["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "gpu-node-1"}
+    assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids()
+    for container in all_containers(out):
+        assert env_of(container)["CUDA_VISIBLE_DEVICES"] == uuids()
+
+
 def test_allocated_claim_removes_our_gate_if_present() -> None:
     pod = make_pod(spec={"schedulingGates": [{"name": "other"}, {"name": constants.SCHEDULING_GATE}]})
     out = patched(pod, answer(pod, make_claim()))
