@@ -23,13 +23,12 @@ caches, and then each object an admission creates costs about 0.3 µs (a dict,
 a string, a list: BENCHMARKS.md). So ``set_env_everywhere`` encodes the env
 entries once and writes them straight into the operations of every container
 that has none of our names, and calls the general ``set_env`` only for a
-container whose user already set one; the keys the webhook writes are escaped
-once, at import.
+container whose user already set one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -74,19 +73,6 @@ def display_name(pod: objects.Pod) -> str:
     return "<unnamed pod>"
 
 
-def containers(pod: objects.Pod) -> Iterator[tuple[str, objects.Container]]:
-    """``(patch path, container)`` for every container of a Pod CREATE: init containers first.
-
-    Ephemeral containers are only ever added later, through the pods/ephemeralcontainers subresource.
-    """
-    spec = pod.spec
-    if spec is None:
-        return
-    for key, items in (("initContainers", spec.init_containers), ("containers", spec.containers)):
-        for i, container in enumerate(items or ()):
-            yield f"/spec/{key}/{i}", container
-
-
 def _is_zero(quantity: Any) -> bool:
     if isinstance(quantity, bool):
         return False
@@ -103,10 +89,10 @@ def _is_zero(quantity: Any) -> bool:
 def _requests_gpu(resources: objects.Resources | None) -> bool:
     if resources is None:
         return False
-    for amounts in (resources.limits, resources.requests):
-        if amounts is not None and amounts.gpu is not None and not _is_zero(amounts.gpu):
-            return True
-    return False
+    limits, requests = resources.limits, resources.requests
+    return (limits is not None and limits.gpu is not None and not _is_zero(limits.gpu)) or (
+        requests is not None and requests.gpu is not None and not _is_zero(requests.gpu)
+    )
 
 
 def device_plugin_requests(pod: objects.Pod) -> list[str]:
@@ -114,15 +100,10 @@ def device_plugin_requests(pod: objects.Pod) -> list[str]:
     spec = pod.spec
     if spec is None:
         return []
-    found = ["<pod>"] if spec.resources is not None and _requests_gpu(spec.resources) else []
+    found = ["<pod>"] if _requests_gpu(spec.resources) else []
     for items in (spec.init_containers, spec.containers):
         for c in items or ():
-            r = c.resources  # the quantity is parsed only when the resource is named at all
-            if r is None or (
-                (r.limits is None or r.limits.gpu is None) and (r.requests is None or r.requests.gpu is None)
-            ):
-                continue
-            if _requests_gpu(r):
+            if _requests_gpu(c.resources):
                 found.append(c.name or "<unnamed>")
     return found
 
@@ -204,13 +185,13 @@ def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wan
         if not _defines(item, entry):
             if not _ours(item):
                 replaced.append(name)
-            ops.append(f'{{"op":"replace","path":"{path}/env/{i}","value":{text}}}')
+            ops.append(patches.replace_json(f"{path}/env/{i}", text))
     # Replacements first (indices as they came), removals from the end, then appends.
     for i in reversed(duplicates):
-        ops.append(f'{{"op":"remove","path":"{path}/env/{i}"}}')
+        ops.append(patches.remove(f"{path}/env/{i}"))
     for name, (_, text) in wanted.items():
         if name not in placed:
-            ops.append(f'{{"op":"add","path":"{path}/env/-","value":{text}}}')
+            ops.append(patches.add_json(f"{path}/env/-", text))
     return replaced
 
 
@@ -235,7 +216,7 @@ def set_env_everywhere(pod: objects.Pod, entries: list[dict[str, Any]], ops: lis
         for i, container in enumerate(items or ()):
             env = container.env
             if env is None:
-                ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env","value":[{",".join(texts)}]}}')
+                ops.append(patches.add_json(f"/spec/{key}/{i}/env", "[" + ",".join(texts) + "]"))
                 continue
             for item in env:
                 if item.name in wanted:  # the user set one of ours: replace it in place
@@ -243,21 +224,10 @@ def set_env_everywhere(pod: objects.Pod, entries: list[dict[str, Any]], ops: lis
                     replaced += [f"{container.name or '<unnamed>'}/{name}" for name in names]
                     break
             else:
+                path = f"/spec/{key}/{i}/env/-"
                 for value in texts:
-                    ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env/-","value":{value}}}')
+                    ops.append(patches.add_json(path, value))
     return replaced
-
-
-# JSON Pointer tokens of the keys the webhook writes, escaped once.
-_TOKENS = {
-    key: patches.escape(key)
-    for key in (
-        constants.HOSTNAME_LABEL,
-        constants.ANNOTATION_DEVICES,
-        constants.ANNOTATION_CLAIM,
-        constants.LABEL_GATED,
-    )
-}
 
 
 def _put(
@@ -276,8 +246,7 @@ def _put(
         else:
             ops.append(patches.add(parent, {member: {key: value}}))
     elif mapping.get(key) != value:
-        token = _TOKENS.get(key) or patches.escape(key)
-        ops.append(patches.add(f"{parent}/{member}/{token}", value))  # add replaces a member
+        ops.append(patches.add(f"{parent}/{member}/{patches.escape(key)}", value))  # add replaces a member
 
 
 def set_annotation(pod: objects.Pod, key: str, value: str, ops: list[patches.Op]) -> None:

@@ -12,12 +12,15 @@ carries the patch as JSON anyway, and writing each operation's text once
 saves a dict, its path string and a second encoding pass per operation,
 which in the server is a third of the decision's cost (BENCHMARKS.md).
 ``add``, ``replace`` and ``remove`` encode the whole operation with
-msgspec, so any path or value is escaped; ``document`` joins the operations into the patch,
+msgspec, so any path or value is escaped. ``add_json`` and ``replace_json``
+take a value encoded once for many operations and a path of fixed keys and
+indices, written as it is. ``document`` joins the operations into the patch,
 and ``loads`` reads them back as dicts (tests and tools).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +37,7 @@ def text(value: Any) -> str:
     return _encode(value).decode()
 
 
+@functools.lru_cache(maxsize=64)  # the keys the webhook writes are a handful of constants
 def escape(key: str) -> str:
     """One JSON Pointer reference token: ``~`` -> ``~0``, ``/`` -> ``~1``."""
     if "~" not in key and "/" not in key:
@@ -43,15 +47,25 @@ def escape(key: str) -> str:
 
 def add(path: str, value: Any) -> Op:
     """Add ``value`` at ``path`` (replacing an existing object member); ``.../-`` appends to an array."""
-    return _encode({"op": "add", "path": path, "value": value}).decode()
+    return text({"op": "add", "path": path, "value": value})
 
 
 def replace(path: str, value: Any) -> Op:
-    return _encode({"op": "replace", "path": path, "value": value}).decode()
+    return text({"op": "replace", "path": path, "value": value})
 
 
 def remove(path: str) -> Op:
-    return _encode({"op": "remove", "path": path}).decode()
+    return text({"op": "remove", "path": path})
+
+
+def add_json(path: str, value: str) -> Op:
+    """``add`` with ``value`` already JSON text; ``path`` is written as it is (fixed keys and indices)."""
+    return f'{{"op":"add","path":"{path}","value":{value}}}'
+
+
+def replace_json(path: str, value: str) -> Op:
+    """``replace`` with ``value`` already JSON text; ``path`` is written as it is (fixed keys and indices)."""
+    return f'{{"op":"replace","path":"{path}","value":{value}}}'
 
 
 def document(ops: Sequence[Op]) -> bytes:

@@ -94,7 +94,7 @@ def affinity_excludes(affinity: Any, node: str) -> str | None:
     object may be malformed (mutating webhooks run before validation): a part of
     the wrong type is ignored.
     """
-    if not isinstance(affinity, Mapping):
+    if affinity is None or not isinstance(affinity, Mapping):  # most pods have none: skip the ABC check
         return None
     node_affinity = affinity.get("nodeAffinity")
     required = (
