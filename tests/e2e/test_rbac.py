@@ -5,6 +5,10 @@ The ServiceAccounts, Roles, ClusterRoles and bindings come from ``helm template`
 gives each ServiceAccount a token; a kubeconfig made from that token is what the
 calls below use. Each component's permitted calls succeed, and a call outside its
 role is refused with 403 by the RBAC authorizer.
+
+The chart's pod-annotation ValidatingAdmissionPolicy is tested here too: it is the
+other half of who may write what, a tenant allowed to edit pods may not touch
+gpualloc's annotations on them, and the controller's token may.
 """
 
 from __future__ import annotations
@@ -620,3 +624,157 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
                 raise
         control_plane.request("DELETE", f"/api/v1/nodes/{node}")  # later tests count the nodes
     assert all(code == 0 for code in codes.values()), codes
+
+
+# ----------------------------------------------------------------------------- pod annotations
+
+ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+POLICY_COLLECTIONS = {
+    "ValidatingAdmissionPolicy": f"{ADMISSION}/validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": f"{ADMISSION}/validatingadmissionpolicybindings",
+}
+
+
+@pytest.fixture
+async def annotation_policy(control_plane: Any, installed: Installed) -> AsyncIterator[None]:
+    """The chart's pod-annotation ValidatingAdmissionPolicy and its binding, as rendered.
+
+    The binding is narrowed to the test's namespace, so that while the policy is
+    installed (and for the moment its removal takes to reach the API server's
+    policy cache) it cannot refuse another test's pods.
+    """
+    from gpualloc.devcluster import cluster
+
+    docs = [
+        d
+        for d in _render(installed.release, installed.namespace, "--set", "webhook.pendingMode=gate")
+        if d["kind"] in POLICY_COLLECTIONS
+    ]
+    assert sorted(d["kind"] for d in docs) == sorted(POLICY_COLLECTIONS)
+    created: list[str] = []
+    try:
+        for doc in docs:
+            if doc["kind"] == "ValidatingAdmissionPolicyBinding":
+                doc["spec"]["matchResources"] = {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": installed.namespace}}
+                }
+            path = POLICY_COLLECTIONS[doc["kind"]]
+            control_plane.request("POST", path, doc)
+            created.append(f"{path}/{doc['metadata']['name']}")
+        yield
+    finally:
+        for path in reversed(created):
+            try:
+                control_plane.request("DELETE", path)
+            except cluster.RequestError as exc:
+                if exc.status != 404:
+                    raise
+
+
+async def _tenant(control_plane: Any, installed: Installed, api: k8s.ApiClient, tmp_path: Path) -> Path:
+    """A kubeconfig for a user of the namespace who may read, create and edit pods there, no more."""
+    ns, core = installed.namespace, k8s.CoreV1Api(api)
+    rbac = k8s.RbacAuthorizationV1Api(api)
+    await core.create_namespaced_service_account(
+        ns, k8s.V1ServiceAccount(metadata=k8s.V1ObjectMeta(name="tenant"))
+    )
+    await rbac.create_namespaced_role(
+        ns,
+        k8s.V1Role(
+            metadata=k8s.V1ObjectMeta(name="tenant"),
+            rules=[
+                k8s.V1PolicyRule(
+                    api_groups=[""], resources=["pods"], verbs=["get", "list", "create", "update", "patch"]
+                )
+            ],
+        ),
+    )
+    await rbac.create_namespaced_role_binding(
+        ns,
+        k8s.V1RoleBinding(
+            metadata=k8s.V1ObjectMeta(name="tenant"),
+            role_ref=k8s.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="tenant"),
+            subjects=[k8s.RbacV1Subject(kind="ServiceAccount", name="tenant", namespace=ns)],
+        ),
+    )
+    review = await core.create_namespaced_service_account_token(
+        "tenant", ns, k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[]))
+    )
+    return _token_kubeconfig(
+        control_plane.kubeconfig, control_plane.server, review.status.token, tmp_path / "tenant.kubeconfig"
+    )
+
+
+def _pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {"containers": [{"name": "main", "image": "registry.example/cuda:12"}]},
+    }
+
+
+async def test_only_the_controller_may_change_a_pods_gpualloc_annotations(
+    control_plane: Any,
+    installed: Installed,
+    annotation_policy: None,
+    api: k8s.ApiClient,
+    as_component: Callable[[str], Awaitable[k8s.ApiClient]],
+    tmp_path: Path,
+) -> None:
+    ns = installed.namespace
+    tenant_api = await kube_client.connect(str(await _tenant(control_plane, installed, api, tmp_path)))
+    try:
+        tenant = k8s.CoreV1Api(tenant_api)
+        gated = {"gpu.scheduling/claim": "trainer"}
+        held = {"gpu.scheduling/claim": "trainer", "gpu.scheduling/devices": "GPU-aaaa,GPU-bbbb"}
+        # CREATE is the webhook's business: the policy lets the tenant create pods as they like.
+        await allowed(lambda: tenant.create_namespaced_pod(ns, _pod("probe", held)))
+        await tenant.create_namespaced_pod(ns, _pod("gated", gated))
+        await tenant.create_namespaced_pod(ns, _pod("held", held))
+        await tenant.create_namespaced_pod(ns, _pod("plain", {"team": "ml"}))
+
+        def annotate(name: str, changes: dict[str, str | None]) -> Callable[[], Awaitable[Any]]:
+            body = {"metadata": {"annotations": changes}}
+            return lambda: tenant.patch_namespaced_pod(name, ns, body, _content_type=MERGE)
+
+        # A new policy reaches the API server's policy cache within about a second: wait for it on
+        # a pod of its own, then check each case once.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await annotate("probe", {"gpu.scheduling/devices": f"GPU-{time.monotonic_ns()}"})()
+            except ApiException as exc:
+                assert exc.status == 403, exc.body
+                break
+            assert time.monotonic() < deadline, "the ValidatingAdmissionPolicy never took effect"
+            await asyncio.sleep(0.2)
+
+        message = await refused(annotate("held", {"gpu.scheduling/devices": "GPU-cccc"}))
+        assert "gpu.scheduling/devices" in message and "pod held" in message, message
+        assert "gpu.scheduling/claim" not in message, message  # names only what changed
+        await refused(annotate("held", {"gpu.scheduling/devices": None}))
+        await refused(annotate("gated", {"gpu.scheduling/devices": "GPU-cccc"}))
+        await refused(annotate("gated", {"gpu.scheduling/claim": "someone-elses"}))
+        await refused(annotate("gated", {"gpu.scheduling/replica": "1"}))
+        await refused(annotate("plain", {"gpu.scheduling/claim": "trainer"}))
+
+        # Everything else stays editable, on claim pods too.
+        edited = await annotate("held", {"team": "ml", "gpu.scheduling/devices": "GPU-aaaa,GPU-bbbb"})()
+        assert edited.metadata.annotations["team"] == "ml"
+        await tenant.patch_namespaced_pod(
+            "gated", ns, {"metadata": {"labels": {"tier": "batch"}}}, _content_type=MERGE
+        )
+        await annotate("plain", {"owner": "alice"})()
+
+        # The controller hands a gated pod its devices (and could correct a record) with its own token.
+        controller = k8s.CoreV1Api(await as_component("controller"))
+        body = {"metadata": {"annotations": {"gpu.scheduling/devices": "GPU-dddd"}}}
+        ungated = await allowed(
+            lambda: controller.patch_namespaced_pod("gated", ns, body, _content_type=MERGE)
+        )
+        assert ungated.metadata.annotations["gpu.scheduling/devices"] == "GPU-dddd"
+        stored = await tenant.read_namespaced_pod("held", ns)
+        assert stored.metadata.annotations["gpu.scheduling/devices"] == "GPU-aaaa,GPU-bbbb"
+    finally:
+        await tenant_api.close()

@@ -500,6 +500,21 @@ def test_controller_may_patch_pods_only_in_gate_mode() -> None:
     assert ("*", "", "pods", "patch", ()) in _rules_of(render(webhook__pendingMode="gate"), "controller")
 
 
+def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_can_be_turned_off() -> None:
+    objs = render()
+    name = f"{RELEASE}-gpualloc-pod-annotations"
+    policy = one(objs, "ValidatingAdmissionPolicy", name)
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
+    assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"]
+    controller = one(objs, "ServiceAccount", f"{RELEASE}-gpualloc-controller")["metadata"]["name"]
+    exempt = [c["expression"] for c in policy["spec"]["matchConditions"] if "userInfo" in c["expression"]]
+    assert exempt == [f"request.userInfo.username != 'system:serviceaccount:{NAMESPACE}:{controller}'"]
+    off = render(podAnnotationPolicy__enabled="false")
+    assert not kinds(off) & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
 def test_certs_job_touches_only_its_secret_and_its_webhook_configuration() -> None:
     granted = _rules_of(render(certManager__enabled="false"), "certs")
     secret = (f"{FULLNAME}-webhook-tls",)
