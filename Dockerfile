@@ -12,8 +12,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # The build backend first (a layer that changes rarely), then the sources.
-RUN python -m pip install "setuptools>=69" wheel
-COPY pyproject.toml README.md ./
+RUN python -m pip install "setuptools>=77" wheel
+COPY pyproject.toml README.md LICENSE ./
 COPY gpualloc/ gpualloc/
 COPY agent/ agent/
 COPY controller/ controller/
