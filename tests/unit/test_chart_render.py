@@ -405,6 +405,39 @@ def test_agent_host_paths_mode_is_privileged_and_mounts_only_libnvidia_ml() -> N
     assert mount["readOnly"] is True
 
 
+def test_agent_security_context_overrides_apply_to_the_agent_only_and_keep_the_other_keys() -> None:
+    objs = render(
+        agent__podSecurityContext__supplementalGroups="{44}",
+        agent__securityContext__runAsUser="0",
+        agent__securityContext__runAsNonRoot="false",
+    )
+    defaults = {(o["kind"], o["metadata"]["name"]): o for o in render()}
+    agent = one(objs, "DaemonSet", f"{FULLNAME}-agent")["spec"]["template"]["spec"]
+    assert agent["securityContext"]["supplementalGroups"] == [44]
+    assert agent["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}  # a global key kept
+    (c,) = agent["containers"]
+    assert c["securityContext"]["runAsUser"] == 0
+    assert c["securityContext"]["runAsNonRoot"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True  # a global key kept
+    for o in objs:
+        if o["kind"] == "Deployment":  # the controller and the webhook keep the global contexts
+            before = defaults[("Deployment", o["metadata"]["name"])]["spec"]["template"]["spec"]
+            after = o["spec"]["template"]["spec"]
+            assert after["securityContext"] == before["securityContext"]
+            assert [x["securityContext"] for x in after["containers"]] == [
+                x["securityContext"] for x in before["containers"]
+            ]
+    # In hostPaths mode the override is kept under the privileged settings.
+    host = one(
+        render(agent__nvmlAccess="hostPaths", agent__securityContext__runAsUser="0"),
+        "DaemonSet",
+        f"{FULLNAME}-agent",
+    )
+    (c,) = host["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["privileged"] is True
+    assert c["securityContext"]["runAsUser"] == 0
+
+
 @BOTH_MODES
 def test_every_service_selects_pods_the_chart_runs_and_a_named_port(cert_manager: str) -> None:
     objs = render(certManager__enabled=cert_manager)
