@@ -1,6 +1,6 @@
 """Questions asked of a Pod, and the JSON Patch operations that edit it. Pure: no I/O, no clock.
 
-The pod is the typed view ``objects.Pod`` of the object in the review. The
+The pod is the typed view ``objects.Pod[Any]`` of the object in the review. The
 edits do not change it: each appends RFC 6902 operations to a list, computed
 against the pod as it came. ``admission`` decides which edits to make; the
 operations of one decision touch disjoint parts of the pod (scheduling gates,
@@ -17,13 +17,14 @@ and a missing map or ``env`` list is added whole, never appended to. The
 property tests apply every patch with ``jsonpatch`` and compare the result
 with what a plain dict editor makes of the pod.
 
-Why the common case is written out as it is: in the server, between two
-admissions the TLS and HTTP code evicts the webhook's data from the CPU
-caches, and then each object an admission creates costs about 0.3 µs (a dict,
-a string, a list: BENCHMARKS.md). So ``set_env_everywhere`` encodes the env
-entries once and writes them straight into the operations of every container
-that has none of our names, and calls the general ``set_env`` only for a
-container whose user already set one.
+Why the common case is written out as it is: in the server every line of
+Python an admission runs costs several times what it does in a warm loop
+(BENCHMARKS.md), and editing the env of every container is the largest part
+of the decision. So the entries come encoded once per claim (an ``Env``, kept
+in the claim's ``plans.Target``), a container that has none of their names
+gets its operations from one ``str.join`` of pieces made with the ``Env``,
+and only a container whose user set one of the names goes through the
+general ``set_env``.
 """
 
 from __future__ import annotations
@@ -46,24 +47,21 @@ DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
 _EMPTY: Mapping[str, str] = {}
 
-# Env entries by name, each with its JSON text (encoded once per admission).
-Wanted = dict[str, tuple[dict[str, Any], str]]
-
 
 # ------------------------------------------------------------------ reading
 
 
-def pod_annotations(pod: objects.Pod) -> Mapping[str, str]:
+def pod_annotations(pod: objects.Pod[Any]) -> Mapping[str, str]:
     meta = pod.metadata
     return (meta.annotations or _EMPTY) if meta is not None else _EMPTY
 
 
-def pod_labels(pod: objects.Pod) -> Mapping[str, str]:
+def pod_labels(pod: objects.Pod[Any]) -> Mapping[str, str]:
     meta = pod.metadata
     return (meta.labels or _EMPTY) if meta is not None else _EMPTY
 
 
-def display_name(pod: objects.Pod) -> str:
+def display_name(pod: objects.Pod[Any]) -> str:
     """The pod's name for messages. Controllers create pods with only ``generateName``."""
     meta = pod.metadata or objects.ObjectMeta()
     if meta.name:
@@ -86,7 +84,7 @@ def _is_zero(quantity: Any) -> bool:
     return False
 
 
-def _requests_gpu(resources: objects.Resources | None) -> bool:
+def _requests_gpu(resources: objects.Resources[Any] | None) -> bool:
     if resources is None:
         return False
     limits, requests = resources.limits, resources.requests
@@ -95,7 +93,7 @@ def _requests_gpu(resources: objects.Resources | None) -> bool:
     )
 
 
-def device_plugin_requests(pod: objects.Pod) -> list[str]:
+def device_plugin_requests(pod: objects.Pod[Any]) -> list[str]:
     """Names of the containers that request ``nvidia.com/gpu`` (limits or requests, non-zero)."""
     spec = pod.spec
     if spec is None:
@@ -108,7 +106,7 @@ def device_plugin_requests(pod: objects.Pod) -> list[str]:
     return found
 
 
-def node_pin(pod: objects.Pod) -> tuple[str, str] | None:
+def node_pin(pod: objects.Pod[Any]) -> tuple[str, str] | None:
     """``(how, node)`` when the pod is already tied to a node by spec.nodeName or a hostname selector."""
     spec = pod.spec
     if spec is None:
@@ -126,6 +124,25 @@ def node_pin(pod: objects.Pod) -> tuple[str, str] | None:
 
 def value_env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
+
+
+class Env(msgspec.Struct, frozen=True, gc=False):
+    """Env entries to write into every container, encoded once (per claim: ``plans.Target``)."""
+
+    entries: dict[str, tuple[dict[str, Any], str]]  # name -> (the entry, its JSON text), in order
+    create: tuple[str, ...]  # ``container_path.join(create)``: the op adding an env list of them all
+    append: tuple[str, ...]  # ``container_path.join(append)``: the ops appending each to an env list
+
+
+def env(entries: list[dict[str, Any]]) -> Env:
+    """An Env of entries such as ``value_env(...)`` or ``annotation_env(...)``."""
+    by_name = {entry["name"]: (entry, patches.text(entry)) for entry in entries}
+    texts = [text for _, text in by_name.values()]
+    return Env(
+        entries=by_name,
+        create=patches.adds("/env", ["[" + ",".join(texts) + "]"]),
+        append=patches.adds("/env/-", texts),
+    )
 
 
 def annotation_env(name: str) -> dict[str, Any]:
@@ -158,7 +175,13 @@ def _ours(item: objects.EnvVar) -> bool:
     return item.value is None and bool(msgspec.json.decode(item.value_from) == _GATED_SOURCE)
 
 
-def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wanted: Wanted) -> list[str]:
+def set_env(
+    path: str,
+    env: Sequence[objects.EnvVar],
+    ops: list[patches.Op],
+    wanted: Mapping[str, tuple[dict[str, Any], str]],
+    start: int = 0,
+) -> list[str]:
     """Operations making the entries in ``wanted`` the definitions of their names in the env list at ``path``.
 
     A user's entry of the same name (``value`` or ``valueFrom``) is replaced in
@@ -168,12 +191,14 @@ def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wan
     user's: a gated pod reinvoked once its claim is Allocated gets its devices
     without a warning). ``wanted`` maps each name to its
     entry and the entry's JSON text; ``path`` is made of fixed keys and
-    indices, written into the operations as it is.
+    indices, written into the operations as it is. ``start`` is the index of the
+    first entry that may have one of the names (those before it have none).
     """
     placed: set[str] = set()
     replaced: list[str] = []
     duplicates: list[int] = []
-    for i, item in enumerate(env):
+    for i in range(start, len(env)):
+        item = env[i]
         name = item.name
         if name not in wanted:
             continue
@@ -195,39 +220,54 @@ def set_env(path: str, env: Sequence[objects.EnvVar], ops: list[patches.Op], wan
     return replaced
 
 
-def set_env_everywhere(pod: objects.Pod, entries: list[dict[str, Any]], ops: list[patches.Op]) -> list[str]:
-    """``set_env`` on every container and init container; returns ``container/NAME`` for each replacement.
-
-    A container whose env has none of the names is handled here, with the
-    entries encoded once for all containers (the paths are fixed keys and
-    indices: nothing in them needs escaping); ``set_env`` takes the rest.
-    """
+def set_env_everywhere(pod: objects.Pod[Any], env: Env, ops: list[patches.Op]) -> list[str]:
+    """``set_env`` on every container and init container; returns ``container/NAME`` for each replacement."""
     spec = pod.spec
     if spec is None:
         return []
-    wanted: Wanted = {}
-    texts: list[str] = []
-    for entry in entries:
-        text = patches.text(entry)
-        wanted[entry["name"]] = (entry, text)
-        texts.append(text)
     replaced: list[str] = []
-    for key, items in (("initContainers", spec.init_containers), ("containers", spec.containers)):
-        for i, container in enumerate(items or ()):
-            env = container.env
-            if env is None:
-                ops.append(patches.add_json(f"/spec/{key}/{i}/env", "[" + ",".join(texts) + "]"))
-                continue
-            for item in env:
-                if item.name in wanted:  # the user set one of ours: replace it in place
-                    names = set_env(f"/spec/{key}/{i}", env, ops, wanted)
-                    replaced += [f"{container.name or '<unnamed>'}/{name}" for name in names]
-                    break
-            else:
-                path = f"/spec/{key}/{i}/env/-"
-                for value in texts:
-                    ops.append(patches.add_json(path, value))
+    if spec.init_containers:
+        _set_env_in(spec.init_containers, "/spec/initContainers/", env, ops, replaced)
+    if spec.containers:
+        _set_env_in(spec.containers, "/spec/containers/", env, ops, replaced)
     return replaced
+
+
+def _set_env_in(
+    containers: list[objects.Container[Any]],
+    prefix: str,
+    env: Env,
+    ops: list[patches.Op],
+    replaced: list[str],
+) -> None:
+    """``set_env_everywhere`` for one list of containers, whose paths start with ``prefix``.
+
+    Most containers have none of the names: their operations come whole from
+    ``env`` (the paths are fixed keys and indices, nothing to escape);
+    ``set_env`` takes a container whose user set one of them.
+    """
+    wanted = env.entries
+    for i, container in enumerate(containers):
+        path = f"{prefix}{i}"
+        current = container.env
+        if current is None:
+            ops.append(path.join(env.create))
+            continue
+        for item in current:
+            if item.name in wanted:  # the user set one of ours: replace it in place
+                for name in set_env(path, current, ops, wanted, current.index(item)):
+                    replaced.append(f"{container.name or '<unnamed>'}/{name}")
+                break
+        else:
+            ops.append(path.join(env.append))
+
+
+MemberOps = tuple[patches.Op, patches.Op]  # setting a key: (when its map is missing, when it is there)
+
+
+def member_ops(path: str, key: str, value: str) -> MemberOps:
+    """The two operations that set ``key`` to ``value`` in the string map at ``path``."""
+    return (patches.add(path, {key: value}), patches.add(f"{path}/{patches.escape(key)}", value))
 
 
 def _put(
@@ -238,42 +278,52 @@ def _put(
     mapping: Mapping[str, str] | None,
     key: str,
     value: str,
+    prepared: MemberOps | None = None,
 ) -> None:
-    """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing."""
+    """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing.
+
+    ``prepared`` is ``member_ops(f"{parent}/{member}", key, value)``, made once for many pods.
+    """
     if mapping is None:
-        if parent_present:
-            ops.append(patches.add(f"{parent}/{member}", {key: value}))
-        else:
+        if not parent_present:
             ops.append(patches.add(parent, {member: {key: value}}))
-    elif mapping.get(key) != value:
-        ops.append(patches.add(f"{parent}/{member}/{patches.escape(key)}", value))  # add replaces a member
+        else:
+            ops.append(prepared[0] if prepared else patches.add(f"{parent}/{member}", {key: value}))
+    elif mapping.get(key) != value:  # add replaces a member
+        ops.append(
+            prepared[1] if prepared else patches.add(f"{parent}/{member}/{patches.escape(key)}", value)
+        )
 
 
-def set_annotation(pod: objects.Pod, key: str, value: str, ops: list[patches.Op]) -> None:
+def set_annotation(
+    pod: objects.Pod[Any], key: str, value: str, ops: list[patches.Op], prepared: MemberOps | None = None
+) -> None:
     meta = pod.metadata
     current = meta.annotations if meta is not None else None
-    _put(ops, "/metadata", meta is not None, "annotations", current, key, value)
+    _put(ops, "/metadata", meta is not None, "annotations", current, key, value, prepared)
 
 
-def set_label(pod: objects.Pod, key: str, value: str, ops: list[patches.Op]) -> None:
+def set_label(pod: objects.Pod[Any], key: str, value: str, ops: list[patches.Op]) -> None:
     meta = pod.metadata
     current = meta.labels if meta is not None else None
     _put(ops, "/metadata", meta is not None, "labels", current, key, value)
 
 
-def remove_annotation(pod: objects.Pod, key: str, ops: list[patches.Op]) -> None:
+def remove_annotation(pod: objects.Pod[Any], key: str, ops: list[patches.Op]) -> None:
     if key in pod_annotations(pod):
         ops.append(patches.remove(f"/metadata/annotations/{patches.escape(key)}"))
 
 
-def pin_to_node(pod: objects.Pod, node: str, ops: list[patches.Op]) -> None:
+def pin_to_node(
+    pod: objects.Pod[Any], node: str, ops: list[patches.Op], prepared: MemberOps | None = None
+) -> None:
     """Add ``nodeSelector kubernetes.io/hostname=<node>`` (other selector keys are kept)."""
     spec = pod.spec
     selector = spec.node_selector if spec is not None else None
-    _put(ops, "/spec", spec is not None, "nodeSelector", selector, constants.HOSTNAME_LABEL, node)
+    _put(ops, "/spec", spec is not None, "nodeSelector", selector, constants.HOSTNAME_LABEL, node, prepared)
 
 
-def add_scheduling_gate(pod: objects.Pod, ops: list[patches.Op]) -> None:
+def add_scheduling_gate(pod: objects.Pod[Any], ops: list[patches.Op]) -> None:
     """Add the gate ``gpu.scheduling/claim-allocated`` unless the pod has it."""
     name = constants.SCHEDULING_GATE
     spec = pod.spec
@@ -286,7 +336,7 @@ def add_scheduling_gate(pod: objects.Pod, ops: list[patches.Op]) -> None:
         ops.append(patches.add("/spec/schedulingGates/-", gate))
 
 
-def remove_scheduling_gate(pod: objects.Pod, ops: list[patches.Op]) -> None:
+def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[patches.Op]) -> None:
     """Remove the gate ``gpu.scheduling/claim-allocated``; the whole list when no other gate is left."""
     name = constants.SCHEDULING_GATE
     gates = pod.spec.scheduling_gates if pod.spec is not None else None

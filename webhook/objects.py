@@ -12,12 +12,15 @@ shape check the decision needs comes free.
 
 Two passes, for correctness with any input:
 
-* the fast pass decodes the review with ``request.object`` as a ``Pod``;
-* if that fails validation (a non-Pod object in a hand-made review, or a pod
-  with a field of the wrong type), the review is decoded again with the object
-  kept as raw JSON, so the uid can still be answered; ``pod_of`` then decodes
-  the object as a Pod only if the request is one the webhook decides on, and
-  raises ``PodShapeError`` with msgspec's message (it names the field).
+* the fast pass decodes the review with ``request.object`` as a ``GpuFreePod``:
+  a Pod that names no ``nvidia.com/gpu`` quantity, which is every pod the
+  webhook allows (the others are denied unless ``--allow-device-plugin``);
+* if that fails validation (a pod with such a quantity, a non-Pod object in a
+  hand-made review, or a pod with a field of the wrong type), the review is
+  decoded again with the object kept as raw JSON, so the uid can still be
+  answered; ``pod_of`` then decodes the object as a ``Pod[Any]`` only if the
+  request is one the webhook decides on, and raises ``PodShapeError`` with
+  msgspec's message (it names the field).
 
 Field names are the API's own (``rename="camel"``: ``node_selector`` reads
 ``nodeSelector``). Unknown fields are ignored. The Structs are not tracked by
@@ -26,7 +29,7 @@ the garbage collector (``gc=False``): decoded JSON cannot hold a cycle.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -52,21 +55,26 @@ class EnvVar(_Struct):
     value_from: msgspec.Raw = msgspec.Raw(b"null")  # kept as JSON text: read only for our own names
 
 
-class GpuAmount(msgspec.Struct, rename={"gpu": "nvidia.com/gpu"}, gc=False):
+# The type of an ``nvidia.com/gpu`` quantity: ``None`` in the fast pass, where a pod that names
+# one fails to decode (see ``decode_review``), and ``Any`` when the pod is decoded again.
+Gpu = TypeVar("Gpu")
+
+
+class GpuAmount(msgspec.Struct, Generic[Gpu], rename={"gpu": "nvidia.com/gpu"}, gc=False):
     """The ``nvidia.com/gpu`` quantity of a resource list (string or number); other resources are skipped."""
 
-    gpu: Any = None
+    gpu: Gpu | None = None
 
 
-class Resources(_Struct):
-    limits: GpuAmount | None = None
-    requests: GpuAmount | None = None
+class Resources(_Struct, Generic[Gpu]):
+    limits: GpuAmount[Gpu] | None = None
+    requests: GpuAmount[Gpu] | None = None
 
 
-class Container(_Struct):
+class Container(_Struct, Generic[Gpu]):
     name: str = ""
     env: list[EnvVar] | None = None
-    resources: Resources | None = None
+    resources: Resources[Gpu] | None = None
 
 
 class SchedulingGate(_Struct):
@@ -81,20 +89,23 @@ class ObjectMeta(_Struct):
     labels: dict[str, str] | None = None
 
 
-class PodSpec(_Struct):
+class PodSpec(_Struct, Generic[Gpu]):
     node_name: str | None = None
     node_selector: dict[str, str] | None = None
     affinity: Any = None  # read by ``pods.affinity_excludes``, which takes any JSON
     scheduling_gates: list[SchedulingGate] | None = None
-    resources: Resources | None = None  # pod-level resources
-    init_containers: list[Container] | None = None
-    containers: list[Container] | None = None
+    resources: Resources[Gpu] | None = None  # pod-level resources
+    init_containers: list[Container[Gpu]] | None = None
+    containers: list[Container[Gpu]] | None = None
 
 
-class Pod(_Struct):
+class Pod(_Struct, Generic[Gpu]):
     kind: str | None = None
     metadata: ObjectMeta | None = None
-    spec: PodSpec | None = None
+    spec: PodSpec[Gpu] | None = None
+
+
+GpuFreePod = Pod[None]  # a pod that names no nvidia.com/gpu quantity (in limits or requests) anywhere
 
 
 # ------------------------------------------------------------------ the review
@@ -116,7 +127,7 @@ class RequestHead(_Struct):
 
 
 class Request(RequestHead):
-    object: Pod | None = None
+    object: GpuFreePod | None = None
 
 
 class RawRequest(RequestHead):
@@ -139,11 +150,15 @@ AnyReview = Review | RawReview
 
 _REVIEW = msgspec.json.Decoder(Review)
 _RAW_REVIEW = msgspec.json.Decoder(RawReview)
-_POD_OR_NULL: msgspec.json.Decoder[Pod | None] = msgspec.json.Decoder(Pod | None)
+_POD_OR_NULL: msgspec.json.Decoder[Pod[Any] | None] = msgspec.json.Decoder(Pod[Any] | None)
 
 
 def decode_review(body: bytes) -> AnyReview:
-    """The review in ``body``: a ``Review`` when its object reads as a Pod (or is absent), else a RawReview.
+    """The review in ``body``: a ``Review`` when its object reads as a GpuFreePod (or is absent), else raw.
+
+    So a ``Review``'s pod provably asks the device plugin for nothing: the
+    webhook's check of every container's resources is done by msgspec, in C,
+    while decoding. A pod that names ``nvidia.com/gpu`` is read by ``pod_of``.
 
     Raises ``msgspec.DecodeError`` (a ValueError) when the body is not JSON,
     ``RecursionError`` past msgspec's nesting limit, and ``NotAReview`` when
@@ -161,7 +176,7 @@ def decode_review(body: bytes) -> AnyReview:
         raise NotAReview(f"the body must be a JSON object (an AdmissionReview): {exc}") from None
 
 
-def pod_of(request: RequestHead) -> Pod | None:
+def pod_of(request: RequestHead) -> Pod[Any] | None:
     """The request's object as a Pod (None when absent or null); raises PodShapeError when it is not one."""
     if isinstance(request, Request):
         return request.object
@@ -169,7 +184,7 @@ def pod_of(request: RequestHead) -> Pod | None:
     return decode_pod(request.object)
 
 
-def decode_pod(data: bytes | msgspec.Raw) -> Pod | None:
+def decode_pod(data: bytes | msgspec.Raw) -> Pod[Any] | None:
     """A Pod from its JSON (None for ``null``); PodShapeError names the first field of a wrong type."""
     try:
         return _POD_OR_NULL.decode(data)

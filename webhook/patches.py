@@ -14,8 +14,10 @@ which in the server is a third of the decision's cost (BENCHMARKS.md).
 ``add``, ``replace`` and ``remove`` encode the whole operation with
 msgspec, so any path or value is escaped. ``add_json`` and ``replace_json``
 take a value encoded once for many operations and a path of fixed keys and
-indices, written as it is. ``document`` joins the operations into the patch,
-and ``loads`` reads them back as dicts (tests and tools).
+indices, written as it is; ``adds`` cuts such operations into pieces that a
+path joins, for the same values added at many paths. An ``Op`` may hold
+several operations separated by commas. ``document`` joins the Ops into the
+patch, and ``loads`` reads them back as dicts (tests and tools).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-Op = str  # one operation, as JSON text: '{"op":"add","path":"/a","value":1}'
+Op = str  # operations as JSON text: '{"op":"add","path":"/a","value":1}', or several joined by commas
 
 _encode = msgspec.json.Encoder().encode
 
@@ -61,6 +63,21 @@ def remove(path: str) -> Op:
 def add_json(path: str, value: str) -> Op:
     """``add`` with ``value`` already JSON text; ``path`` is written as it is (fixed keys and indices)."""
     return f'{{"op":"add","path":"{path}","value":{value}}}'
+
+
+def adds(suffix: str, values: Sequence[str]) -> tuple[str, ...]:
+    """Pieces that ``path.join(pieces)`` makes into one Op: ``add_json(path + suffix, value)`` for each value.
+
+    For the same operations at many paths (the env entries of every
+    container): the values are written into the pieces once, and each path
+    then costs one ``str.join``, in C.
+    """
+    head = '{"op":"add","path":"'
+    return (
+        head,
+        *(f'{suffix}","value":{value}}},{head}' for value in values[:-1]),
+        f'{suffix}","value":{values[-1]}}}',
+    )
 
 
 def replace_json(path: str, value: str) -> Op:

@@ -26,6 +26,7 @@ connections already open keep theirs, nothing restarts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import ssl
@@ -83,8 +84,7 @@ def _bad_request(state: State, started: float, message: str) -> web.Response:
     return web.Response(status=400, text=message + "\n")
 
 
-async def mutate(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def mutate(state: State, request: web.Request) -> web.Response:
     started = time.perf_counter()
     try:
         body = await request.read()  # raises 413 past client_max_size
@@ -114,10 +114,9 @@ async def mutate(request: web.Request) -> web.Response:
         outcome = admission.ERROR
     text = admission.dump_json(answer)
     state.metrics.admissions.record(outcome, time.perf_counter() - started)
-    status = answer.response.status
-    if status is not None and outcome in (admission.DENIED, admission.INVALID):
-        log.info("denied", extra={"uid": uid, "outcome": outcome, "reason": status.message})
-    return web.Response(body=text, content_type="application/json", charset="utf-8")
+    if outcome in (admission.DENIED, admission.INVALID) and answer.response.status is not None:
+        log.info("denied", extra={"uid": uid, "outcome": outcome, "reason": answer.response.status.message})
+    return web.Response(body=text, content_type="application/json")  # JSON is UTF-8 (RFC 8259: no charset)
 
 
 def make_app(
@@ -130,7 +129,7 @@ def make_app(
     app = web.Application(client_max_size=MAX_BODY)
     state = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
     app[STATE] = state
-    app.router.add_post("/mutate", mutate)
+    app.router.add_post("/mutate", functools.partial(mutate, state))
     # The probes and /metrics are the shared ones, on the TLS port too.
     serving.add_probes(app, ready=state.ready, registry=state.metrics.registry)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 from typing import Any
 
 import jsonpatch
@@ -184,3 +185,19 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
             owned.add("CUDA_DEVICE_ORDER")
         kept = [e for e in c_before.get("env") or [] if e["name"] not in owned]
         assert [e for e in c_after["env"] if e["name"] not in owned] == kept
+
+
+DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@settings(max_examples=2000)
+@given(
+    st.one_of(
+        st.text(alphabet="ab09-._/A\n", max_size=12),
+        st.text(max_size=8),
+        st.text(alphabet="a.", min_size=250, max_size=256),
+    )
+)
+def test_claim_name_check_is_the_dns_1123_subdomain_rule(name: str) -> None:
+    expected = len(name) <= 253 and DNS_1123_SUBDOMAIN.fullmatch(name) is not None
+    assert admission._valid_name(name) == expected

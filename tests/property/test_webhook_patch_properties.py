@@ -18,14 +18,15 @@ import jsonpatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpualloc.api import constants
-from webhook import admission, mutations, objects, patches
+from gpualloc.api import constants, models
+from webhook import admission, mutations, objects, patches, plans
 
 GATE = constants.SCHEDULING_GATE
 ENTRIES = [
     mutations.value_env("CUDA_VISIBLE_DEVICES", "GPU-1"),
     mutations.value_env("NVIDIA_VISIBLE_DEVICES", "GPU-1"),
 ]
+TARGET = plans.target(node="n1", devices=(models.DeviceRef(index=0, minor=0, uuid="GPU-1"),))
 GATED_ENTRIES = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
 
 env_entry = st.one_of(
@@ -138,7 +139,7 @@ def test_patch_applied_by_jsonpatch_equals_editing_the_pod(pod: dict[str, Any], 
     if gated:
         ops = admission.edit_gated(typed(pod))
     else:
-        ops, _ = admission.edit_allocated(typed(pod), node="n1", entries=ENTRIES, uuids="GPU-1")
+        ops, _ = admission.edit_allocated(typed(pod), TARGET)
     want = copy.deepcopy(pod)
     (edit_gated if gated else edit_allocated)(want)
     assert jsonpatch.apply_patch(pod, patches.loads(ops)) == want, ops
@@ -150,7 +151,7 @@ def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> No
     def ops_for(p: dict[str, Any]) -> list[patches.Op]:
         if gated:
             return admission.edit_gated(typed(p))
-        return admission.edit_allocated(typed(p), node="n1", entries=ENTRIES, uuids="GPU-1")[0]
+        return admission.edit_allocated(typed(p), TARGET)[0]
 
     once = jsonpatch.apply_patch(pod, patches.loads(ops_for(pod)))
     assert ops_for(once) == []
@@ -159,7 +160,7 @@ def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> No
 @settings(max_examples=200, deadline=None)
 @given(pod=pods)
 def test_replaced_names_are_the_user_entries_that_differed(pod: dict[str, Any]) -> None:
-    _, replaced = admission.edit_allocated(typed(pod), node="n1", entries=ENTRIES, uuids="GPU-1")
+    _, replaced = admission.edit_allocated(typed(pod), TARGET)
     expected = []
     for key in ("initContainers", "containers"):
         for container in (pod.get("spec") or {}).get(key) or []:

@@ -482,6 +482,13 @@ def test_pod_requesting_nvidia_gpu_is_denied_explaining_the_conflict(where: str,
     assert "--allow-device-plugin" in message
 
 
+def test_pod_level_nvidia_gpu_request_is_denied_explaining_the_conflict() -> None:
+    pod = make_pod(spec={"resources": {"limits": {"nvidia.com/gpu": 2}}})
+    response = answer(pod, make_claim())
+    assert response["allowed"] is False
+    assert "device plugin" in response["status"]["message"] and "<pod>" in response["status"]["message"]
+
+
 def test_allow_device_plugin_admits_a_pod_requesting_nvidia_gpu() -> None:
     pod = make_pod(containers=[{"name": "main", "resources": {"limits": {"nvidia.com/gpu": 1}}}])
     response = answer(pod, make_claim(), options=admission.Options(allow_device_plugin=True))
