@@ -62,11 +62,8 @@ ERROR = "error"  # an unexpected failure, answered with a denial (the server's o
 OUTCOMES = (ALLOWED, MUTATED, GATED, DENIED, INVALID, ERROR)
 
 _MESSAGE_LIMIT = 512
-_CORE_POD = {
-    "group": "",
-    "version": "v1",
-    "kind": "Pod",
-}  # request.kind of a Pod, as the API server writes it
+# request.kind of a Pod, as the API server writes it
+_CORE_POD = {"group": "", "version": "v1", "kind": "Pod"}
 _ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -257,9 +254,7 @@ def prepare(review: objects.AnyReview, uid: str | None = None) -> PodCreate | De
         return _invalid(uid, "request.object is not a Pod: it is missing or null")
     if pod.kind is not None and pod.kind != "Pod":
         return _invalid(uid, f"request.object is not a Pod: it is a {pod.kind[:60]!r}")
-    meta = pod.metadata
-    annotations = meta.annotations if meta is not None else None
-    claim_name = annotations.get(constants.ANNOTATION_CLAIM) if annotations else None
+    claim_name = mutations.pod_annotations(pod).get(constants.ANNOTATION_CLAIM)
     if claim_name is None:
         return Decision(answer=allow(uid), outcome=ALLOWED)
     if not _valid_name(claim_name):
@@ -273,7 +268,7 @@ def prepare(review: objects.AnyReview, uid: str | None = None) -> PodCreate | De
         if not claim_name:
             return _denied(uid, f"{annotation} is empty; give the name of a GpuClaim in the pod's namespace")
         return _denied(uid, f"{annotation}: {claim_name[:100]!r} is not a valid GpuClaim name")
-    namespace = request.namespace or (meta.namespace if meta is not None else None)
+    namespace = request.namespace or (pod.metadata.namespace if pod.metadata is not None else None)
     if not isinstance(namespace, str) or not namespace:
         return _invalid(uid, "the request names no namespace for the pod")
     gpu_free = isinstance(request, objects.Request)  # the fast pass decoded it (objects.decode_review)
@@ -392,18 +387,15 @@ def _allocated(req: PodCreate, plan: plans.Plan, claim_words: str, options: Opti
     if target is None:
         return _denied(uid, f"{claim_words} is Allocated but holds no devices for replica {replica}")
     node = target.node
-    spec = pod.spec
-    if spec is not None and (spec.node_name or spec.node_selector):
-        pin = mutations.node_pin(pod)
-        if pin is not None and pin[1] != node:
-            how, pinned = pin
-            return _denied(
-                uid,
-                f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
-                f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
-            )
-    affinity = spec.affinity if spec is not None else None
-    excluded = pods.affinity_excludes(affinity, node) if affinity is not None else None
+    pin = mutations.node_pin(pod)
+    if pin is not None and pin[1] != node:
+        how, pinned = pin
+        return _denied(
+            uid,
+            f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
+            f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
+        )
+    excluded = pods.affinity_excludes(pod.spec.affinity if pod.spec is not None else None, node)
     if excluded is not None:
         return _denied(
             uid,
@@ -442,9 +434,7 @@ def edit_allocated(
 ) -> tuple[list[patches.Op], list[str]]:
     """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
     ops: list[patches.Op] = []
-    spec = pod.spec
-    if spec is not None and spec.scheduling_gates:
-        mutations.remove_scheduling_gate(pod, ops)
+    mutations.remove_scheduling_gate(pod, ops)
     mutations.pin_to_node(pod, target.node, ops, target.selector_ops)
     replaced = mutations.set_env_everywhere(pod, target.env[device_ids], ops)
     mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, target.uuids, ops, target.annotation_ops)

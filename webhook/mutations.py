@@ -47,6 +47,9 @@ DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
 _EMPTY: Mapping[str, str] = {}
 
+# Env entries by name, each with its JSON text (encoded once per claim: ``Env``).
+Wanted = dict[str, tuple[dict[str, Any], str]]
+
 
 # ------------------------------------------------------------------ reading
 
@@ -129,7 +132,7 @@ def value_env(name: str, value: str) -> dict[str, Any]:
 class Env(msgspec.Struct, frozen=True, gc=False):
     """Env entries to write into every container, encoded once (per claim: ``plans.Target``)."""
 
-    entries: dict[str, tuple[dict[str, Any], str]]  # name -> (the entry, its JSON text), in order
+    entries: Wanted  # name -> (the entry, its JSON text), in order
     create: tuple[str, ...]  # ``container_path.join(create)``: the op adding an env list of them all
     append: tuple[str, ...]  # ``container_path.join(append)``: the ops appending each to an env list
 
@@ -179,7 +182,7 @@ def set_env(
     path: str,
     env: Sequence[objects.EnvVar],
     ops: list[patches.Op],
-    wanted: Mapping[str, tuple[dict[str, Any], str]],
+    wanted: Wanted,
     start: int = 0,
 ) -> list[str]:
     """Operations making the entries in ``wanted`` the definitions of their names in the env list at ``path``.
@@ -284,15 +287,11 @@ def _put(
 
     ``prepared`` is ``member_ops(f"{parent}/{member}", key, value)``, made once for many pods.
     """
-    if mapping is None:
-        if not parent_present:
-            ops.append(patches.add(parent, {member: {key: value}}))
-        else:
-            ops.append(prepared[0] if prepared else patches.add(f"{parent}/{member}", {key: value}))
-    elif mapping.get(key) != value:  # add replaces a member
-        ops.append(
-            prepared[1] if prepared else patches.add(f"{parent}/{member}/{patches.escape(key)}", value)
-        )
+    if mapping is None and not parent_present:
+        ops.append(patches.add(parent, {member: {key: value}}))
+    elif mapping is None or mapping.get(key) != value:  # add replaces a member
+        missing, present = prepared or member_ops(f"{parent}/{member}", key, value)
+        ops.append(missing if mapping is None else present)
 
 
 def set_annotation(
