@@ -140,6 +140,11 @@ class PodCreate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     def claim_ref(self) -> tuple[str, str]:
         return (self.namespace, self.claim_name)
 
+    @property
+    def claim_words(self) -> str:
+        """The claim, for messages: ``GpuClaim <namespace>/<name>`` (made only when a message needs it)."""
+        return f"GpuClaim {self.namespace}/{self.claim_name}"
+
 
 def lookup_from(claims: Mapping[str, models.GpuClaim]) -> ClaimLookup:
     """A ClaimLookup over a mapping keyed ``namespace/name`` (tests, the benchmark)."""
@@ -159,8 +164,8 @@ def read_review(body: bytes) -> objects.AnyReview:
         return objects.decode_review(body)
     except objects.NotAReview as exc:
         raise BadReview(str(exc)) from None
-    except (ValueError, RecursionError) as exc:  # msgspec.DecodeError and UnicodeDecodeError are ValueErrors
-        raise NotJSON(f"the body is not JSON: {str(exc)[:200]}") from None
+    except (ValueError, RecursionError) as error:  # msgspec.DecodeError, UnicodeDecodeError: ValueErrors
+        raise NotJSON(f"the body is not JSON: {str(error)[:200]}") from None
 
 
 dump_json = objects.encode
@@ -311,46 +316,47 @@ def decide_prepared(
     """The decision for what ``prepare`` returned."""
     if isinstance(parsed, Decision):
         return parsed
-    uid, namespace, pod, name = parsed.uid, parsed.namespace, parsed.pod, parsed.claim_name
-    claim_words = f"GpuClaim {namespace}/{name}"
-
+    uid, pod = parsed.uid, parsed.pod
     users = [] if options.allow_device_plugin or parsed.gpu_free else mutations.device_plugin_requests(pod)
     if users:
         return _denied(
             uid,
-            f"the pod uses {claim_words} and also requests {mutations.GPU_RESOURCE} from the NVIDIA "
+            f"the pod uses {parsed.claim_words} and also requests {mutations.GPU_RESOURCE} from the NVIDIA "
             f"device plugin (containers: {', '.join(users)[:200]}); the device plugin would pick GPUs of "
             f"its own that may be the ones the claim holds. Remove the {mutations.GPU_RESOURCE} request, "
             "or run the webhook with --allow-device-plugin",
         )
 
     try:
-        claim = claims(namespace, name)
+        claim = claims(parsed.namespace, parsed.claim_name)
     except ClaimUnavailable as exc:
         return _denied(
-            uid, f"could not read {claim_words}: {exc}; try again", code=503, reason="ServiceUnavailable"
+            uid,
+            f"could not read {parsed.claim_words}: {exc}; try again",
+            code=503,
+            reason="ServiceUnavailable",
         )
-    except codecs.DecodeError as exc:
-        return _denied(uid, f"{claim_words} could not be read: {exc}")
+    except codecs.DecodeError as error:  # a name of its own: mypyc gives a name one type per function
+        return _denied(uid, f"{parsed.claim_words} could not be read: {error}")
 
     if claim is not None and claim.metadata.deletion_timestamp:
-        return _denied(uid, f"{claim_words} is being deleted")
+        return _denied(uid, f"{parsed.claim_words} is being deleted")
     if claim is not None and claim.status.phase == constants.PHASE_ALLOCATED:
-        return _allocated(parsed, plans.plan_of(claim), claim_words, options)
+        return _allocated(parsed, plans.plan_of(claim), options)
 
     if claim is None:
-        why = f"{claim_words} does not exist"
+        why = f"{parsed.claim_words} does not exist"
     else:
         status_message = claim.status.message or "(no status message yet)"
-        why = f"{claim_words} is {claim.status.phase}, not Allocated: {_quote(status_message)}"
+        why = f"{parsed.claim_words} is {claim.status.phase}, not Allocated: {_quote(status_message)}"
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
-    return _gated(parsed, claim, claim_words, why)
+    return _gated(parsed, claim, why)
 
 
-def _replica(pod: objects.Pod[Any], claim: models.GpuClaim, claim_words: str) -> int | str:
+def _replica(req: PodCreate, claim: models.GpuClaim) -> int | str:
     """The replica index for this pod, or a denial message."""
-    annotations, labels = mutations.pod_annotations(pod), mutations.pod_labels(pod)
+    annotations, labels = mutations.pod_annotations(req.pod), mutations.pod_labels(req.pod)
     replicas = claim.spec.replicas
     if (
         replicas == 1
@@ -367,32 +373,32 @@ def _replica(pod: objects.Pod[Any], claim: models.GpuClaim, claim_words: str) ->
             return 0
         sources = ", ".join(words for _, _, words in pods.REPLICA_SOURCES)
         return (
-            f"{claim_words} has {replicas} replicas and the pod does not say which one it is; "
+            f"{req.claim_words} has {replicas} replicas and the pod does not say which one it is; "
             f"set one of: {sources}"
         )
     if replica.index >= replicas:
         return (
-            f"replica {replica.index} (from {replica.source}) is out of range: {claim_words} has "
+            f"replica {replica.index} (from {replica.source}) is out of range: {req.claim_words} has "
             f"{replicas} replica{'s' if replicas != 1 else ''} (0..{replicas - 1})"
         )
     return replica.index
 
 
-def _allocated(req: PodCreate, plan: plans.Plan, claim_words: str, options: Options) -> Decision:
+def _allocated(req: PodCreate, plan: plans.Plan, options: Options) -> Decision:
     uid, pod = req.uid, req.pod
-    replica = _replica(pod, plan.claim, claim_words)
+    replica = _replica(req, plan.claim)
     if isinstance(replica, str):
         return _denied(uid, replica)
     target = plan.targets.get(replica)
     if target is None:
-        return _denied(uid, f"{claim_words} is Allocated but holds no devices for replica {replica}")
+        return _denied(uid, f"{req.claim_words} is Allocated but holds no devices for replica {replica}")
     node = target.node
     pin = mutations.node_pin(pod)
     if pin is not None and pin[1] != node:
         how, pinned = pin
         return _denied(
             uid,
-            f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {claim_words} "
+            f"pod {mutations.display_name(pod)} is pinned to node {pinned!r} by {how}, but {req.claim_words} "
             f"(replica {replica}) holds GPUs on node {node!r}; remove the pin or use another claim",
         )
     excluded = pods.affinity_excludes(pod.spec.affinity if pod.spec is not None else None, node)
@@ -400,11 +406,12 @@ def _allocated(req: PodCreate, plan: plans.Plan, claim_words: str, options: Opti
         return _denied(
             uid,
             f"pod {mutations.display_name(pod)} is kept off node {node!r} by its {excluded}, but "
-            f"{claim_words} (replica {replica}) holds GPUs on that node; remove the pin or use another claim",
+            f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
+            "remove the pin or use another claim",
         )
     ops, replaced = edit_allocated(pod, target, options.device_ids)
     warnings = (
-        [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {claim_words}"]
+        [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
         else None
     )
@@ -414,7 +421,7 @@ def _allocated(req: PodCreate, plan: plans.Plan, claim_words: str, options: Opti
 _GATED_ENV = mutations.env([mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES])
 
 
-def _gated(req: PodCreate, claim: models.GpuClaim | None, claim_words: str, why: str) -> Decision:
+def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
     uid, pod = req.uid, req.pod
     if pod.spec is not None and pod.spec.node_name:
         return _denied(
@@ -423,7 +430,7 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, claim_words: str, why:
             "would wait behind; remove spec.nodeName",
         )
     if claim is not None:
-        replica = _replica(pod, claim, claim_words)
+        replica = _replica(req, claim)
         if isinstance(replica, str):
             return _denied(uid, replica)
     return Decision(answer=allow(uid, patch=edit_gated(pod)), outcome=GATED)

@@ -111,8 +111,8 @@ class ClaimCache:
         else:
             try:
                 fetched = codecs.parse_claim(raw)
-            except codecs.DecodeError as exc:
-                return _failing(exc)
+            except codecs.DecodeError as error:  # a name of its own: mypyc gives a name one type
+                return _failing(error)
 
         def lookup(ns: str, n: str, /) -> models.GpuClaim | None:
             if (ns, n) == ref:

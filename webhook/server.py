@@ -94,8 +94,8 @@ async def mutate(state: State, request: web.Request) -> web.Response:
     try:
         review = admission.read_review(body)
         uid = admission.request_uid(review)
-    except (admission.NotJSON, admission.BadReview) as exc:
-        return _bad_request(state, started, str(exc))
+    except (admission.NotJSON, admission.BadReview) as invalid:
+        return _bad_request(state, started, str(invalid))
     try:
         prepared = admission.prepare(review, uid)
         claims = state.claims
@@ -106,10 +106,10 @@ async def mutate(state: State, request: web.Request) -> web.Response:
             lookup = await claims.lookup_for(prepared.claim_ref)  # one GET
         decision = admission.decide_prepared(prepared, lookup, state.options)
         answer, outcome = decision.answer, decision.outcome
-    except Exception as exc:  # never a 500: the API server shows the denial to the user
+    except Exception as failure:  # never a 500: the API server shows the denial to the user
         log.exception("admission failed", extra={"uid": uid})
         answer = admission.deny(
-            uid, f"the gpualloc webhook failed: {type(exc).__name__}", code=500, reason="InternalError"
+            uid, f"the gpualloc webhook failed: {type(failure).__name__}", code=500, reason="InternalError"
         )
         outcome = admission.ERROR
     text = admission.dump_json(answer)

@@ -194,6 +194,7 @@ def test_node_selector_is_created_when_the_pod_has_none() -> None:
     [
         {"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
         {"name": "CUDA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
+        {"name": "CUDA_VISIBLE_DEVICES", "value": None, "valueFrom": None},
     ],
 )
 def test_user_set_cuda_visible_devices_is_replaced_in_place(user_entry: dict[str, Any]) -> None:
