@@ -408,16 +408,24 @@ def bound_answer(body: bytes, claims: Any) -> bytes:
     node = objects.encode(allocation.node_name).decode()
     ops = ['{"op":"add","path":"/spec/nodeSelector","value":{"kubernetes.io/hostname":' + node + "}}"]
     replaced = []
+    sources: tuple[str, ...] = ()  # the entries appended to the first plain container: later ones copy them
     for key, items in (("initContainers", pod.spec.init_containers), ("containers", pod.spec.containers)):
         for i, container in enumerate(items or ()):
+            path = f"/spec/{key}/{i}/env"
             for j, entry in enumerate(container.env or ()):
                 if entry.name == "CUDA_VISIBLE_DEVICES":
-                    ops.append(f'{{"op":"replace","path":"/spec/{key}/{i}/env/{j}","value":{cuda}}}')
+                    ops.append(f'{{"op":"replace","path":"{path}/{j}","value":{cuda}}}')
+                    ops.append(f'{{"op":"add","path":"{path}/-","value":{nvidia}}}')
                     replaced.append(f"{container.name}/CUDA_VISIBLE_DEVICES")
                     break
             else:
-                ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env/-","value":{cuda}}}')
-            ops.append(f'{{"op":"add","path":"/spec/{key}/{i}/env/-","value":{nvidia}}}')
+                if sources:
+                    ops.extend(f'{{"op":"copy","from":"{source}","path":"{path}/-"}}' for source in sources)
+                    continue
+                ops.append(f'{{"op":"add","path":"{path}/-","value":{cuda}}}')
+                ops.append(f'{{"op":"add","path":"{path}/-","value":{nvidia}}}')
+                n = len(container.env or ())
+                sources = (f"{path}/{n}", f"{path}/{n + 1}")
     ops.append('{"op":"add","path":"/metadata/annotations/gpu.scheduling~1devices","value":' + value + "}")
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)} with the devices of GpuClaim {request.namespace}/{name}"]

@@ -5,7 +5,9 @@ edits do not change it: each appends RFC 6902 operations to a list, computed
 against the pod as it came. ``admission`` decides which edits to make; the
 operations of one decision touch disjoint parts of the pod (scheduling gates,
 the node selector, each container's env, one annotation, one label), so their
-order between edits does not matter.
+order between edits does not matter. Within the env edit it does: a container
+after the first may get the entries by ``copy`` operations from an earlier
+container, which follow the operations that put them there.
 
 All edits are idempotent: on a pod the patch was already applied to, they add
 no operation, which is what makes the webhook's reinvocation (and the API
@@ -229,10 +231,11 @@ def set_env_everywhere(pod: objects.Pod[Any], env: Env, ops: list[patches.Op]) -
     if spec is None:
         return []
     replaced: list[str] = []
+    copies: list[tuple[str, ...]] = []  # once one container has the entries: pieces copying them from it
     if spec.init_containers:
-        _set_env_in(spec.init_containers, "/spec/initContainers/", env, ops, replaced)
+        _set_env_in(spec.init_containers, "/spec/initContainers/", env, ops, replaced, copies)
     if spec.containers:
-        _set_env_in(spec.containers, "/spec/containers/", env, ops, replaced)
+        _set_env_in(spec.containers, "/spec/containers/", env, ops, replaced, copies)
     return replaced
 
 
@@ -242,12 +245,16 @@ def _set_env_in(
     env: Env,
     ops: list[patches.Op],
     replaced: list[str],
+    copies: list[tuple[str, ...]],
 ) -> None:
     """``set_env_everywhere`` for one list of containers, whose paths start with ``prefix``.
 
-    Most containers have none of the names: their operations come whole from
-    ``env`` (the paths are fixed keys and indices, nothing to escape);
-    ``set_env`` takes a container whose user set one of them.
+    Most containers have none of the names. The first of them gets the entries
+    with operations that come whole from ``env`` (the paths are fixed keys and
+    indices, nothing to escape); each later one with an env list gets them by
+    JSON Patch ``copy`` operations from it, about 90 bytes each instead of the
+    whole entry (the benchmark's patch is a third smaller: less to encode,
+    send and apply). ``set_env`` takes a container whose user set one of them.
     """
     wanted = env.entries
     for i, container in enumerate(containers):
@@ -255,6 +262,8 @@ def _set_env_in(
         current = container.env
         if current is None:
             ops.append(path.join(env.create))
+            if not copies:  # the entries are the whole new list
+                copies.append(patches.copies(f"{path}/env/", 0, len(wanted), "/env/-"))
             continue
         for item in current:
             if item.name in wanted:  # the user set one of ours: replace it in place
@@ -262,7 +271,11 @@ def _set_env_in(
                     replaced.append(f"{container.name or '<unnamed>'}/{name}")
                 break
         else:
-            ops.append(path.join(env.append))
+            if copies:
+                ops.append(path.join(copies[0]))
+            else:  # the entries are appended after the user's
+                ops.append(path.join(env.append))
+                copies.append(patches.copies(f"{path}/env/", len(current), len(wanted), "/env/-"))
 
 
 MemberOps = tuple[patches.Op, patches.Op]  # setting a key: (when its map is missing, when it is there)

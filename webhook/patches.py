@@ -80,6 +80,20 @@ def adds(suffix: str, values: Sequence[str]) -> tuple[str, ...]:
     )
 
 
+def copies(source: str, start: int, count: int, suffix: str) -> tuple[str, ...]:
+    """Pieces that ``path.join(pieces)`` makes into one Op: a ``copy`` of each of the ``count`` items
+    from ``source + str(start)`` on, to ``path + suffix``.
+
+    ``source`` and ``path`` are written as they are (fixed keys and indices).
+    """
+    head = '{"op":"copy","from":"'
+    pieces = [f'{head}{source}{start}","path":"']
+    for index in range(start + 1, start + count):
+        pieces.append(f'{suffix}"}},{head}{source}{index}","path":"')
+    pieces.append(f'{suffix}"}}')
+    return tuple(pieces)
+
+
 def replace_json(path: str, value: str) -> Op:
     """``replace`` with ``value`` already JSON text; ``path`` is written as it is (fixed keys and indices)."""
     return f'{{"op":"replace","path":"{path}","value":{value}}}'

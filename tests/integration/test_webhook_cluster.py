@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import ssl
 import tempfile
 import uuid
@@ -256,6 +257,43 @@ async def test_allocated_claim_pod_is_stored_pinned_with_env_everywhere_and_the_
     assert stored["status"]["phase"] == "Pending"
     after = webhook.metrics.registry.get_sample_value("gpualloc_webhook_claim_cache_misses_total")
     assert after == misses, "a cached claim costs no GET"
+
+
+async def test_containers_after_the_first_get_the_entries_by_copy_and_the_api_server_applies_it(
+    api: ApiClient, namespace: str, webhook: RunningWebhook
+) -> None:
+    await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
+    await wait_cached(webhook, f"{namespace}/train", constants.PHASE_ALLOCATED)
+    body = pod("copies", "train")
+    for i, container in enumerate([*body["spec"]["initContainers"], *body["spec"]["containers"]]):
+        container["env"] = [{"name": f"OWN_{i}", "value": str(i)}]
+    body["spec"]["containers"][1]["env"] = [{"name": "OWN_2", "value": "2"}]  # "side" sets none of ours here
+    # The patch the webhook sends for it copies the first container's entries into the others.
+    claim = webhook.reflector.get(f"{namespace}/train")
+    assert claim is not None
+    answer = admission.admit(
+        reviews.pod_review(body, namespace=namespace),
+        cache.ClaimCache(cache.StaticStore([claim]), _absent).get,
+    )
+    ops = json.loads(base64.b64decode(answer["response"]["patch"]))
+    assert [op["op"] for op in ops].count("copy") == 4, ops
+
+    await create_pod(api, namespace, body)
+    stored = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/copies")
+
+    joined = ",".join(UUIDS)
+    for i, container in enumerate([*stored["spec"]["initContainers"], *stored["spec"]["containers"]]):
+        assert [e["name"] for e in container["env"]] == [
+            f"OWN_{i}",
+            "CUDA_VISIBLE_DEVICES",
+            "NVIDIA_VISIBLE_DEVICES",
+        ]
+        assert env(container)["CUDA_VISIBLE_DEVICES"] == joined, container["name"]
+        assert env(container)["NVIDIA_VISIBLE_DEVICES"] == joined, container["name"]
+
+
+async def _absent(namespace: str, name: str) -> dict[str, Any] | None:
+    return None
 
 
 async def test_pod_without_the_annotation_is_untouched_and_fails_open_while_claim_pods_fail_closed(

@@ -72,6 +72,14 @@ def test_a_targets_prepared_operations_are_the_ones_the_general_edits_make(shape
     assert prepared == general
 
 
+def test_copies_pieces_joined_by_a_path_are_one_copy_per_source_to_that_path() -> None:
+    pieces = patches.copies("/spec/initContainers/0/env/", 4, 2, "/env/-")
+    assert patches.loads(["/spec/containers/2".join(pieces)]) == [
+        {"op": "copy", "from": "/spec/initContainers/0/env/4", "path": "/spec/containers/2/env/-"},
+        {"op": "copy", "from": "/spec/initContainers/0/env/5", "path": "/spec/containers/2/env/-"},
+    ]
+
+
 def test_adds_pieces_joined_by_a_path_are_one_add_per_value_at_that_path() -> None:
     pieces = patches.adds("/env/-", ['{"name":"A"}', "[1,2]", '"s"'])
     assert patches.loads(["/spec/containers/3".join(pieces)]) == [
