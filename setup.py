@@ -6,8 +6,8 @@ built so; see the Dockerfile). They are the same source, typed under mypy
 --strict, and run unchanged as plain Python when not compiled: a development
 install (``make setup``) is not compiled, so an edit takes effect at once.
 ``make compiled`` builds them into ``.compiled/`` for the benchmark and for
-``make test-compiled``. Why: in the server, interpreting the admission decision
-costs about 7 µs of each admission's 93 (BENCHMARKS.md).
+``make test-compiled``. Why: in the server, interpreting the admission path
+costs 5 to 7 µs of each admission's 84 to 93 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
