@@ -22,9 +22,10 @@ $(BIN)/gpualloc: pyproject.toml
 
 setup: $(BIN)/gpualloc
 
-# The webhook's admission path compiled with mypyc (the modules setup.py lists), as the image
-# ships it. Built apart, in .compiled/, so that in development the sources are what runs;
-# PYTHONPATH=.compiled puts the compiled modules first. Rebuilt when a webhook source changes.
+# The webhook's admission path compiled with mypyc (setup.py; the modules are listed in
+# pyproject.toml), as the image ships it. Built apart, in .compiled/, so that in development the
+# sources are what runs; PYTHONPATH=.compiled puts the compiled modules first. Rebuilt when a
+# webhook source changes.
 COMPILED_DIR := .compiled
 $(COMPILED_DIR)/.built: setup.py $(wildcard webhook/*.py) $(wildcard gpualloc/*/*.py) | setup
 	rm -rf $(COMPILED_DIR) && mkdir -p $(COMPILED_DIR)

@@ -226,28 +226,7 @@ def set_env(
 
 
 def set_env_everywhere(pod: objects.Pod[Any], env: Env, ops: list[patches.Op]) -> list[str]:
-    """``set_env`` on every container and init container; returns ``container/NAME`` for each replacement."""
-    spec = pod.spec
-    if spec is None:
-        return []
-    replaced: list[str] = []
-    copies: list[tuple[str, ...]] = []  # once one container has the entries: pieces copying them from it
-    if spec.init_containers:
-        _set_env_in(spec.init_containers, "/spec/initContainers/", env, ops, replaced, copies)
-    if spec.containers:
-        _set_env_in(spec.containers, "/spec/containers/", env, ops, replaced, copies)
-    return replaced
-
-
-def _set_env_in(
-    containers: list[objects.Container[Any]],
-    prefix: str,
-    env: Env,
-    ops: list[patches.Op],
-    replaced: list[str],
-    copies: list[tuple[str, ...]],
-) -> None:
-    """``set_env_everywhere`` for one list of containers, whose paths start with ``prefix``.
+    """``set_env`` on every init container and container; returns ``container/NAME`` for each replacement.
 
     Most containers have none of the names. The first of them gets the entries
     with operations that come whole from ``env`` (the paths are fixed keys and
@@ -256,26 +235,37 @@ def _set_env_in(
     whole entry (the benchmark's patch is a third smaller: less to encode,
     send and apply). ``set_env`` takes a container whose user set one of them.
     """
+    spec = pod.spec
+    if spec is None:
+        return []
     wanted = env.entries
-    for i, container in enumerate(containers):
-        path = f"{prefix}{i}"
-        current = container.env
-        if current is None:
-            ops.append(path.join(env.create))
-            if not copies:  # the entries are the whole new list
-                copies.append(patches.copies(f"{path}/env/", 0, len(wanted), "/env/-"))
-            continue
-        for item in current:
-            if item.name in wanted:  # the user set one of ours: replace it in place
-                for name in set_env(path, current, ops, wanted, current.index(item)):
-                    replaced.append(f"{container.name or '<unnamed>'}/{name}")
-                break
-        else:
-            if copies:
-                ops.append(path.join(copies[0]))
-            else:  # the entries are appended after the user's
-                ops.append(path.join(env.append))
-                copies.append(patches.copies(f"{path}/env/", len(current), len(wanted), "/env/-"))
+    replaced: list[str] = []
+    source: tuple[str, int] | None = None  # where the first container's new entries are: (list path, index)
+    copies: tuple[str, ...] = ()  # the pieces copying them, made when a second container needs them
+    for prefix, containers in (
+        ("/spec/initContainers/", spec.init_containers),
+        ("/spec/containers/", spec.containers),
+    ):
+        for i, container in enumerate(containers or ()):
+            path = f"{prefix}{i}"
+            current = container.env
+            if current is None:
+                ops.append(path.join(env.create))
+                source = source or (f"{path}/env/", 0)  # the entries are the whole new list
+                continue
+            for item in current:
+                if item.name in wanted:  # the user set one of ours: replace it in place
+                    for name in set_env(path, current, ops, wanted, current.index(item)):
+                        replaced.append(f"{container.name or '<unnamed>'}/{name}")
+                    break
+            else:
+                if source is None:  # the entries are appended after the user's
+                    ops.append(path.join(env.append))
+                    source = (f"{path}/env/", len(current))
+                    continue
+                copies = copies or patches.copies(*source, len(wanted), "/env/-")
+                ops.append(path.join(copies))
+    return replaced
 
 
 MemberOps = tuple[patches.Op, patches.Op]  # setting a key: (when its map is missing, when it is there)
