@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from agent import inventory
-from gpualloc.kube import watching
+from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class EventThread:
                 failures += 1
                 log.exception("health event wait failed")
                 # Back off a little so a broken event set cannot spin a core.
-                self._stop.wait(watching.backoff_delay(failures, None))
+                self._stop.wait(backoff.exponential(failures, base=0.2, cap=5.0))
                 continue
             for event in events:
                 try:

@@ -32,8 +32,8 @@ from agent import health, inventory, publishing, simulated
 from agent import metrics as agent_metrics
 from gpualloc.api import constants, models
 from gpualloc.kube import client, errors, resources, transport, watching
+from gpualloc.runtime import backoff, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
-from gpualloc.runtime import options, serving, signals
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class Agent:
             delay = (
                 self.args.scan_interval
                 if ok
-                else watching.backoff_delay(failures, None, base=1.0, cap=MAX_RETRY_SECONDS)
+                else backoff.exponential(failures, base=1.0, cap=MAX_RETRY_SECONDS)
             )
             await self._label_node()
             self.rescan.clear()

@@ -35,7 +35,8 @@ from typing import Any
 
 from agent import metrics as agent_metrics
 from gpualloc.api import codecs, constants, models, timestamps
-from gpualloc.kube import errors, resources, watching
+from gpualloc.kube import errors, resources
+from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ class Publisher:
                     self.metrics.publish_errors.inc()
                 if isinstance(exc, errors.Conflict | errors.NotFound | codecs.DecodeError):
                     self.server = None  # re-read (or re-create) before the next write
-                timeout = watching.backoff_delay(failures, None, base=0.2, cap=MAX_BACKOFF)
+                timeout = backoff.exponential(failures, base=0.2, cap=MAX_BACKOFF)
                 level = logging.WARNING if isinstance(exc, errors.KubeError) else logging.ERROR
                 log.log(
                     level,

@@ -11,8 +11,9 @@ Semantics follow client-go's workqueue, which every controller author knows:
   reconciler can pop the highest-priority, oldest claim first (``order`` is
   evaluated when the key becomes ready).
 
-``backoff_delay`` is the pure retry schedule: exponential from a base, capped,
-with jitter drawn from a random number the caller passes in.
+The retry schedule itself is ``gpualloc.runtime.backoff.jittered_up``;
+``backoff_delay`` here is that function under its old name, with the
+controller's cap as the default, until its callers call it directly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpualloc.runtime import backoff
+
 # Retries never wait longer than this, whatever the claim's backoff base.
 MAX_BACKOFF_SECONDS = 300.0
 
@@ -33,18 +36,12 @@ MAX_BACKOFF_SECONDS = 300.0
 def backoff_delay(
     attempt: int, *, base: float, cap: float = MAX_BACKOFF_SECONDS, jitter: float = 0.0
 ) -> float:
-    """Seconds to wait before retry number ``attempt`` (1 for the first retry).
+    """``backoff.jittered_up`` with ``cap`` defaulting to ``MAX_BACKOFF_SECONDS``.
 
-    ``base * 2**(attempt-1)`` stretched by up to a quarter by ``jitter`` (a
-    number in ``[0, 1)``), then capped at ``cap``. ``base`` is therefore the
-    shortest first wait, and retries of many claims that failed together
-    spread out instead of arriving as one wave.
+    Kept for controller.planning and controller.reconciling; new code calls
+    ``backoff.jittered_up`` with its cap spelled out.
     """
-    if attempt < 1:
-        return 0.0
-    exponent = min(attempt - 1, 32)  # 2**32 * any sane base is past the cap
-    jitter = min(max(jitter, 0.0), 1.0)
-    return min(cap, base * (2.0**exponent) * (1.0 + 0.25 * jitter))
+    return backoff.jittered_up(attempt, base=base, cap=cap, jitter=jitter)
 
 
 class WorkQueue:

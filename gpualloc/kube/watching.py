@@ -34,6 +34,7 @@ from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import errors, transport
+from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,8 @@ def diff(old: Mapping[str, Obj], new: Mapping[str, Obj]) -> list[tuple[str, Obj]
     return events
 
 
-def backoff_delay(failures: int, rng: random.Random | None, *, base: float = 0.2, cap: float = 5.0) -> float:
-    """Exponential backoff: ``base * 2**(failures-1)``, never above ``cap``; with ``rng``, jittered
-    down by up to half. The exponent is clamped, so any number of failures stays a float."""
-    if failures <= 0:
-        return 0.0
-    ceiling = min(cap, base * 2 ** min(failures - 1, 30))
-    return float(ceiling if rng is None else ceiling * (0.5 + 0.5 * rng.random()))
+# The first pause after a failed list or watch; it doubles up to ``max_backoff_seconds``.
+BACKOFF_BASE_SECONDS = 0.2
 
 
 class Reflector:
@@ -190,7 +186,7 @@ class Reflector:
                 if self.watch_events == seen and time.monotonic() - started < 1.0:
                     # Ended at once with nothing said: the API server is going away. Do not spin.
                     failures += 1
-                    await asyncio.sleep(backoff_delay(failures, self._rng, cap=self.max_backoff_seconds))
+                    await asyncio.sleep(self._backoff(failures))
                 else:
                     failures = 0
                 continue
@@ -206,7 +202,14 @@ class Reflector:
             need_list = True
             # A watch that delivered something was progress: start the backoff again from the bottom.
             failures = 1 if self.watch_events != seen else failures + 1
-            await asyncio.sleep(backoff_delay(failures, self._rng, cap=self.max_backoff_seconds))
+            await asyncio.sleep(self._backoff(failures))
+
+    def _backoff(self, failures: int) -> float:
+        # Jittered down: many reflectors cut off by one API server restart come back spread out,
+        # and none waits longer than max_backoff_seconds.
+        return backoff.jittered_down(
+            failures, self._rng, base=BACKOFF_BASE_SECONDS, cap=self.max_backoff_seconds
+        )
 
     def _selectors(self) -> list[tuple[str, str]]:
         query: list[tuple[str, str]] = []

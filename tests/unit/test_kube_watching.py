@@ -8,7 +8,6 @@ tests/integration/test_watch_restart.py.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -42,16 +41,6 @@ def test_diff_reports_added_deleted_and_modified_only_where_the_resource_version
 def test_diff_of_equal_caches_is_empty() -> None:
     cache = {"ns/a": obj("a", "1")}
     assert watching.diff(cache, dict(cache)) == []
-
-
-def test_backoff_grows_exponentially_is_jittered_and_capped() -> None:
-    rng = random.Random(1)
-    first = [watching.backoff_delay(1, rng) for _ in range(50)]
-    assert all(0.1 <= d <= 0.2 for d in first)
-    assert len(set(first)) > 1  # jittered
-    assert all(0.4 <= watching.backoff_delay(3, rng) <= 0.8 for _ in range(50))
-    assert all(2.5 <= watching.backoff_delay(50, rng) <= 5.0 for _ in range(50))
-    assert watching.backoff_delay(0, rng) == 0.0
 
 
 def make(events: list[tuple[str, dict[str, Any]]] | None = None) -> watching.Reflector:
@@ -218,8 +207,3 @@ async def test_synced_is_not_set_until_a_list_succeeds() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
     assert reflector.failures == 3
-
-
-def test_backoff_without_jitter_is_the_plain_capped_schedule_for_any_failure_count() -> None:
-    assert [watching.backoff_delay(n, None, base=0.2, cap=10.0) for n in (1, 2, 3)] == [0.2, 0.4, 0.8]
-    assert watching.backoff_delay(5000, None, base=0.2, cap=10.0) == 10.0  # no OverflowError
