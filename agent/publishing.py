@@ -168,8 +168,14 @@ def node_status_body(node_name: str, node: Mapping[str, Any] | None) -> Obj:
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def label_value(text: str) -> str:
-    """A valid label value: ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA-H100-80GB-HBM3``."""
+def sanitize_label_value(text: str) -> str:
+    """Free text made a valid label value: ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA-H100-80GB-HBM3``.
+
+    Each run of characters a label value may not hold becomes ``-``; the result
+    is cut to 63 characters and trimmed of non-alphanumerics at both ends. (An
+    object name is valid already and only needs shortening:
+    ``constants.shorten_label_value``.)
+    """
     value = _LABEL_VALUE_BAD.sub("-", text)[:63]
     return value.strip("-._")
 
@@ -181,7 +187,7 @@ def node_labels(inv: models.NodeInventory) -> dict[str, str]:
     first = min(inv.devices, key=lambda d: d.index)
     return {
         LABEL_GPU_COUNT: str(len(inv.devices)),
-        LABEL_GPU_PRODUCT: label_value(first.product),
+        LABEL_GPU_PRODUCT: sanitize_label_value(first.product),
         LABEL_GPU_MEMORY: str(first.memory_mib),
     }
 

@@ -81,18 +81,24 @@ def lease_name(uuid: str) -> str:
 LABEL_VALUE_MAX = 63
 
 
-def label_value(value: str) -> str:
-    """``value`` as a label value: itself when it fits in 63 characters, else a prefix and a hash.
+def shorten_label_value(name: str) -> str:
+    """An object's ``name`` as a label value: itself when it fits in 63 characters, else a prefix and a hash.
 
     Object names may be 253 characters (a GpuClaim's is a DNS subdomain) but
     label values only 63: a longer one is cut to 52 characters and given ``-``
     and 10 hex digits of its SHA-256, so it stays distinct and selectable. The
     whole name goes in an annotation of the same key (``controller.planning.lease_annotations``).
+    A name's characters are all valid in a label value already; free text is
+    not, and is the agent's ``publishing.sanitize_label_value``.
     """
-    if len(value) <= LABEL_VALUE_MAX:
-        return value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:10]
-    return f"{value[: LABEL_VALUE_MAX - 11]}-{digest}"
+    if len(name) <= LABEL_VALUE_MAX:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{name[: LABEL_VALUE_MAX - 11]}-{digest}"
+
+
+# The old name, until controller/planning.py calls shorten_label_value.
+label_value = shorten_label_value
 
 
 def lease_claim(metadata: Mapping[str, Any]) -> tuple[str, str]:

@@ -141,7 +141,7 @@ async def test_agent_publishes_what_nvidia_smi_reports(
     labels = (await transport.request(api, "GET", f"/api/v1/nodes/{node}"))["metadata"]["labels"]
     first = min(status.devices, key=lambda d: d.index)
     assert labels[publishing.LABEL_GPU_COUNT] == str(len(gpus))
-    assert labels[publishing.LABEL_GPU_PRODUCT] == publishing.label_value(first.product)
+    assert labels[publishing.LABEL_GPU_PRODUCT] == publishing.sanitize_label_value(first.product)
     assert labels[publishing.LABEL_GPU_MEMORY] == str(first.memory_mib)
 
 

@@ -323,5 +323,5 @@ def test_node_labels_are_gfd_style_and_valid_label_values() -> None:
         "gpu.scheduling/gpu.product": "NVIDIA-A100-80GB-PCIe",
         "gpu.scheduling/gpu.memory": "81920",
     }
-    assert publishing.label_value("  weird/name (rev 2) ") == "weird-name-rev-2"
-    assert len(publishing.label_value("x" * 100)) == 63
+    assert publishing.sanitize_label_value("  weird/name (rev 2) ") == "weird-name-rev-2"
+    assert len(publishing.sanitize_label_value("x" * 100)) == 63

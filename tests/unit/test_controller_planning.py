@@ -180,17 +180,17 @@ _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 200, 253])
-def test_label_value_keeps_names_that_fit_and_shortens_longer_ones_to_a_distinct_valid_value(
+def test_shorten_label_value_keeps_names_that_fit_and_shortens_longer_ones_to_a_distinct_valid_value(
     length: int,
 ) -> None:
     name = ("a." * length)[: length - 1] + "z"  # a DNS subdomain; "." lands before the cut
-    value = constants.label_value(name)
+    value = constants.shorten_label_value(name)
     assert len(value) <= 63 and _LABEL_VALUE.fullmatch(value)
     if length <= 63:
         assert value == name
     else:
         assert value.startswith(name[:52]) and value != name
-        assert constants.label_value(name[:-1] + "y") != value
+        assert constants.shorten_label_value(name[:-1] + "y") != value
 
 
 def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_the_label() -> None:
@@ -198,7 +198,7 @@ def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_th
     long = claim("c" * 253)
     labels = planning.lease_labels(item, long)
     annotations = planning.lease_annotations(long)
-    assert labels[constants.LABEL_CLAIM_NAME] == constants.label_value("c" * 253)
+    assert labels[constants.LABEL_CLAIM_NAME] == constants.shorten_label_value("c" * 253)
     assert annotations == {constants.LABEL_CLAIM_NAMESPACE: "ns", constants.LABEL_CLAIM_NAME: "c" * 253}
     lease = {"metadata": {"name": item.lease, "labels": labels, "annotations": annotations}}
     assert (planning.lease_info(lease).claim_namespace, planning.lease_info(lease).claim_name) == (
