@@ -53,8 +53,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gpualloc.api import constants, models
-from gpualloc.api.islands import islands
+from gpualloc.api import constants, islands, models
 
 _FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 
@@ -237,23 +236,6 @@ def _remote_kind(endpoint: NvLinkEndpoint, gpu_bus_ids: set[str]) -> int:
     return REMOTE_SWITCH
 
 
-class _UnionFind:
-    def __init__(self) -> None:
-        self.parent: dict[str, str] = {}
-
-    def find(self, x: str) -> str:
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: str, b: str) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
 @dataclasses.dataclass(**_FROZEN)
 class _PairLinks:
     count: int
@@ -268,7 +250,7 @@ def nvlink_pairs(devices: Sequence[DeviceFacts]) -> dict[tuple[int, int], _PairL
     versions: dict[tuple[int, int], set[int]] = {}
     switch_links: dict[int, int] = {}
     switch_versions: dict[int, set[int]] = {}
-    fabric = _UnionFind()
+    fabric: islands.DisjointSets[str] = islands.DisjointSets()
     for device in devices:
         for ep in device.nvlinks:
             if not ep.active:
@@ -385,7 +367,7 @@ def derive(
         cuda_version=facts.cuda_version,
         devices=tuple(devices),
         links=links,
-        islands=islands((d.index for d in devices), ((ln.a, ln.b) for ln in links if ln.nvlinks > 0)),
+        islands=islands.islands((d.index for d in devices), ((ln.a, ln.b) for ln in links if ln.nvlinks > 0)),
         total=len(devices),
         healthy=sum(1 for d in devices if d.health == constants.HEALTHY),
         allocated=allocated,
