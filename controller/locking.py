@@ -16,12 +16,12 @@ arrives: planning a second claim in that gap must not pick the same GPUs.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from kubernetes_asyncio.client import ApiClient
-
+from controller import cluster as kube
 from controller import planning
 from gpualloc.api import models
 from gpualloc.kube import errors, leases
@@ -101,7 +101,7 @@ class LockResult:
 
 
 async def acquire(
-    api: ApiClient,
+    cluster: kube.Cluster,
     namespace: str,
     plan: Sequence[planning.LockItem],
     claim: models.GpuClaim,
@@ -119,45 +119,47 @@ async def acquire(
     held: dict[str, str] = {}
     try:
         for item in plan:
-            lease_uid, holder, made = await _create_or_read(api, namespace, item, claim)
+            lease_uid, holder, made = await _create_or_read(cluster, namespace, item, claim)
             if holder != uid:
                 overlay.note(item.lease, holder, lease_uid)
                 log.info(
                     "device taken meanwhile, rolling back",
                     extra={"claim": claim.key, "lease": item.lease, "holder": holder},
                 )
-                await _quiet_release(api, namespace, created, overlay, holder=uid)
+                await _quiet_release(cluster, created, overlay, holder=uid)
                 return LockResult(ok=False, held={})
             held[item.lease] = lease_uid
             overlay.note(item.lease, uid, lease_uid)
             if made:
                 created[item.lease] = lease_uid
     except errors.KubeError:
-        await _quiet_release(api, namespace, created, overlay, holder=uid)
+        await _quiet_release(cluster, created, overlay, holder=uid)
         raise
     return LockResult(ok=True, held=held)
 
 
 async def _create_or_read(
-    api: ApiClient, namespace: str, item: planning.LockItem, claim: models.GpuClaim
+    cluster: kube.Cluster, namespace: str, item: planning.LockItem, claim: models.GpuClaim
 ) -> tuple[str, str, bool]:
     """(Lease uid, holder, created by this call) after trying to create the Lease."""
     uid = claim.metadata.uid
     for _ in range(3):
         try:
-            raw = await leases.create_lease(
-                api,
+            body = leases.lease_body(
                 namespace,
                 item.lease,
                 holder=uid,
                 labels=planning.lease_labels(item, claim),
                 annotations=planning.lease_annotations(claim),
+                duration_seconds=None,
+                now=datetime.datetime.now(datetime.UTC),
             )
+            raw = await cluster.create_lease(body)
             return planning.lease_info(raw).uid, uid, True
         except errors.AlreadyExists:
             pass
         try:
-            raw = await leases.get_lease(api, namespace, item.lease)  # the one GET: only on a conflict
+            raw = await cluster.get_lease(item.lease)  # the one GET: only on a conflict
         except errors.NotFound:
             continue  # released between our create and our read: try again
         info = planning.lease_info(raw)
@@ -166,18 +168,17 @@ async def _create_or_read(
 
 
 async def _quiet_release(
-    api: ApiClient, namespace: str, held: Mapping[str, str], overlay: Overlay, *, holder: str
+    cluster: kube.Cluster, held: Mapping[str, str], overlay: Overlay, *, holder: str
 ) -> None:
     try:
-        await release(api, namespace, held, overlay, holder=holder)
+        await release(cluster, held, overlay, holder=holder)
     except errors.KubeError as exc:
         # The Leases stay held by the claim's UID; the next reconcile or the sweep releases them.
         log.warning("rollback incomplete", extra={"error": str(exc), "leases": sorted(held)})
 
 
 async def release(
-    api: ApiClient,
-    namespace: str,
+    cluster: kube.Cluster,
     held: Mapping[str, str],
     overlay: Overlay,
     *,
@@ -198,7 +199,7 @@ async def release(
             overlay.forget(name, holder)
             continue
         try:
-            await leases.delete_lease(api, namespace, name, uid=uid)
+            await cluster.delete_lease(name, uid=uid)
             deleted += 1
         except errors.NotFound:
             pass

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controller import leader, planning, reconciling
+from controller import cluster, leader, planning, reconciling
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import client
@@ -112,7 +112,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     api.user_agent = f"{USER_AGENT}/{identity}"
     metrics = controller_metrics.Metrics()
     controller = reconciling.Controller(
-        api,
+        cluster.KubeCluster(api, args.namespace),
         reconciling.Settings(
             namespace=args.namespace,
             workers=args.workers,

@@ -67,19 +67,17 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from controller import allocator, locking, planning
+from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
 from gpualloc.api import codecs, constants, models, timestamps
-from gpualloc.kube import errors, events, resources, transport, watching
+from gpualloc.kube import errors, watching
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-COMPONENT = "gpualloc-controller"
 LOCK_ATTEMPTS = 3  # plans tried per reconcile when another controller wins a device
 EVENT_INTERVAL = 60.0  # AllocationFailed at most this often per claim, unless the reason changes
 # The Warning on a gated pod the controller cannot release (no replica, a conflicting pin, a Failed
@@ -111,38 +109,58 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-class Controller:
-    """All of the controller's state in one process; ``run_caches`` always, ``run_active`` when leading."""
+FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods")
 
-    def __init__(
-        self,
-        api: ApiClient,
-        settings: Settings,
-        metrics: controller_metrics.Metrics | None = None,
-        *,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.api = api
-        self.settings = settings
-        self.metrics = metrics or controller_metrics.Metrics()
-        self.cr = resources.CustomResources(api)
-        self._rng = rng or random.Random()
-        self.claims = watching.Reflector(
-            api, watching.CLAIMS, label_selector=settings.claim_selector, on_event=self._on_claim
-        )
-        self.node_statuses = watching.Reflector(api, watching.NODE_STATUSES, on_event=self._on_node_status)
-        self.nodes = watching.Reflector(api, watching.NODES, on_event=self._on_node)
-        self.leases = watching.Reflector(
+
+def reflectors(api: Any, settings: Settings) -> dict[str, watching.Reflector]:
+    """The caches the controller keeps, by feed name, on a real API server."""
+    return {
+        "claims": watching.Reflector(api, watching.CLAIMS, label_selector=settings.claim_selector),
+        "node_statuses": watching.Reflector(api, watching.NODE_STATUSES),
+        "nodes": watching.Reflector(api, watching.NODES),
+        "leases": watching.Reflector(
             api,
             watching.LEASES,
             namespace=settings.namespace,
             label_selector=f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}",
-            on_event=self._on_lease,
-        )
+        ),
         # Only the pods the webhook gated (it labels them), never every pod in the cluster.
-        self.pods = watching.Reflector(
-            api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", on_event=self._on_pod
-        )
+        "pods": watching.Reflector(api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true"),
+    }
+
+
+class Controller:
+    """All of the controller's state in one process; ``run_caches`` always, ``run_active`` when leading.
+
+    ``cluster`` is every read and write it makes; ``feeds`` are its caches
+    (``reflectors`` on a real API server, or the simulation's), by name in ``FEEDS``.
+    """
+
+    def __init__(
+        self,
+        cluster: kube.Cluster,
+        settings: Settings,
+        metrics: controller_metrics.Metrics | None = None,
+        *,
+        rng: random.Random | None = None,
+        feeds: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.metrics = metrics or controller_metrics.Metrics()
+        self._rng = rng or random.Random()
+        if feeds is None:
+            feeds = reflectors(getattr(cluster, "api"), settings)  # noqa: B009
+        self.claims = feeds["claims"]
+        self.node_statuses = feeds["node_statuses"]
+        self.nodes = feeds["nodes"]
+        self.leases = feeds["leases"]
+        self.pods = feeds["pods"]
+        self.claims.on_event = self._on_claim
+        self.node_statuses.on_event = self._on_node_status
+        self.nodes.on_event = self._on_node
+        self.leases.on_event = self._on_lease
+        self.pods.on_event = self._on_pod
         self.reflectors = (self.claims, self.node_statuses, self.nodes, self.leases, self.pods)
         self.queue = work_queue.WorkQueue(order=self._order)
         self.overlay = locking.Overlay()
@@ -262,9 +280,7 @@ class Controller:
 
     def _emit(self, obj: Obj, reason: str, message: str, type_: str = "Normal") -> None:
         """Record an Event without holding up the reconcile."""
-        self._spawn(
-            events.emit(self.api, obj=obj, reason=reason, message=message, type_=type_, component=COMPONENT)
-        )
+        self._spawn(self.cluster.emit_event(obj, reason, message, type_))
 
     # ------------------------------------------------------------------ event handlers
 
@@ -423,7 +439,7 @@ class Controller:
 
     async def _release(self, held: Mapping[str, str], uid: str) -> int:
         """Delete the Leases ``held`` (name -> Lease uid) that ``uid`` holds; the number deleted."""
-        return await locking.release(self.api, self.settings.namespace, held, self.overlay, holder=uid)
+        return await locking.release(self.cluster, held, self.overlay, holder=uid)
 
     def _devices_lost(self, claim: models.GpuClaim, lost: Sequence[str] = ()) -> models.Condition | None:
         """The DevicesLost condition an Allocated claim needs written, or None (``planning``)."""
@@ -529,7 +545,7 @@ class Controller:
         """Set the claim's finalizers, only if it is still the version the cache saw (else Conflict)."""
         meta = claim.metadata
         body = {"metadata": {"finalizers": finalizers}}
-        return await self.cr.patch_claim(
+        return await self.cluster.patch_claim_metadata(
             meta.namespace, meta.name, body, resource_version=meta.resource_version
         )
 
@@ -580,7 +596,9 @@ class Controller:
             # of this process never pick the same GPU; another process is stopped by the Lease itself.
             self.overlay.reserve(names, uid)
             try:
-                result = await locking.acquire(self.api, self.settings.namespace, plan, claim, self.overlay)
+                result = await locking.acquire(
+                    self.cluster, self.settings.namespace, plan, claim, self.overlay
+                )
             finally:
                 self.overlay.drop_reserved(names, uid)
             if result.ok:
@@ -624,7 +642,7 @@ class Controller:
         once the status is settled. On NotFound the claim is gone.
         """
         try:
-            written = await self.cr.patch_claim_status(
+            written = await self.cluster.patch_claim_status(
                 claim.metadata.namespace,
                 claim.metadata.name,
                 patch,
@@ -731,7 +749,7 @@ class Controller:
         plan = [item for item in planning.lock_plan(claim.status.allocations) if item.lease in wanted]
         lost: list[str] = []
         for item in plan:
-            result = await locking.acquire(self.api, self.settings.namespace, [item], claim, self.overlay)
+            result = await locking.acquire(self.cluster, self.settings.namespace, [item], claim, self.overlay)
             if not result.ok:
                 lost.append(item.lease)
             else:
@@ -756,16 +774,11 @@ class Controller:
                 self._pod_warning(pod_key, pod, conflict)
                 continue
             meta = _meta(pod)
-            path = transport.collection_path(
-                "", "v1", "pods", str(meta.get("namespace", "")), str(meta.get("name", ""))
-            )
             try:
-                await transport.request(
-                    self.api,
-                    "PATCH",
-                    path,
-                    body=planning.ungate_patch(pod, allocation),
-                    content_type=transport.JSON_PATCH,
+                await self.cluster.patch_pod(
+                    str(meta.get("namespace", "")),
+                    str(meta.get("name", "")),
+                    planning.ungate_patch(pod, allocation),
                 )
             except errors.NotFound:
                 continue
@@ -844,7 +857,7 @@ class Controller:
         if named is None:
             return False  # a managed Lease naming no claim is nobody's
         try:
-            raw = await self.cr.get_claim(named.claim_namespace, named.claim_name)
+            raw = await self.cluster.get_claim(named.claim_namespace, named.claim_name)
         except errors.NotFound:
             return False
         return str(_meta(raw).get("uid", "")) == uid

@@ -15,7 +15,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 
-from gpualloc.kube import transport
+from gpualloc.kube import errors, transport
 
 Obj = dict[str, Any]
 
@@ -77,6 +77,31 @@ async def create_lease(
     )
     result: Obj = await _call(api, "create_namespaced_lease", namespace, body)
     return result
+
+
+async def create(api: ApiClient, namespace: str, body: Mapping[str, Any]) -> Obj:
+    """Create the Lease ``body`` (see ``lease_body``); ``errors.AlreadyExists`` when the name is taken."""
+    result: Obj = await _call(api, "create_namespaced_lease", namespace, dict(body))
+    return result
+
+
+async def drop_finalizers(api: ApiClient, namespace: str, name: str, *, uid: str) -> None:
+    """Empty the finalizers of the Lease, only if it still has this ``uid``.
+
+    A Lease that was being deleted is then removed. ``errors.Conflict`` when the
+    Lease by that name has another uid (the JSON Patch ``test`` fails), and
+    ``errors.NotFound`` when there is none.
+    """
+    operations = [
+        {"op": "test", "path": "/metadata/uid", "value": uid},
+        {"op": "replace", "path": "/metadata/finalizers", "value": []},
+    ]
+    try:
+        await _call(
+            api, "patch_namespaced_lease", name, namespace, operations, _content_type=transport.JSON_PATCH
+        )
+    except errors.Invalid as exc:  # a failed "test" operation is answered 422
+        raise errors.Conflict(409, "Conflict", f"lease {name} is not uid {uid}: {exc}") from exc
 
 
 async def get_lease(api: ApiClient, namespace: str, name: str) -> Obj:

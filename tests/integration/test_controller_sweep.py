@@ -11,8 +11,8 @@ from typing import Any
 import prometheus_client
 from kubernetes_asyncio.client import ApiClient
 
+from controller import cluster, reconciling
 from controller import metrics as controller_metrics
-from controller import reconciling
 from gpualloc.api import constants
 from gpualloc.kube import errors, leases, resources, transport
 from tests.integration.controller_support import (
@@ -34,7 +34,9 @@ async def controller_in_process(
     settings = reconciling.Settings(
         namespace=namespace, sweep_interval=1.0, claim_selector=f"{RUN_LABEL}={run}"
     )
-    ctl = reconciling.Controller(api, settings, controller_metrics.Metrics())
+    ctl = reconciling.Controller(
+        cluster.KubeCluster(api, settings.namespace), settings, controller_metrics.Metrics()
+    )
     caches = asyncio.create_task(ctl.run_caches())
     active = asyncio.create_task(ctl.run_active())
     try:

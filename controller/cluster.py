@@ -1,0 +1,123 @@
+"""The controller's one door to Kubernetes: the few reads and writes it makes, and nothing else.
+
+Everything the controller decides comes from its caches (``state``), fed by
+watch events; every call it makes to the API server goes through a
+``Cluster``. ``KubeCluster`` is the real one; the deterministic simulation
+(``tests/simulation``) supplies an in-memory one with the same semantics, so
+the same controller code runs against both:
+
+* ``create_lease``: atomic; ``errors.AlreadyExists`` when the name exists
+  (also while it is being deleted but held by a finalizer);
+* ``delete_lease``: with a uid precondition, ``errors.Conflict`` when the
+  Lease by that name has another uid, ``errors.NotFound`` when there is none;
+  a Lease with finalizers only gets a ``deletionTimestamp``;
+* ``drop_lease_finalizer``: removes the finalizers of the Lease with that uid
+  (``errors.Conflict`` on another uid, ``errors.NotFound`` when gone);
+* ``patch_claim_status`` / ``patch_claim_metadata``: JSON merge patches with
+  a resourceVersion precondition, ``errors.Conflict`` when the claim has
+  moved on; the answer is the claim as written (an authoritative read);
+* ``get_claim`` / ``get_lease``: authoritative reads (quorum), not the cache;
+* ``list_pods``: an authoritative read of one namespace's pods;
+* ``patch_pod``: a JSON Patch (list of operations) on a pod;
+* ``emit_event``: best effort, never raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import events, leases, resources, transport
+
+Obj = dict[str, Any]
+
+COMPONENT = "gpualloc-controller"
+PAGE_SIZE = 500  # pods per page when listing a namespace
+
+
+class Cluster(Protocol):
+    """What the controller reads and writes. Errors are ``gpualloc.kube.errors``."""
+
+    async def create_lease(self, body: Obj) -> Obj: ...
+
+    async def get_lease(self, name: str) -> Obj: ...
+
+    async def delete_lease(self, name: str, *, uid: str) -> None: ...
+
+    async def drop_lease_finalizer(self, name: str, *, uid: str) -> None: ...
+
+    async def get_claim(self, namespace: str, name: str) -> Obj: ...
+
+    async def patch_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj: ...
+
+    async def patch_claim_metadata(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj: ...
+
+    async def list_pods(self, namespace: str) -> list[Obj]: ...
+
+    async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj: ...
+
+    async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None: ...
+
+
+class KubeCluster:
+    """``Cluster`` on a real API server; device Leases live in ``namespace``."""
+
+    def __init__(self, api: ApiClient, namespace: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self._crs = resources.CustomResources(api)
+
+    async def create_lease(self, body: Obj) -> Obj:
+        return await leases.create(self.api, self.namespace, body)
+
+    async def get_lease(self, name: str) -> Obj:
+        return await leases.get_lease(self.api, self.namespace, name)
+
+    async def delete_lease(self, name: str, *, uid: str) -> None:
+        await leases.delete_lease(self.api, self.namespace, name, uid=uid)
+
+    async def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
+        await leases.drop_finalizers(self.api, self.namespace, name, uid=uid)
+
+    async def get_claim(self, namespace: str, name: str) -> Obj:
+        return await self._crs.get_claim(namespace, name)
+
+    async def patch_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        return await self._crs.patch_claim_status(namespace, name, patch, resource_version=resource_version)
+
+    async def patch_claim_metadata(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        return await self._crs.patch_claim(namespace, name, patch, resource_version=resource_version)
+
+    async def list_pods(self, namespace: str) -> list[Obj]:
+        items: list[Obj] = []
+        token = ""
+        while True:
+            query = [("limit", str(PAGE_SIZE))]
+            if token:
+                query.append(("continue", token))
+            path = transport.collection_path("", "v1", "pods", namespace)
+            page = await transport.request(self.api, "GET", path, query=query)
+            items.extend(page.get("items") or [])
+            token = str((page.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return items
+
+    async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
+        path = transport.collection_path("", "v1", "pods", namespace, name)
+        result: Obj = await transport.request(
+            self.api, "PATCH", path, body=[dict(op) for op in operations], content_type=transport.JSON_PATCH
+        )
+        return result
+
+    async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
+        await events.emit(self.api, obj=obj, reason=reason, message=message, type_=type_, component=COMPONENT)
