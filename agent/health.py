@@ -21,14 +21,13 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from agent import inventory
 from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
-_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
 
@@ -38,7 +37,7 @@ KIND_LOST = "lost"
 ALL_DEVICES = ""  # an event whose device NVML could not name applies to every device
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HealthEvent:
     uuid: str  # ALL_DEVICES when unknown
     kind: str  # KIND_XID | KIND_ECC (a lost device is a scan's business: carry_lost)

@@ -51,11 +51,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpualloc.api import constants, islands, models
-
-_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 
 # nvmlGpuTopologyLevel_t values (the pynvml names are NVML_TOPOLOGY_*).
 TOPOLOGY_INTERNAL = 0
@@ -105,7 +103,7 @@ PRODUCT_SUMMARY_MAX = 256
 # ------------------------------------------------------------------ raw facts
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NvLinkEndpoint:
     """One NVLink of one GPU, as NVML describes it."""
 
@@ -116,7 +114,7 @@ class NvLinkEndpoint:
     version: int = 0  # nvmlNvlinkVersion_t; 0 unknown
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceFacts:
     index: int
     minor: int
@@ -135,7 +133,7 @@ class DeviceFacts:
     lost: str = ""
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NodeFacts:
     source: str
     driver_version: str = ""
@@ -145,7 +143,7 @@ class NodeFacts:
     common_ancestors: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSample:
     """Utilisation and the like, for /metrics; not published in the status."""
 
@@ -236,7 +234,7 @@ def _remote_kind(endpoint: NvLinkEndpoint, gpu_bus_ids: set[str]) -> int:
     return REMOTE_SWITCH
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class _PairLinks:
     count: int
     version: int  # the lowest NVLink version enum seen on the pair's links, 0 unknown

@@ -40,7 +40,6 @@ from gpualloc.api import models
 
 log = logging.getLogger(__name__)
 
-_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
 
 UUID_NAMESPACE = uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "gpu.scheduling")
 
@@ -49,13 +48,13 @@ class ProfileError(ValueError):
     """A profile file is missing or malformed."""
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SimMig:
     profile: str
     memory_mib: int
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SimDevice:
     bus_id: str
     numa: int
@@ -68,20 +67,20 @@ class SimDevice:
     mig: tuple[SimMig, ...] | None = None
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SimSwitch:
     bus_id: str
     links_per_gpu: int
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SimBridge:
     a: int
     b: int
     links: int
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
     name: str
     description: str
@@ -348,7 +347,7 @@ class SimulatedSource:
 # ------------------------------------------------------------- XID injection
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Injection:
     index: int
     kind: str  # health.KIND_*

@@ -14,8 +14,6 @@ from typing import Any
 
 from gpualloc.api import constants
 
-_FROZEN: dict[str, Any] = {"frozen": True, "slots": True, "kw_only": True}
-
 
 def json_name(name: str) -> dict[str, Any]:
     """Field metadata naming the JSON key where camelCase would be wrong."""
@@ -25,7 +23,7 @@ def json_name(name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- GpuClaim spec
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceRequest:
     count: int
     exclusivity: str = "Exclusive"
@@ -36,32 +34,32 @@ class DeviceRequest:
     min_compute_capability: str | None = None
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SelectorRequirement:
     key: str
     operator: str
     values: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LabelSelector:
     match_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     match_expressions: tuple[SelectorRequirement, ...] = ()
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     mode: str = "Preferred"
     min_bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("minBandwidthGBps"))
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
     max_retries: int = 0
     backoff_seconds: int = 5
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuClaimSpec:
     devices: DeviceRequest
     selector: LabelSelector | None = None
@@ -76,14 +74,14 @@ class GpuClaimSpec:
 # -------------------------------------------------------------- GpuClaim status
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceRef:
     index: int
     minor: int
     uuid: str
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Allocation:
     replica: int
     node_name: str
@@ -91,7 +89,7 @@ class Allocation:
     min_bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("minBandwidthGBps"))
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Condition:
     type: str
     status: str
@@ -101,7 +99,7 @@ class Condition:
     observed_generation: int | None = None
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuClaimStatus:
     phase: str = constants.PHASE_PENDING
     allocations: tuple[Allocation, ...] = ()
@@ -115,7 +113,7 @@ class GpuClaimStatus:
     devices: str = ""
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ObjectMeta:
     name: str
     namespace: str = ""
@@ -129,7 +127,7 @@ class ObjectMeta:
     annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuClaim:
     metadata: ObjectMeta
     spec: GpuClaimSpec
@@ -144,7 +142,7 @@ class GpuClaim:
 # ---------------------------------------------------------------- GpuNodeStatus
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MigDevice:
     index: int
     uuid: str
@@ -152,13 +150,13 @@ class MigDevice:
     memory_mib: int = dataclasses.field(default=0, metadata=json_name("memoryMiB"))
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MigInfo:
     enabled: bool = False
     devices: tuple[MigDevice, ...] = ()
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Device:
     index: int
     minor: int
@@ -175,7 +173,7 @@ class Device:
     mig: MigInfo | None = None
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Link:
     a: int
     b: int
@@ -184,7 +182,7 @@ class Link:
     bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("bandwidthGBps"))
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NodeInventory:
     """The status of a GpuNodeStatus: what the agent saw on its node."""
 
@@ -202,12 +200,12 @@ class NodeInventory:
     conditions: tuple[Condition, ...] = ()
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuNodeStatusSpec:
     node_name: str
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuNodeStatus:
     metadata: ObjectMeta
     spec: GpuNodeStatusSpec
