@@ -10,6 +10,9 @@ cache miss before calling), and answers:
   ``NVIDIA_VISIBLE_DEVICES`` in every container and init container, and records
   the allocation in the ``gpu.scheduling/devices`` annotation (UUIDs,
   comma-joined);
+* claim being deleted, or that lost devices to another claim (its ``DevicesLost``
+  condition True with reason ``DevicesTaken``): deny, in gate mode too, saying
+  so (delete and re-create the claim to get other GPUs);
 * claim missing, Pending or Failed: deny with the claim's status message
   (``pending="deny"``), or (``pending="gate"``) allow with the scheduling gate
   ``gpu.scheduling/claim-allocated`` and env vars read from the annotation
@@ -339,10 +342,14 @@ def decide_prepared(
     except codecs.DecodeError as error:  # a name of its own: mypyc gives a name one type per function
         return _denied(uid, f"{parsed.claim_words} could not be read: {error}")
 
-    if claim is not None and claim.metadata.deletion_timestamp:
-        return _denied(uid, f"{parsed.claim_words} is being deleted")
-    if claim is not None and claim.status.phase == constants.PHASE_ALLOCATED:
-        return _allocated(parsed, plans.plan_of(claim), options)
+    if claim is not None:
+        if claim.metadata.deletion_timestamp:
+            return _denied(uid, f"{parsed.claim_words} is being deleted")
+        plan = plans.plan_of(claim)  # made once per claim change; says whether devices were taken
+        if plan.taken is not None:
+            return _denied(uid, _taken_message(parsed, plan.taken))
+        if claim.status.phase == constants.PHASE_ALLOCATED:
+            return _allocated(parsed, plan, options)
 
     if claim is None:
         why = f"{parsed.claim_words} does not exist"
@@ -352,6 +359,14 @@ def decide_prepared(
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
     return _gated(parsed, claim, why)
+
+
+def _taken_message(req: PodCreate, taken: str) -> str:
+    """The denial for a pod of a claim whose devices another claim holds (DevicesLost, DevicesTaken)."""
+    return (
+        f"claim {req.namespace}/{req.claim_name} lost devices to another claim: "
+        f"{taken or '(the condition gives no details)'}; delete and re-create the claim"
+    )
 
 
 def _replica(req: PodCreate, claim: models.GpuClaim) -> int | str:

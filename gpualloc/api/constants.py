@@ -63,6 +63,7 @@ CONDITION_ALLOCATED = "Allocated"
 CONDITION_READY = "Ready"
 CONDITION_NVML_READY = "NvmlReady"
 CONDITION_DEVICES_LOST = "DevicesLost"
+REASON_DEVICES_TAKEN = "DevicesTaken"
 
 _LEASE_UNSAFE = re.compile(r"[^a-z0-9-]")
 

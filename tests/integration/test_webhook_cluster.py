@@ -356,3 +356,66 @@ async def test_pod_kept_off_the_claims_node_by_required_node_affinity_is_denied(
     refused = await denial(api, namespace, body)
     assert "required node affinity (metadata.name In [elsewhere])" in refused.message
     assert "gpu-node-7" in refused.message
+
+
+TAKEN = f"gpu-3/{UUIDS[1]} is held by claim ml/other; delete and re-create this claim to get other GPUs"
+
+
+async def set_devices_lost(api: ApiClient, namespace: str, name: str, *, reason: str, message: str) -> None:
+    """What the controller writes: the DevicesLost condition, through the status subresource."""
+    conditions = [
+        {"type": constants.CONDITION_ALLOCATED, "status": "True", "reason": "Allocated"},
+        {"type": constants.CONDITION_DEVICES_LOST, "status": "True", "reason": reason, "message": message},
+    ]
+    crs = resources.CustomResources(api)
+    await crs.patch_claim_status(namespace, name, {"status": {"conditions": conditions}})
+
+
+async def refusal(api: ApiClient, namespace: str, body: dict[str, Any]) -> tuple[int, str]:
+    """Create a pod that is refused: the HTTP status and the API server's whole message (a
+    KubeError's message is cut short)."""
+    response = await transport.send(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
+    try:
+        text = await response.read()
+    finally:
+        response.release()
+    assert response.status >= 400, text[:300]
+    message: str = json.loads(text)["message"]
+    return response.status, message
+
+
+async def wait_cached_reason(running: RunningWebhook, key: str, reason: str) -> None:
+    for _ in range(100):
+        raw = running.reflector.get(key) or {}
+        reasons = {c.get("reason") for c in (raw.get("status") or {}).get("conditions") or []}
+        if reason in reasons:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{key} never reached the cache with a condition of reason {reason}")
+
+
+@pytest.mark.parametrize(
+    "webhook_options", [admission.Options(), admission.Options(pending="gate")], ids=["deny", "gate"]
+)
+async def test_claim_that_lost_devices_to_another_claim_refuses_its_pods_saying_so(
+    api: ApiClient, namespace: str, webhook: RunningWebhook
+) -> None:
+    await create_claim(api, namespace, "trainer", phase=constants.PHASE_ALLOCATED)
+    await set_devices_lost(api, namespace, "trainer", reason=constants.REASON_DEVICES_TAKEN, message=TAKEN)
+    await wait_cached_reason(webhook, f"{namespace}/trainer", constants.REASON_DEVICES_TAKEN)
+
+    status, message = await refusal(api, namespace, pod("late", "trainer"))
+    assert status == 403
+    expected = (
+        f"claim {namespace}/trainer lost devices to another claim: {TAKEN}; delete and re-create the claim"
+    )
+    assert message == f'admission webhook "claim-pods.gpu.scheduling" denied the request: {expected}'
+    with pytest.raises(errors.NotFound):
+        await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/late")
+
+    # Another reason for DevicesLost (an unhealthy GPU) admits the pod with its devices, as before.
+    await set_devices_lost(api, namespace, "trainer", reason="DeviceUnhealthy", message="gpu-3: XID 79")
+    await wait_cached_reason(webhook, f"{namespace}/trainer", "DeviceUnhealthy")
+    stored = await create_pod(api, namespace, pod("later", "trainer"))
+    assert stored["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == ",".join(UUIDS)
+    assert stored["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: "gpu-node-7"}

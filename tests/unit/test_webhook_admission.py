@@ -27,6 +27,7 @@ def make_claim(
     nodes: tuple[str, ...] = ("gpu-node-1",),
     message: str = "",
     deleting: bool = False,
+    conditions: tuple[models.Condition, ...] = (),
 ) -> models.GpuClaim:
     allocations: tuple[models.Allocation, ...] = ()
     if phase == constants.PHASE_ALLOCATED:
@@ -46,7 +47,9 @@ def make_claim(
             name=name, namespace=namespace, deletion_timestamp="2025-01-01T00:00:00Z" if deleting else None
         ),
         spec=models.GpuClaimSpec(devices=models.DeviceRequest(count=2), replicas=replicas),
-        status=models.GpuClaimStatus(phase=phase, allocations=allocations, message=message),
+        status=models.GpuClaimStatus(
+            phase=phase, allocations=allocations, message=message, conditions=conditions
+        ),
     )
 
 
@@ -288,6 +291,72 @@ def test_claim_being_deleted_is_denied() -> None:
     assert response["allowed"] is False and "being deleted" in response["status"]["message"]
 
 
+TAKEN = (
+    "gpu-5/GPU-bbbbbbbb-0000-0000-0000-000000000002-r0 is held by claim ml/other; "
+    "delete and re-create this claim to get other GPUs"
+)
+
+
+def devices_lost(reason: str, message: str = TAKEN, status: str = "True") -> tuple[models.Condition, ...]:
+    allocated = models.Condition(type=constants.CONDITION_ALLOCATED, status="True", reason="Allocated")
+    lost = models.Condition(
+        type=constants.CONDITION_DEVICES_LOST, status=status, reason=reason, message=message
+    )
+    return (allocated, lost)
+
+
+@pytest.mark.parametrize("pending", ["deny", "gate"])
+def test_claim_that_lost_devices_to_another_claim_is_denied_naming_the_holder(
+    pending: admission.PendingMode,
+) -> None:
+    claim = make_claim(conditions=devices_lost(constants.REASON_DEVICES_TAKEN))
+    outcome = admission.decide(make_review(make_pod()), lookup(claim), admission.Options(pending=pending))
+    response = outcome.response["response"]
+    assert outcome.outcome == admission.DENIED
+    assert response["allowed"] is False and "patch" not in response
+    assert response["status"]["code"] == 403
+    assert response["status"]["message"] == (
+        f"claim {NS}/train lost devices to another claim: {TAKEN}; delete and re-create the claim"
+    )
+
+
+def test_pending_claim_that_lost_devices_to_another_claim_is_denied_not_gated() -> None:
+    claim = make_claim(phase="Pending", conditions=devices_lost(constants.REASON_DEVICES_TAKEN))
+    response = answer(make_pod(), claim, options=admission.Options(pending="gate"))
+    assert response["allowed"] is False
+    assert "lost devices to another claim: gpu-5/" in response["status"]["message"]
+
+
+def test_devices_taken_message_is_folded_to_one_line_and_capped() -> None:
+    message = "gpu-1/GPU-x is held by\nclaim ml/other " + "x" * 5000
+    claim = make_claim(conditions=devices_lost(constants.REASON_DEVICES_TAKEN, message=message))
+    denial = answer(make_pod(), claim)["status"]["message"]
+    assert "held by claim ml/other" in denial and "\n" not in denial
+    assert len(denial) < 700 and denial.endswith("…; delete and re-create the claim")
+
+
+def test_claim_being_deleted_is_denied_as_deleted_even_when_its_devices_were_taken() -> None:
+    claim = make_claim(deleting=True, conditions=devices_lost(constants.REASON_DEVICES_TAKEN))
+    response = answer(make_pod(), claim)
+    assert response["allowed"] is False and "being deleted" in response["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        ("DeviceUnhealthy", "True"),
+        ("DevicesMissing", "True"),
+        ("DevicesHealthy", "False"),
+        (constants.REASON_DEVICES_TAKEN, "False"),
+    ],
+)
+def test_other_devices_lost_conditions_still_admit_the_pod_with_its_devices(reason: str, status: str) -> None:
+    claim = make_claim(conditions=devices_lost(reason, message="gpu-5/GPU-x: XID 79", status=status))
+    out = patched(make_pod(), answer(make_pod(), claim))
+    assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids()
+    assert out["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: "gpu-node-1"}
+
+
 # ------------------------------------------------------------ gangs
 
 
@@ -359,7 +428,7 @@ def test_single_replica_claim_needs_no_replica_index() -> None:
 
 @pytest.mark.parametrize("mode", ["uuid", "index"])
 def test_reinvocation_on_the_patched_pod_gives_no_patch(mode: str) -> None:
-    options = admission.Options(device_ids=mode)  # type: ignore[arg-type]
+    options = admission.Options(device_ids=mode)
     pod = make_pod(
         containers=[{"name": "a", "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]}, {"name": "b"}],
         init=[{"name": "i"}],
