@@ -14,7 +14,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller import allocator, planning
+from controller import allocator, state
+from controller import views as node_views_
 from gpualloc import views
 from gpualloc.api import codecs, constants, models
 
@@ -47,7 +48,7 @@ def explain(
     *,
     claims: Sequence[models.GpuClaim],
     statuses: Mapping[str, models.GpuNodeStatus],
-    nodes: Mapping[str, planning.NodeFacts],
+    nodes: Mapping[str, node_views_.NodeFacts],
     now: dt.datetime,
 ) -> str:
     """The report `gpualloc explain` prints (pure)."""
@@ -63,17 +64,17 @@ def explain(
     if claim.status.message:
         lines.append(f"  status:  {claim.status.message}")
     taken = {
-        lease
+        uuid
         for other in claims
         if other.metadata.uid != claim.metadata.uid
-        for lease in planning.recorded_leases(other.status)
+        for uuid in state.listed_devices(other)
     }
-    node_views = planning.build_node_views(
+    node_views = node_views_.build_node_views(
         statuses=statuses,
         nodes=nodes,
         is_taken=taken.__contains__,
         now=now,
-        stale_after=planning.NODE_STALE_AFTER_S,
+        stale_after=node_views_.NODE_STALE_AFTER_S,
     )
     decision = allocator.allocate(claim, node_views, explain=True)
     lines.append(f"  now:     {'would fit' if decision.ok else decision.reason}")
@@ -112,6 +113,6 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: GpuClaim {args.namespace}/{args.name} not found", file=sys.stderr)
         return 1
     statuses = {s.spec.node_name: s for s in (codecs.parse_node_status(r) for r in raw["statuses"])}
-    nodes = {f.name: f for f in (planning.node_facts(r) for r in raw["nodes"])}
+    nodes = {f.name: f for f in (node_views_.node_facts(r) for r in raw["nodes"])}
     print(explain(claim, claims=claims, statuses=statuses, nodes=nodes, now=dt.datetime.now(dt.UTC)))
     return 0

@@ -29,6 +29,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from gpualloc.api import leases as lease_format
 from gpualloc.kube import errors, leases
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,9 @@ class LeaderElector:
         new_spec = body.setdefault("spec", {})
         new_spec["holderIdentity"] = self.identity
         new_spec["leaseDurationSeconds"] = round(self.lease_duration)
-        new_spec["renewTime"] = leases.micro_time(now)
+        new_spec["renewTime"] = lease_format.micro_time(now)
         if self.holder != self.identity:
-            new_spec["acquireTime"] = leases.micro_time(now)
+            new_spec["acquireTime"] = lease_format.micro_time(now)
             new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
         written = await leases.replace_lease(self.api, self.namespace, self.name, body)
         self._remember(written)
@@ -162,7 +163,7 @@ class LeaderElector:
         spec = body.setdefault("spec", {})
         spec["holderIdentity"] = None
         spec["leaseDurationSeconds"] = 1
-        spec["renewTime"] = leases.micro_time(datetime.datetime.now(datetime.UTC))
+        spec["renewTime"] = lease_format.micro_time(datetime.datetime.now(datetime.UTC))
         with contextlib.suppress(errors.KubeError, asyncio.TimeoutError):
             async with asyncio.timeout(3):
                 await leases.replace_lease(self.api, self.namespace, self.name, body)

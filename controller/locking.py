@@ -1,16 +1,47 @@
-"""Device locks: one ``coordination.k8s.io/v1`` Lease per GPU, named from its UUID.
+"""Device locks: one ``coordination.k8s.io/v1`` Lease per GPU, and the rules for letting one go.
 
-Creating a Lease is atomic in the API server, so the first claim to create
-``gpu-<uuid>`` holds that GPU; a second create gets ``AlreadyExists``. The
-holderIdentity is the claim UID, so re-creating a Lease the claim holds
-already is success (a retry after a crash adopts it). Leases are created in
-UUID order and an attempt that meets another holder deletes what it created
-(with a uid precondition, so it never deletes a Lease someone else re-created
-meanwhile) before it reports the conflict.
+Why no GPU is ever held by two claims
+=====================================
 
-``Overlay`` remembers Leases this process created, or learned are held, for a
-short while, because its Lease cache sees them only when the watch event
-arrives: planning a second claim in that gap must not pick the same GPUs.
+1. **A Lease is created by exactly one allocation attempt.** Creating
+   ``gpu-<uuid>`` is atomic in the API server; ``AlreadyExists`` means the
+   device is taken, *whoever* holds it, the same claim included. An attempt
+   never adopts a Lease it did not create: the claim UID names a claim, not an
+   attempt, and two attempts of one claim (two controllers, a restarted one,
+   overlapping leaders) would each believe such a Lease theirs, so one could
+   roll back or release what the other is about to record. (That is how the
+   old adoption rule double-booked a GPU in the race test.)
+
+2. **A claim's status lists only devices whose Leases its own attempt
+   created.** The attempt reads the claim at resourceVersion *R*, creates its
+   Leases (in UUID order; on ``AlreadyExists`` it deletes what it created and
+   gives up), stamping *R* on each (``gpu.scheduling/claim-resource-version``),
+   and then writes the status **conditional on R**. At most one attempt per
+   version can succeed, and an attempt whose write failed with a Conflict
+   deletes the Leases it created at once: nobody else can be relying on them.
+
+3. **A Lease its claim's status does not list (a leftover: a crash, a lost
+   answer, an attempt that lost the race) is released only when its attempt
+   can no longer record it**: when an authoritative view of the claim (the
+   answer to one of our writes, or a GET), taken *after* the Lease was seen,
+   shows a resourceVersion other than the Lease's *R* and does not list it
+   (``releasable``). The attempt's write is conditional on *R* and versions
+   only grow, so it has failed or will fail; or it succeeded, and a later
+   write dropped the device on purpose. Leases of a claim that no longer
+   exists (GET says NotFound, or another UID) are released by the sweep.
+
+4. **A claim in use is not released**, and a claim being deleted releases
+   only after its pods are gone (``reconciling``).
+
+5. **A Lease deleted by hand does not unlock the device**: device Leases carry
+   the finalizer ``gpu.scheduling/device-lock``, so a deletion only marks them,
+   and the create of another claim still meets ``AlreadyExists``. Releasing is
+   a delete with a uid precondition followed by removing the finalizer, also
+   with a uid precondition. And planning counts the devices every live
+   claim's status lists as taken, whether or not their Leases exist.
+
+A controller killed anywhere therefore leaves at worst leftover Leases, which
+rule 3 or the sweep releases, and never a device listed by two claims.
 """
 
 from __future__ import annotations
@@ -18,197 +49,133 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
+from typing import Any
 
 from controller import cluster as kube
-from controller import planning
-from gpualloc.api import models
-from gpualloc.kube import errors, leases
+from gpualloc.api import constants, leases, models
+from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
 
-# An overlay entry older than this is dropped even if the cache never showed the Lease.
-OVERLAY_TTL_SECONDS = 60.0
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LockItem:
+    uuid: str
+    lease: str
+    node: str
 
 
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    holder: str
-    uid: str  # the Lease's metadata.uid when known ("" while only reserved)
-    expires: float
+def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
+    """The Leases to hold for these allocations, sorted by device UUID (the acquisition order)."""
+    items = {
+        device.uuid: LockItem(uuid=device.uuid, lease=constants.lease_name(device.uuid), node=alloc.node_name)
+        for alloc in allocations
+        for device in alloc.devices
+    }
+    return tuple(items[uuid] for uuid in sorted(items))
 
 
-class Overlay:
-    """Leases this process knows of before its cache does: lease name -> holder (and uid)."""
+def recorded(claim: models.GpuClaim) -> frozenset[str]:
+    """The Lease names of the devices a claim's status lists."""
+    return frozenset(constants.lease_name(d.uuid) for a in claim.status.allocations for d in a.devices)
 
-    def __init__(
-        self, *, ttl: float = OVERLAY_TTL_SECONDS, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._ttl = ttl
-        self._clock = clock
-        self._entries: dict[str, _Entry] = {}
 
-    def note(self, name: str, holder: str, uid: str = "") -> None:
-        """``name`` is (or is about to be) held by ``holder``."""
-        self._entries[name] = _Entry(holder=holder, uid=uid, expires=self._clock() + self._ttl)
-
-    def reserve(self, names: Iterable[str], holder: str) -> None:
-        """Mark ``names`` as held by ``holder`` before creating them (planning sees them taken)."""
-        for name in names:
-            current = self._entries.get(name)
-            if current is None or current.holder != holder:
-                self.note(name, holder)
-
-    def drop_reserved(self, names: Iterable[str], holder: str) -> None:
-        """Forget reservations of ``holder`` among ``names`` that never became a created Lease."""
-        for name in names:
-            current = self._entries.get(name)
-            if current is not None and current.holder == holder and not current.uid:
-                del self._entries[name]
-
-    def forget(self, name: str, holder: str | None = None) -> None:
-        """Drop the entry for ``name`` (only if ``holder`` holds it, when given)."""
-        current = self._entries.get(name)
-        if current is not None and (holder is None or current.holder == holder):
-            del self._entries[name]
-
-    def observed(self, name: str, holder: str, uid: str) -> None:
-        """The cache now shows ``name`` held by ``holder``: the entry has done its job."""
-        current = self._entries.get(name)
-        if current is not None and current.holder == holder and (not current.uid or current.uid == uid):
-            del self._entries[name]
-
-    def expire(self) -> None:
-        now = self._clock()
-        for name in [n for n, e in self._entries.items() if e.expires <= now]:
-            del self._entries[name]
-
-    def holders(self) -> dict[str, str]:
-        self.expire()
-        return {name: entry.holder for name, entry in self._entries.items()}
-
-    def held_by(self, holder: str) -> dict[str, str]:
-        """Lease name -> Lease uid ("" when unknown) of the entries held by ``holder``."""
-        self.expire()
-        return {name: e.uid for name, e in self._entries.items() if e.holder == holder}
+def releasable(leftovers: Iterable[leases.LeaseInfo], view: models.GpuClaim) -> list[leases.LeaseInfo]:
+    """The leftovers (Leases of ``view``'s claim seen before ``view`` was read) that no attempt can
+    still record: not listed by ``view`` and stamped with another resourceVersion (rule 3)."""
+    listed = recorded(view)
+    version = view.metadata.resource_version
+    return [info for info in leftovers if info.name not in listed and info.claim_resource_version != version]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LockResult:
-    ok: bool
-    held: Mapping[str, str]  # lease name -> Lease uid, every Lease of the plan (ok) or nothing
+    created: dict[str, dict[str, Any]]  # name -> the Lease as created: every one of the plan when ok
+    conflict: str = ""  # the Lease name found taken, when not ok
+
+    @property
+    def ok(self) -> bool:
+        return not self.conflict
 
 
 async def acquire(
     cluster: kube.Cluster,
     namespace: str,
-    plan: Sequence[planning.LockItem],
+    plan: Iterable[LockItem],
     claim: models.GpuClaim,
-    overlay: Overlay,
+    *,
+    now: datetime.datetime,
 ) -> LockResult:
-    """Create the Leases of ``plan`` (already sorted by UUID) for ``claim``, all or none.
+    """Create the Leases of ``plan`` (sorted by UUID) for this attempt at ``claim``'s version, all or none.
 
-    A Lease the claim holds already counts as acquired. On another holder, the
-    Leases created by this call are deleted again and the conflict reported;
-    Leases the claim held before the call are left alone (the caller decides).
-    API errors other than a conflict propagate after the same rollback.
+    On ``AlreadyExists`` the Leases this call created are deleted again and the
+    taken name reported. Other API errors propagate after the same rollback; a
+    create whose answer was lost may have left a Lease, which is a leftover.
     """
-    uid = claim.metadata.uid
-    created: dict[str, str] = {}  # by this call: rolled back on failure
-    held: dict[str, str] = {}
+    meta = claim.metadata
+    created: dict[str, dict[str, Any]] = {}
     try:
         for item in plan:
-            lease_uid, holder, made = await _create_or_read(cluster, namespace, item, claim)
-            if holder != uid:
-                overlay.note(item.lease, holder, lease_uid)
-                log.info(
-                    "device taken meanwhile, rolling back",
-                    extra={"claim": claim.key, "lease": item.lease, "holder": holder},
-                )
-                await _quiet_release(cluster, created, overlay, holder=uid)
-                return LockResult(ok=False, held={})
-            held[item.lease] = lease_uid
-            overlay.note(item.lease, uid, lease_uid)
-            if made:
-                created[item.lease] = lease_uid
-    except errors.KubeError:
-        await _quiet_release(cluster, created, overlay, holder=uid)
-        raise
-    return LockResult(ok=True, held=held)
-
-
-async def _create_or_read(
-    cluster: kube.Cluster, namespace: str, item: planning.LockItem, claim: models.GpuClaim
-) -> tuple[str, str, bool]:
-    """(Lease uid, holder, created by this call) after trying to create the Lease."""
-    uid = claim.metadata.uid
-    for _ in range(3):
-        try:
-            body = leases.lease_body(
+            body = leases.device_lease(
                 namespace,
-                item.lease,
-                holder=uid,
-                labels=planning.lease_labels(item, claim),
-                annotations=planning.lease_annotations(claim),
-                duration_seconds=None,
-                now=datetime.datetime.now(datetime.UTC),
+                uuid=item.uuid,
+                node=item.node,
+                claim_namespace=meta.namespace,
+                claim_name=meta.name,
+                claim_uid=meta.uid,
+                claim_resource_version=meta.resource_version,
+                now=now,
             )
-            raw = await cluster.create_lease(body)
-            return planning.lease_info(raw).uid, uid, True
-        except errors.AlreadyExists:
-            pass
-        try:
-            raw = await cluster.get_lease(item.lease)  # the one GET: only on a conflict
-        except errors.NotFound:
-            continue  # released between our create and our read: try again
-        info = planning.lease_info(raw)
-        return info.uid, info.holder, False
-    raise errors.Conflict(409, "Conflict", f"lease {item.lease} keeps appearing and vanishing")
+            try:
+                raw = await cluster.create_lease(body)
+            except errors.AlreadyExists:
+                log.info(
+                    "device taken meanwhile, rolling back", extra={"claim": claim.key, "lease": item.lease}
+                )
+                await release_quietly(cluster, (leases.parse(c) for c in created.values()))
+                return LockResult(created={}, conflict=item.lease)
+            created[item.lease] = raw
+    except errors.KubeError:
+        await release_quietly(cluster, (leases.parse(c) for c in created.values()))
+        raise
+    return LockResult(created=created)
 
 
-async def _quiet_release(
-    cluster: kube.Cluster, held: Mapping[str, str], overlay: Overlay, *, holder: str
-) -> None:
-    try:
-        await release(cluster, held, overlay, holder=holder)
-    except errors.KubeError as exc:
-        # The Leases stay held by the claim's UID; the next reconcile or the sweep releases them.
-        log.warning("rollback incomplete", extra={"error": str(exc), "leases": sorted(held)})
+async def release(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> list[leases.LeaseInfo]:
+    """Delete these Leases and remove their finalizers; the ones now gone.
 
-
-async def release(
-    cluster: kube.Cluster,
-    held: Mapping[str, str],
-    overlay: Overlay,
-    *,
-    holder: str,
-) -> int:
-    """Delete the Leases ``held`` (name -> Lease uid); the number deleted.
-
-    Every delete carries the uid as a precondition, so a Lease that was
-    released and re-created by another claim meanwhile is never deleted; one
-    without a known uid (reserved, never seen created) is skipped. Missing
-    Leases are skipped too. Other errors propagate after the rest were tried.
+    Both steps carry the Lease's uid as a precondition, so a Lease that was
+    released and created again by another claim meanwhile is never touched.
+    Errors other than NotFound / Conflict propagate after the rest were tried.
     """
-    deleted = 0
+    gone: list[leases.LeaseInfo] = []
     failure: errors.KubeError | None = None
-    for name in sorted(held):
-        uid = held[name]
-        if not uid:
-            overlay.forget(name, holder)
-            continue
+    for info in sorted(held, key=lambda i: i.name):
         try:
-            await cluster.delete_lease(name, uid=uid)
-            deleted += 1
+            try:
+                await cluster.delete_lease(info.name, uid=info.uid)
+            except errors.NotFound:
+                gone.append(info)
+                continue
+            await cluster.drop_lease_finalizer(info.name, uid=info.uid)
+            gone.append(info)
         except errors.NotFound:
-            pass
+            gone.append(info)
         except errors.Conflict:
-            log.info("lease changed hands before release, left alone", extra={"lease": name})
+            log.info("lease changed hands before release, left alone", extra={"lease": info.name})
         except errors.KubeError as exc:
             failure = exc
-            continue
-        overlay.forget(name, holder)
     if failure is not None:
         raise failure
-    return deleted
+    return gone
+
+
+async def release_quietly(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> list[leases.LeaseInfo]:
+    """``release``, logging instead of raising: what stays is a leftover for rule 3 or the sweep."""
+    held = list(held)
+    try:
+        return await release(cluster, held)
+    except errors.KubeError as exc:
+        log.warning("release incomplete", extra={"error": str(exc), "leases": sorted(i.name for i in held)})
+        return []

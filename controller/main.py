@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controller import cluster, leader, planning, reconciling
+from controller import cluster, leader, reconciling, running, views
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import client
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--node-stale-after",
         type=float,
-        default=planning.NODE_STALE_AFTER_S,
+        default=views.NODE_STALE_AFTER_S,
         help="seconds after which a GpuNodeStatus heartbeat is stale",
     )
     parser.add_argument(
@@ -111,7 +111,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     # The audit log tells controllers apart by this (the benchmark counts its requests by it).
     api.user_agent = f"{USER_AGENT}/{identity}"
     metrics = controller_metrics.Metrics()
-    controller = reconciling.Controller(
+    controller = running.Controller(
         cluster.KubeCluster(api, args.namespace),
         reconciling.Settings(
             namespace=args.namespace,
@@ -136,7 +136,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             release_on_cancel=args.leader_election_release_on_cancel,
         )
     lost = elector.lost.is_set if elector is not None else (lambda: False)
-    ready = reconciling.make_ready_check(controller, lost)
+    ready = running.make_ready_check(controller, lost)
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     code = 0

@@ -10,10 +10,6 @@ Semantics follow client-go's workqueue, which every controller author knows:
 * among ready keys the one with the smallest ``order(key)`` goes first, so the
   reconciler can pop the highest-priority, oldest claim first (``order`` is
   evaluated when the key becomes ready).
-
-The retry schedule itself is ``gpualloc.runtime.backoff.jittered_up``;
-``backoff_delay`` here is that function under its old name, with the
-controller's cap as the default, until its callers call it directly.
 """
 
 from __future__ import annotations
@@ -26,22 +22,6 @@ import itertools
 import time
 from collections.abc import Callable
 from typing import Any
-
-from gpualloc.runtime import backoff
-
-# Retries never wait longer than this, whatever the claim's backoff base.
-MAX_BACKOFF_SECONDS = 300.0
-
-
-def backoff_delay(
-    attempt: int, *, base: float, cap: float = MAX_BACKOFF_SECONDS, jitter: float = 0.0
-) -> float:
-    """``backoff.jittered_up`` with ``cap`` defaulting to ``MAX_BACKOFF_SECONDS``.
-
-    Kept for controller.planning and controller.reconciling; new code calls
-    ``backoff.jittered_up`` with its cap spelled out.
-    """
-    return backoff.jittered_up(attempt, base=base, cap=cap, jitter=jitter)
 
 
 class WorkQueue:

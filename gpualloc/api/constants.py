@@ -98,10 +98,6 @@ def shorten_label_value(name: str) -> str:
     return f"{name[: LABEL_VALUE_MAX - 11]}-{digest}"
 
 
-# The old name, until controller/planning.py calls shorten_label_value.
-label_value = shorten_label_value
-
-
 def lease_claim(metadata: Mapping[str, Any]) -> tuple[str, str]:
     """``(namespace, name)`` of the claim a device Lease's metadata names, ``""`` where it names none.
 

@@ -15,11 +15,10 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 
+from gpualloc.api import leases as lease_format
 from gpualloc.kube import errors, transport
 
 Obj = dict[str, Any]
-
-API_VERSION = "coordination.k8s.io/v1"
 
 
 async def _call(api: ApiClient, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -28,31 +27,6 @@ async def _call(api: ApiClient, method: str, *args: Any, **kwargs: Any) -> Any:
         *args, _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT, **kwargs
     )
     return await transport.call_json(pending)
-
-
-def micro_time(when: datetime.datetime) -> str:
-    """A ``MicroTime`` as the API server writes it: RFC 3339, microseconds, UTC, ``Z``."""
-    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def lease_body(
-    namespace: str,
-    name: str,
-    *,
-    holder: str,
-    labels: Mapping[str, str],
-    annotations: Mapping[str, str] | None = None,
-    duration_seconds: int | None,
-    now: datetime.datetime,
-) -> Obj:
-    """The Lease object ``create_lease`` sends."""
-    spec: Obj = {"holderIdentity": holder, "acquireTime": micro_time(now), "renewTime": micro_time(now)}
-    if duration_seconds is not None:
-        spec["leaseDurationSeconds"] = duration_seconds
-    metadata: Obj = {"name": name, "namespace": namespace, "labels": dict(labels)}
-    if annotations:
-        metadata["annotations"] = dict(annotations)
-    return {"apiVersion": API_VERSION, "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
 async def create_lease(
@@ -66,7 +40,7 @@ async def create_lease(
     duration_seconds: int | None = None,
 ) -> Obj:
     """Create the Lease held by ``holder``; ``errors.AlreadyExists`` when the name is taken."""
-    body = lease_body(
+    body = lease_format.body(
         namespace,
         name,
         holder=holder,
@@ -80,7 +54,7 @@ async def create_lease(
 
 
 async def create(api: ApiClient, namespace: str, body: Mapping[str, Any]) -> Obj:
-    """Create the Lease ``body`` (see ``lease_body``); ``errors.AlreadyExists`` when the name is taken."""
+    """Create the Lease ``body`` (``gpualloc.api.leases.body``); ``errors.AlreadyExists`` if taken."""
     result: Obj = await _call(api, "create_namespaced_lease", namespace, dict(body))
     return result
 

@@ -11,6 +11,7 @@ import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
+from gpualloc.api import leases as device_lease
 from gpualloc.kube import errors, resources, transport
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -112,7 +113,11 @@ async def test_a_claim_name_past_the_63_character_label_limit_is_allocated_and_k
             assert meta["annotations"] == {
                 constants.LABEL_CLAIM_NAMESPACE: namespace,
                 constants.LABEL_CLAIM_NAME: name,
+                device_lease.ANNOTATION_CLAIM_RESOURCE_VERSION: meta["annotations"].get(
+                    device_lease.ANNOTATION_CLAIM_RESOURCE_VERSION, "missing"
+                ),
             }
+            assert meta["annotations"][device_lease.ANNOTATION_CLAIM_RESOURCE_VERSION].isdigit()
             label = meta["labels"][constants.LABEL_CLAIM_NAME]
             assert len(label) <= 63 and label.startswith("c" * 40) and label != name
             assert meta["labels"][constants.LABEL_CLAIM_UID] == created["metadata"]["uid"]

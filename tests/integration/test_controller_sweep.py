@@ -11,7 +11,7 @@ from typing import Any
 import prometheus_client
 from kubernetes_asyncio.client import ApiClient
 
-from controller import cluster, reconciling
+from controller import cluster, reconciling, running
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import errors, leases, resources, transport
@@ -30,11 +30,11 @@ from tests.integration.controller_support import (
 @contextlib.asynccontextmanager
 async def controller_in_process(
     api: ApiClient, namespace: str, run: str
-) -> AsyncIterator[reconciling.Controller]:
+) -> AsyncIterator[running.Controller]:
     settings = reconciling.Settings(
         namespace=namespace, sweep_interval=1.0, claim_selector=f"{RUN_LABEL}={run}"
     )
-    ctl = reconciling.Controller(
+    ctl = running.Controller(
         cluster.KubeCluster(api, settings.namespace), settings, controller_metrics.Metrics()
     )
     caches = asyncio.create_task(ctl.run_caches())
@@ -49,7 +49,7 @@ async def controller_in_process(
                 await task
 
 
-def sample(ctl: reconciling.Controller, name: str, labels: dict[str, str] | None = None) -> float | None:
+def sample(ctl: running.Controller, name: str, labels: dict[str, str] | None = None) -> float | None:
     value = ctl.metrics.registry.get_sample_value(name, labels or {})
     return None if value is None else float(value)
 

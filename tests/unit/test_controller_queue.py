@@ -1,4 +1,4 @@
-"""The work queue: dedup, one worker per key, priority order, delayed retries; and its backoff's old name."""
+"""The work queue: dedup, one worker per key, priority order, delayed retries."""
 
 from __future__ import annotations
 
@@ -7,17 +7,6 @@ import asyncio
 import pytest
 
 from controller import queue as work_queue
-from gpualloc.runtime import backoff
-
-
-def test_backoff_delay_is_jittered_up_with_the_controller_cap_by_default() -> None:
-    # The old name, kept for planning and reconciling: the schedule itself is tested in test_runtime_backoff.
-    assert work_queue.backoff_delay(1, base=4, jitter=0.5) == backoff.jittered_up(
-        1, base=4, cap=work_queue.MAX_BACKOFF_SECONDS, jitter=0.5
-    )
-    assert work_queue.backoff_delay(3, base=5, cap=60) == 20
-    assert work_queue.backoff_delay(0, base=5) == 0.0
-    assert work_queue.backoff_delay(10_000, base=5) == work_queue.MAX_BACKOFF_SECONDS
 
 
 async def test_a_key_added_twice_is_handed_out_once() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controller import explaining, planning
+from controller import explaining, views
 from gpualloc.api import models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
@@ -64,7 +64,7 @@ def test_explain_gives_each_node_its_own_reason() -> None:
         "gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None),
         "gpu-node-b": _node("gpu-node-b", "NVIDIA A100-PCIE-80GB", {(0, 1), (2, 3)}),
     }
-    nodes = {name: planning.NodeFacts(name=name, labels={}, unschedulable=False) for name in statuses}
+    nodes = {name: views.NodeFacts(name=name, labels={}, unschedulable=False) for name in statuses}
     claim = _claim("a100-quad", "u1", product="NVIDIA A100*")
     out = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("gpu-node-")}
@@ -77,7 +77,7 @@ def test_explain_gives_each_node_its_own_reason() -> None:
 
 def test_explain_counts_devices_other_claims_hold() -> None:
     statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
-    nodes = {"gpu-node-a": planning.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
     holder_devices = statuses["gpu-node-a"].status.devices[:1]
     holder = models.GpuClaim(
         metadata=models.ObjectMeta(name="holder", namespace="default", uid="u0"),

@@ -7,13 +7,14 @@ import datetime
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jsonpatch
 import pytest
 import yaml
 
-from controller import allocator, locking, planning
-from gpualloc.api import codecs, constants, models, timestamps
+from controller import allocator, gates, locking, retries, statuses, views
+from gpualloc.api import codecs, constants, leases, models, timestamps
 from tests import reviews
 
 NOW = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
@@ -93,55 +94,57 @@ def alloc(replica: int, node: str, node_no: int, indices: tuple[int, ...]) -> mo
 # ------------------------------------------------------------------ node views
 
 
-def held_by_others(holders: dict[str, set[str]], claim_uid: str) -> Callable[[str], bool]:
-    """``is_taken`` for ``build_node_views``: a Lease some holder other than ``claim_uid`` holds."""
-    return lambda name: bool(holders.get(name, set()) - {claim_uid})
+def taken_among(uuids: set[str]) -> Callable[[str], bool]:
+    """``is_taken`` for ``build_node_views``: these device UUIDs are taken."""
+    return uuids.__contains__
 
 
-def test_node_views_mark_devices_held_by_other_claims_as_taken_but_not_our_own() -> None:
-    statuses = {"n1": status("n1", inventory(1))}
-    facts = {"n1": planning.NodeFacts(name="n1", labels={"zone": "a"}, unschedulable=False)}
-    holders = {
-        constants.lease_name(uuid(1, 0)): {"uid-other"},
-        constants.lease_name(uuid(1, 1)): {"uid-c"},
-        constants.lease_name(uuid(1, 2)): {"uid-c", "uid-racer"},  # cache and overlay disagree: taken
-    }
-    (view,) = planning.build_node_views(
-        statuses=statuses, nodes=facts, is_taken=held_by_others(holders, "uid-c"), now=NOW, stale_after=120
+def test_node_views_mark_the_devices_the_caller_says_are_taken() -> None:
+    by_node = {"n1": status("n1", inventory(1))}
+    facts = {"n1": views.NodeFacts(name="n1", labels={"zone": "a"}, unschedulable=False)}
+    (view,) = views.build_node_views(
+        statuses=by_node,
+        nodes=facts,
+        is_taken=taken_among({uuid(1, 0), uuid(1, 2)}),
+        now=NOW,
+        stale_after=120,
     )
     assert view.taken == {uuid(1, 0), uuid(1, 2)}
     assert view.labels == {"zone": "a"} and view.node_present and view.ready
 
 
 def test_node_views_flag_missing_nodes_and_stale_or_unready_statuses() -> None:
-    statuses = {
+    by_node = {
         "fresh": status("fresh", inventory(1, heartbeat=NOW - datetime.timedelta(seconds=119))),
         "stale": status("stale", inventory(2, heartbeat=NOW - datetime.timedelta(seconds=121))),
         "notready": status("notready", inventory(3, ready=False)),
     }
-    facts = {n: planning.NodeFacts(name=n, labels={}, unschedulable=n == "stale") for n in ("fresh", "stale")}
-    views = {
+    facts = {n: views.NodeFacts(name=n, labels={}, unschedulable=n == "stale") for n in ("fresh", "stale")}
+    by_name = {
         v.name: v
-        for v in planning.build_node_views(
-            statuses=statuses, nodes=facts, is_taken=held_by_others({}, "u"), now=NOW, stale_after=120
+        for v in views.build_node_views(
+            statuses=by_node, nodes=facts, is_taken=taken_among(set()), now=NOW, stale_after=120
         )
     }
-    assert views["fresh"].ready and not views["stale"].ready and not views["notready"].ready
-    assert views["stale"].unschedulable
-    assert not views["notready"].node_present
+    assert by_name["fresh"].ready and not by_name["stale"].ready and not by_name["notready"].ready
+    assert by_name["stale"].unschedulable
+    assert not by_name["notready"].node_present
 
 
 def test_node_views_feed_the_allocator_which_avoids_taken_devices() -> None:
-    statuses = {"n1": status("n1", inventory(1, gpus=4))}
-    facts = {"n1": planning.NodeFacts(name="n1", labels={}, unschedulable=False)}
-    holders = {constants.lease_name(uuid(1, i)): {"someone"} for i in (0, 1)}
-    views = planning.build_node_views(
-        statuses=statuses, nodes=facts, is_taken=held_by_others(holders, "uid-c"), now=NOW, stale_after=120
+    by_node = {"n1": status("n1", inventory(1, gpus=4))}
+    facts = {"n1": views.NodeFacts(name="n1", labels={}, unschedulable=False)}
+    node_views = views.build_node_views(
+        statuses=by_node,
+        nodes=facts,
+        is_taken=taken_among({uuid(1, 0), uuid(1, 1)}),
+        now=NOW,
+        stale_after=120,
     )
-    decision = allocator.allocate(claim(count=2), views)
+    decision = allocator.allocate(claim(count=2), node_views)
     assert decision.allocations
     assert {d.uuid for d in decision.allocations[0].devices} == {uuid(1, 2), uuid(1, 3)}
-    assert not allocator.allocate(claim(count=3), views).allocations
+    assert not allocator.allocate(claim(count=3), node_views).allocations
 
 
 def test_pending_order_is_priority_then_age_then_name() -> None:
@@ -159,15 +162,38 @@ def test_pending_order_is_priority_then_age_then_name() -> None:
 
 def test_lock_plan_covers_every_device_of_every_replica_sorted_by_uuid() -> None:
     allocations = [alloc(0, "n2", 2, (3, 1)), alloc(1, "n1", 1, (0,))]
-    plan = planning.lock_plan(allocations)
+    plan = locking.lock_plan(allocations)
     assert [i.uuid for i in plan] == sorted([uuid(2, 3), uuid(2, 1), uuid(1, 0)])
     assert all(i.lease == constants.lease_name(i.uuid) for i in plan)
     assert {i.uuid: i.node for i in plan}[uuid(1, 0)] == "n1"
 
 
+def device_lease(item: locking.LockItem, c: models.GpuClaim) -> dict[str, Any]:
+    meta = c.metadata
+    return leases.device_lease(
+        "gpualloc-system",
+        uuid=item.uuid,
+        node=item.node,
+        claim_namespace=meta.namespace,
+        claim_name=meta.name,
+        claim_uid=meta.uid,
+        claim_resource_version="42",
+        now=NOW,
+    )
+
+
+def test_device_lease_is_held_by_the_claim_stamped_with_its_version_and_kept_by_a_finalizer() -> None:
+    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    lease = device_lease(item, claim())
+    assert lease["spec"]["holderIdentity"] == "uid-c"
+    assert lease["metadata"]["finalizers"] == [leases.FINALIZER]
+    info = leases.parse(lease)
+    assert (info.claim_resource_version, info.node, info.deleting) == ("42", "n1", False)
+
+
 def test_lease_labels_name_node_claim_and_manager() -> None:
-    item = planning.lock_plan([alloc(0, "n1", 1, (0,))])[0]
-    assert planning.lease_labels(item, claim()) == {
+    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    assert device_lease(item, claim())["metadata"]["labels"] == {
         constants.LABEL_NODE: "n1",
         constants.LABEL_CLAIM_NAMESPACE: "ns",
         constants.LABEL_CLAIM_NAME: "c",
@@ -194,23 +220,27 @@ def test_shorten_label_value_keeps_names_that_fit_and_shortens_longer_ones_to_a_
 
 
 def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_the_label() -> None:
-    item = planning.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
     long = claim("c" * 253)
-    labels = planning.lease_labels(item, long)
-    annotations = planning.lease_annotations(long)
+    labels = device_lease(item, long)["metadata"]["labels"]
+    annotations = device_lease(item, long)["metadata"]["annotations"]
     assert labels[constants.LABEL_CLAIM_NAME] == constants.shorten_label_value("c" * 253)
-    assert annotations == {constants.LABEL_CLAIM_NAMESPACE: "ns", constants.LABEL_CLAIM_NAME: "c" * 253}
+    assert annotations == {
+        constants.LABEL_CLAIM_NAMESPACE: "ns",
+        constants.LABEL_CLAIM_NAME: "c" * 253,
+        leases.ANNOTATION_CLAIM_RESOURCE_VERSION: "42",
+    }
     lease = {"metadata": {"name": item.lease, "labels": labels, "annotations": annotations}}
-    assert (planning.lease_info(lease).claim_namespace, planning.lease_info(lease).claim_name) == (
+    assert (leases.parse(lease).claim_namespace, leases.parse(lease).claim_name) == (
         "ns",
         "c" * 253,
     )
 
 
 def test_a_lease_made_before_the_annotations_is_read_from_its_labels() -> None:
-    item = planning.lock_plan([alloc(0, "n1", 1, (0,))])[0]
-    lease = {"metadata": {"name": item.lease, "labels": planning.lease_labels(item, claim())}}
-    info = planning.lease_info(lease)
+    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    lease = {"metadata": {"name": item.lease, "labels": device_lease(item, claim())["metadata"]["labels"]}}
+    info = leases.parse(lease)
     assert (info.claim_namespace, info.claim_name) == ("ns", "c")
 
 
@@ -231,22 +261,22 @@ def test_placement_conflict_names_a_selector_or_affinity_that_keeps_a_gated_pod_
 ) -> None:
     allocation = alloc(0, "n1", 1, (0,))
     pod = {"metadata": {"name": "p"}, "spec": spec}
-    assert planning.placement_conflict(pod, claim(), allocation) == conflict
+    assert gates.placement_conflict(pod, claim(), allocation) == conflict
 
 
 # ------------------------------------------------------------------ status
 
 
 def test_display_fields_for_one_replica_and_for_a_gang() -> None:
-    assert planning.display_fields([alloc(0, "n1", 1, (3, 0, 1, 2))]) == ("n1", "0,1,2,3")
+    assert statuses.display_fields([alloc(0, "n1", 1, (3, 0, 1, 2))]) == ("n1", "0,1,2,3")
     gang = [alloc(1, "n2", 2, (2, 3)), alloc(0, "n1", 1, (0, 1)), alloc(2, "n1", 1, (4, 5))]
-    assert planning.display_fields(gang) == ("n1,n2", "n1:0,1;n2:2,3;n1:4,5")
+    assert statuses.display_fields(gang) == ("n1,n2", "n1:0,1;n2:2,3;n1:4,5")
 
 
 def test_allocated_status_records_phase_allocations_condition_and_display_fields() -> None:
     lost = models.Condition(type=constants.CONDITION_DEVICES_LOST, status="True", reason="x")
     c = claim(generation=3, status_=models.GpuClaimStatus(conditions=(lost,), retry_count=2))
-    patch = planning.allocated_status(c, [alloc(0, "n1", 1, (0, 1))], now=NOW)["status"]
+    patch = statuses.allocated_status(c, [alloc(0, "n1", 1, (0, 1))], now=NOW)["status"]
     assert patch["phase"] == "Allocated"
     assert patch["allocations"][0]["nodeName"] == "n1"
     assert patch["allocations"][0]["devices"][1] == {"index": 1, "minor": 1, "uuid": uuid(1, 1)}
@@ -261,7 +291,7 @@ def test_allocated_status_records_phase_allocations_condition_and_display_fields
 
 
 def test_unallocated_status_clears_the_allocation_and_explains_in_one_line() -> None:
-    patch = planning.unallocated_status(
+    patch = statuses.unallocated_status(
         claim(),
         phase="Pending",
         reason="InsufficientDevices",
@@ -278,9 +308,9 @@ def test_unallocated_status_clears_the_allocation_and_explains_in_one_line() -> 
 
 def test_set_condition_keeps_the_transition_time_while_the_status_stays() -> None:
     old = models.Condition(type="Allocated", status="False", reason="A", last_transition_time="T0")
-    same = planning.set_condition([old], dataclasses.replace(old, reason="B", last_transition_time="T1"))
+    same = statuses.set_condition([old], dataclasses.replace(old, reason="B", last_transition_time="T1"))
     assert same[0].last_transition_time == "T0" and same[0].reason == "B"
-    flipped = planning.set_condition(
+    flipped = statuses.set_condition(
         [old], dataclasses.replace(old, status="True", last_transition_time="T1")
     )
     assert flipped[0].last_transition_time == "T1"
@@ -288,27 +318,27 @@ def test_set_condition_keeps_the_transition_time_while_the_status_stays() -> Non
 
 def test_status_differs_ignores_timestamps_only() -> None:
     c = claim()
-    patch = planning.unallocated_status(c, phase="Pending", reason="R", message="m", retry_count=0, now=NOW)
-    assert planning.status_differs(c, patch)
+    patch = statuses.unallocated_status(c, phase="Pending", reason="R", message="m", retry_count=0, now=NOW)
+    assert statuses.status_differs(c, patch)
     written = codecs.decode(
         models.GpuClaimStatus, {k: v for k, v in patch["status"].items() if v is not None}
     )
     c2 = dataclasses.replace(c, status=written)
-    later = planning.unallocated_status(
+    later = statuses.unallocated_status(
         c2, phase="Pending", reason="R", message="m", retry_count=0, now=NOW + datetime.timedelta(hours=1)
     )
-    assert not planning.status_differs(c2, later)
-    bumped = planning.unallocated_status(c2, phase="Pending", reason="R", message="m", retry_count=1, now=NOW)
-    assert planning.status_differs(c2, bumped)
+    assert not statuses.status_differs(c2, later)
+    bumped = statuses.unallocated_status(c2, phase="Pending", reason="R", message="m", retry_count=1, now=NOW)
+    assert statuses.status_differs(c2, bumped)
 
 
 def test_allocation_complete_needs_one_allocation_per_replica() -> None:
     two = models.GpuClaimStatus(
         phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)), alloc(1, "n1", 1, (1,)))
     )
-    assert planning.allocation_complete(claim(replicas=2, status_=two))
-    assert not planning.allocation_complete(claim(replicas=3, status_=two))
-    assert not planning.allocation_complete(
+    assert statuses.allocation_complete(claim(replicas=2, status_=two))
+    assert not statuses.allocation_complete(claim(replicas=3, status_=two))
+    assert not statuses.allocation_complete(
         claim(replicas=2, status_=dataclasses.replace(two, phase="Pending"))
     )
 
@@ -318,15 +348,15 @@ def test_allocation_complete_needs_one_allocation_per_replica() -> None:
 
 def test_problems_name_unhealthy_and_vanished_devices_and_nodes() -> None:
     allocations = [alloc(0, "n1", 1, (0, 1)), alloc(1, "n2", 2, (0,)), alloc(2, "n3", 3, (0,))]
-    statuses = {
+    by_node = {
         "n1": status("n1", inventory(1, gpus=1, unhealthy=(0,))),  # device 1 is gone
         "n2": status("n2", inventory(2)),
     }
-    facts = {n: planning.NodeFacts(name=n, labels={}, unschedulable=False) for n in ("n1", "n3")}
-    problems = planning.allocation_problems(allocations, statuses=statuses, nodes=facts)
+    facts = {n: views.NodeFacts(name=n, labels={}, unschedulable=False) for n in ("n1", "n3")}
+    problems = statuses.allocation_problems(allocations, statuses=by_node, nodes=facts)
     by_uuid = {p.uuid: p for p in problems}
     assert (
-        by_uuid[uuid(1, 0)].reason == planning.REASON_DEVICE_UNHEALTHY
+        by_uuid[uuid(1, 0)].reason == statuses.REASON_DEVICE_UNHEALTHY
         and "XID 79" in by_uuid[uuid(1, 0)].detail
     )
     assert "device is gone" in by_uuid[uuid(1, 1)].detail
@@ -336,17 +366,19 @@ def test_problems_name_unhealthy_and_vanished_devices_and_nodes() -> None:
 
 def test_devices_lost_condition_turns_true_then_false_and_is_none_when_nothing_changes() -> None:
     c = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
-    assert planning.devices_lost_condition(c, [], now=NOW) is None  # healthy, never had a problem
-    problem = planning.Problem(
-        node="n1", uuid=uuid(1, 0), reason=planning.REASON_DEVICE_UNHEALTHY, detail="d"
+    assert statuses.devices_lost_condition(c, [], now=NOW) is None  # healthy, never had a problem
+    problem = statuses.Problem(
+        node="n1", uuid=uuid(1, 0), reason=statuses.REASON_DEVICE_UNHEALTHY, detail="d"
     )
-    cond = planning.devices_lost_condition(c, [problem], now=NOW)
+    cond = statuses.devices_lost_condition(c, [problem], now=NOW)
     assert cond is not None and cond.status == "True" and cond.reason == "DeviceUnhealthy"
     c2 = dataclasses.replace(c, status=dataclasses.replace(c.status, conditions=(cond,)))
-    assert planning.devices_lost_condition(c2, [problem], now=NOW) is None
-    lost = planning.devices_lost_condition(c2, [problem], lost_leases=["gpu-x"], now=NOW)
-    assert lost is not None and lost.reason == "DevicesMissing"
-    healed = planning.devices_lost_condition(c2, [], now=NOW)
+    assert statuses.devices_lost_condition(c2, [problem], now=NOW) is None
+    taken = {"gpu-x": "gpu-0/GPU-x is held by claim ns/other"}
+    lost = statuses.devices_lost_condition(c2, [problem], taken=taken, now=NOW)
+    assert lost is not None and lost.reason == constants.REASON_DEVICES_TAKEN
+    assert lost.message.startswith("gpu-0/GPU-x is held by claim ns/other; delete and re-create this claim")
+    healed = statuses.devices_lost_condition(c2, [], now=NOW)
     assert healed is not None and healed.status == "False" and healed.reason == "DevicesHealthy"
 
 
@@ -362,22 +394,22 @@ def test_devices_lost_message_stays_under_the_schema_limit_when_a_whole_64_by_64
     node = "ip-10-120-33-201.eu-west-1.compute.internal"
     allocations = tuple(alloc(r, f"{node}-{r}", r, tuple(range(64))) for r in range(64))
     c = claim(replicas=64, status_=models.GpuClaimStatus(phase="Allocated", allocations=allocations))
-    problems = planning.allocation_problems(allocations, statuses={}, nodes={})
+    problems = statuses.allocation_problems(allocations, statuses={}, nodes={})
     assert len(problems) == 64 * 64
-    cond = planning.devices_lost_condition(c, problems, now=NOW)
+    cond = statuses.devices_lost_condition(c, problems, now=NOW)
     assert cond is not None and cond.reason == "DevicesMissing"
-    assert len(cond.message) <= planning.DEVICES_LOST_MESSAGE_LIMIT < _crd_condition_message_limit()
+    assert len(cond.message) <= statuses.DEVICES_LOST_MESSAGE_LIMIT < _crd_condition_message_limit()
     kept = cond.message.count(" on ")
     assert 0 < kept < 64 * 64 and cond.message.endswith(f"; ... and {64 * 64 - kept} more")
     # The same problems give the same message, so nothing is rewritten while they last.
     again = dataclasses.replace(c, status=dataclasses.replace(c.status, conditions=(cond,)))
-    assert planning.devices_lost_condition(again, problems, now=NOW) is None
+    assert statuses.devices_lost_condition(again, problems, now=NOW) is None
 
 
 def test_join_capped_keeps_whole_details_and_counts_the_rest() -> None:
-    assert planning.join_capped(["a", "b"], limit=100) == "a; b"
-    assert planning.join_capped(["x" * 10] * 10, limit=50) == "; ".join(["x" * 10] * 2 + ["... and 8 more"])
-    assert len(planning.join_capped(["x" * 10] * 10, limit=50)) <= 50
+    assert statuses.join_capped(["a", "b"], limit=100) == "a; b"
+    assert statuses.join_capped(["x" * 10] * 10, limit=50) == "; ".join(["x" * 10] * 2 + ["... and 8 more"])
+    assert len(statuses.join_capped(["x" * 10] * 10, limit=50)) <= 50
 
 
 # ------------------------------------------------------------------ retries
@@ -385,48 +417,53 @@ def test_join_capped_keeps_whole_details_and_counts_the_rest() -> None:
 
 def test_failures_count_only_after_the_backoff_and_exhaust_after_max_retries() -> None:
     policy = models.RetryPolicy(max_retries=2, backoff_seconds=10)
-    state = planning.RetryState()
-    state, counted = planning.record_failure(state, now=0.0, policy=policy, jitter=0.0)
+    state = retries.RetryState()
+    state, counted = retries.record_failure(state, now=0.0, policy=policy, jitter=0.0)
     assert counted and state.failures == 1 and state.retry_count == 0 and state.not_before == 10.0
-    same, counted = planning.record_failure(state, now=5.0, policy=policy, jitter=0.0)
+    same, counted = retries.record_failure(state, now=5.0, policy=policy, jitter=0.0)
     assert not counted and same == state  # an event-triggered early attempt does not count
-    state, counted = planning.record_failure(state, now=10.0, policy=policy, jitter=0.0)
+    state, counted = retries.record_failure(state, now=10.0, policy=policy, jitter=0.0)
     assert counted and state.retry_count == 1 and state.not_before == 30.0
-    assert not planning.retries_exhausted(state, policy)
-    state, _ = planning.record_failure(state, now=30.0, policy=policy, jitter=0.0)
-    assert state.retry_count == 2 and planning.retries_exhausted(state, policy)
+    assert not retries.retries_exhausted(state, policy)
+    state, _ = retries.record_failure(state, now=30.0, policy=policy, jitter=0.0)
+    assert state.retry_count == 2 and retries.retries_exhausted(state, policy)
     forever = models.RetryPolicy(max_retries=0, backoff_seconds=1)
-    assert not planning.retries_exhausted(planning.RetryState(failures=10_000), forever)
+    assert not retries.retries_exhausted(retries.RetryState(failures=10_000), forever)
 
 
 def test_retry_state_resumes_from_the_status_after_a_restart() -> None:
     failed = models.Condition(type="Allocated", status="False", reason="InsufficientDevices")
     c = claim(status_=models.GpuClaimStatus(retry_count=3, conditions=(failed,)))
-    assert planning.initial_retry_state(c).retry_count == 3
-    assert planning.initial_retry_state(claim()).failures == 0
+    assert retries.initial_retry_state(c).retry_count == 3
+    assert retries.initial_retry_state(claim()).failures == 0
 
 
 # ------------------------------------------------------------------ overlay
 
 
-def test_overlay_holds_entries_until_observed_or_expired() -> None:
-    now = [0.0]
-    overlay = locking.Overlay(ttl=10, clock=lambda: now[0])
-    overlay.reserve(["a", "b"], "c1")
-    overlay.note("a", "c1", "uid-a")
-    overlay.drop_reserved(["a", "b"], "c1")  # b was never created
-    assert overlay.holders() == {"a": "c1"}
-    assert overlay.held_by("c1") == {"a": "uid-a"}
-    overlay.observed("a", "c2", "uid-a")  # someone else's: keep
-    assert "a" in overlay.holders()
-    overlay.observed("a", "c1", "uid-a")
-    assert overlay.holders() == {}
-    overlay.note("x", "c3")
-    now[0] = 11.0
-    assert overlay.holders() == {}
+def leftover(name: str, stamped: str) -> leases.LeaseInfo:
+    return leases.LeaseInfo(
+        name=name,
+        uid=f"uid-{name}",
+        holder="uid-c",
+        claim_namespace="ns",
+        claim_name="c",
+        claim_resource_version=stamped,
+        node="n1",
+        deleting=False,
+    )
 
 
-# ------------------------------------------------------------------ gate mode
+def test_releasable_leftovers_are_only_those_no_attempt_can_still_record() -> None:
+    allocated = claim()
+    status = dataclasses.replace(allocated.status, allocations=(alloc(0, "n1", 1, (0,)),))
+    meta = dataclasses.replace(allocated.metadata, resource_version="7")
+    view = dataclasses.replace(allocated, metadata=meta, status=status)
+    listed = leftover(constants.lease_name(uuid(1, 0)), "3")  # recorded: never a leftover
+    live = leftover(constants.lease_name(uuid(1, 1)), "7")  # an attempt at this very version may record it
+    stale = leftover(constants.lease_name(uuid(1, 2)), "5")  # its attempt's write can no longer succeed
+    unstamped = leftover(constants.lease_name(uuid(1, 3)), "")
+    assert locking.releasable([listed, live, stale, unstamped], view) == [stale, unstamped]
 
 
 def gated_pod(**extra_meta: object) -> dict[str, object]:
@@ -447,7 +484,7 @@ def gated_pod(**extra_meta: object) -> dict[str, object]:
 def test_ungate_patch_adds_devices_and_hostname_selector_and_removes_only_our_gate() -> None:
     pod = gated_pod()
     allocation = alloc(0, "n1", 1, (2, 3))
-    ops = planning.ungate_patch(pod, allocation)
+    ops = gates.ungate_patch(pod, allocation)
     assert ops[0]["op"] == "test" and ops[0]["path"] == "/spec/schedulingGates"
     result = jsonpatch.apply_patch(pod, ops)
     assert result["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == f"{uuid(1, 2)},{uuid(1, 3)}"
@@ -459,13 +496,13 @@ def test_ungate_patch_adds_devices_and_hostname_selector_and_removes_only_our_ga
 def test_ungate_patch_drops_the_gate_list_when_ours_was_the_only_gate() -> None:
     pod = gated_pod()
     pod["spec"]["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]  # type: ignore[index]
-    result = jsonpatch.apply_patch(pod, planning.ungate_patch(pod, alloc(0, "n1", 1, (0,))))
+    result = jsonpatch.apply_patch(pod, gates.ungate_patch(pod, alloc(0, "n1", 1, (0,))))
     assert "schedulingGates" not in result["spec"]
 
 
 def test_ungate_patch_fails_to_apply_when_the_gates_changed_meanwhile() -> None:
     pod = gated_pod()
-    ops = planning.ungate_patch(pod, alloc(0, "n1", 1, (0,)))
+    ops = gates.ungate_patch(pod, alloc(0, "n1", 1, (0,)))
     changed = gated_pod()
     changed["spec"]["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]  # type: ignore[index]
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
@@ -479,14 +516,14 @@ def test_pod_allocation_picks_the_replica_and_explains_when_it_cannot() -> None:
             phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)), alloc(1, "n2", 2, (0,)))
         ),
     )
-    got, _ = planning.pod_allocation(gated_pod(labels={constants.LABEL_JOB_COMPLETION_INDEX: "1"}), gang)
+    got, _ = gates.pod_allocation(gated_pod(labels={constants.LABEL_JOB_COMPLETION_INDEX: "1"}), gang)
     assert got is not None and got.node_name == "n2"
-    none, why = planning.pod_allocation(gated_pod(), gang)
+    none, why = gates.pod_allocation(gated_pod(), gang)
     assert none is None and "2 replicas" in why
-    none, why = planning.pod_allocation(gated_pod(annotations={constants.ANNOTATION_REPLICA: "7"}), gang)
+    none, why = gates.pod_allocation(gated_pod(annotations={constants.ANNOTATION_REPLICA: "7"}), gang)
     assert none is None and "no replica 7" in why
     single = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
-    got, _ = planning.pod_allocation(gated_pod(), single)
+    got, _ = gates.pod_allocation(gated_pod(), single)
     assert got is not None and got.replica == 0
 
 
@@ -495,9 +532,9 @@ def test_a_malformed_replica_index_keeps_the_pod_gated_even_for_a_one_replica_cl
     # As the webhook denies such a pod: it must not fall back to replica 0 here.
     single = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
     pod = gated_pod(annotations={constants.ANNOTATION_CLAIM: "c", constants.ANNOTATION_REPLICA: value})
-    got, why = planning.pod_allocation(pod, single)
+    got, why = gates.pod_allocation(pod, single)
     assert got is None and "annotation gpu.scheduling/replica must be a non-negative integer" in why
 
 
 def test_seed_is_stable_per_claim_uid() -> None:
-    assert planning.seed_for("abc") == planning.seed_for("abc") != planning.seed_for("abd")
+    assert views.seed_for("abc") == views.seed_for("abc") != views.seed_for("abd")

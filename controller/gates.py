@@ -1,0 +1,124 @@
+"""Gate mode, pure: pods held by the ``gpu.scheduling/claim-allocated`` scheduling gate, and which
+pods use a claim.
+
+* ``pod_allocation`` / ``placement_conflict`` / ``ungate_patch``: what a gated pod gets once its
+  claim is Allocated;
+* ``pods_using``: the pods that keep a claim in use (its devices cannot be released).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jsonpatch
+
+from gpualloc.api import constants, models, pods
+
+Obj = dict[str, Any]
+
+
+def is_gated(pod: Mapping[str, Any]) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == constants.SCHEDULING_GATE for g in gates)
+
+
+def pod_claim(pod: Mapping[str, Any]) -> str | None:
+    """The ``namespace/name`` key of the claim a pod references, or None."""
+    metadata = pod.get("metadata") or {}
+    name = (metadata.get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+    if not name:
+        return None
+    return f"{metadata.get('namespace', '')}/{name}"
+
+
+def pods_using(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods among ``candidates`` (one namespace's, read from the API server) that use the claim
+    ``claim_name``: annotated with it, not Succeeded or Failed, and not waiting at our scheduling
+    gate (such a pod has no devices yet). While there are any, the claim is in use."""
+    using = []
+    for pod in candidates:
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        if annotations.get(constants.ANNOTATION_CLAIM) != claim_name:
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or is_gated(pod):
+            continue
+        using.append(pod)
+    return using
+
+
+def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[models.Allocation | None, str]:
+    """The allocation a gated pod gets, or None and the reason it cannot get one."""
+    metadata = pod.get("metadata") or {}
+    try:  # the webhook's rule: a malformed index is an error, never replica 0
+        found = pods.replica_of(
+            {"annotations": metadata.get("annotations") or {}, "labels": metadata.get("labels") or {}}
+        )
+    except pods.ReplicaError as exc:
+        return None, str(exc)
+    replica = None if found is None else found.index
+    if replica is None:
+        if claim.spec.replicas != 1:
+            return None, (
+                f"claim {claim.metadata.name} has {claim.spec.replicas} replicas and the pod names none "
+                f"(annotation {constants.ANNOTATION_REPLICA} or a pod-index / completion-index label)"
+            )
+        replica = 0
+    for alloc in claim.status.allocations:
+        if alloc.replica == replica:
+            return alloc, ""
+    return None, f"claim {claim.metadata.name} has no replica {replica}"
+
+
+def placement_conflict(
+    pod: Mapping[str, Any], claim: models.GpuClaim, allocation: models.Allocation
+) -> str | None:
+    """Why a gated pod cannot run on its allocation's node (a hostname nodeSelector or a required
+    node affinity that rules the node out), or None. The webhook denies the same pods at admission
+    when the claim is Allocated already."""
+    spec = pod.get("spec") or {}
+    node = allocation.node_name
+    pinned = (spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL)
+    if pinned and pinned != node:
+        return f"pod is pinned to {pinned} but claim {claim.metadata.name} is on {node}"
+    excluded = pods.affinity_excludes(spec.get("affinity"), node)
+    if excluded is not None:
+        return f"pod is kept off {node}, where claim {claim.metadata.name} is, by its {excluded}"
+    return None
+
+
+def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[Obj]:
+    """The JSON Patch that hands a gated pod its devices and lets it schedule.
+
+    Adds the ``gpu.scheduling/devices`` annotation (UUIDs, comma-joined) and the
+    ``kubernetes.io/hostname`` nodeSelector (allowed while the pod is gated),
+    and removes only our scheduling gate and the ``gpu.scheduling/gated`` label the
+    webhook put on the pod. The patch is a diff of a deep copy,
+    led by a ``test`` of the gate list so a concurrent change to the gates
+    makes it fail instead of removing the wrong entry.
+    """
+    new = copy.deepcopy(dict(pod))
+    metadata = new.setdefault("metadata", {})
+    annotations = metadata.get("annotations")
+    if annotations is None:
+        annotations = metadata["annotations"] = {}
+    annotations[constants.ANNOTATION_DEVICES] = ",".join(d.uuid for d in allocation.devices)
+    spec = new.setdefault("spec", {})
+    selector = spec.get("nodeSelector")
+    if selector is None:
+        selector = spec["nodeSelector"] = {}
+    selector.setdefault(constants.HOSTNAME_LABEL, allocation.node_name)
+    labels = metadata.get("labels")
+    if isinstance(labels, dict):  # ``new`` is a deep copy: edit it in place
+        labels.pop(constants.LABEL_GATED, None)
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    remaining = [g for g in gates if g.get("name") != constants.SCHEDULING_GATE]
+    if remaining:
+        spec["schedulingGates"] = remaining
+    else:
+        spec.pop("schedulingGates", None)
+    ops: list[Obj] = list(jsonpatch.make_patch(dict(pod), new))
+    if gates:
+        ops.insert(0, {"op": "test", "path": "/spec/schedulingGates", "value": gates})
+    return ops

@@ -1,0 +1,103 @@
+"""Gate mode: hand gated pods their devices once their claim is Allocated.
+
+A pod with the scheduling gate ``gpu.scheduling/claim-allocated`` and the
+annotation ``gpu.scheduling/claim`` waits for its claim; once the claim is
+Allocated the pod gets the ``gpu.scheduling/devices`` annotation (its
+replica's UUIDs), a ``kubernetes.io/hostname`` nodeSelector, and loses the
+gate (``gates.ungate_patch``). A pod that cannot be released (no replica, a
+conflicting pin, a Failed or deleted claim) gets a ``StillGated`` Warning, at
+most once per ``event_interval`` for the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from controller import cluster as kube
+from controller import gates
+from controller.state import State
+from gpualloc.api import models
+from gpualloc.kube import errors
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+Emit = Callable[[Obj, str, str, str], None]
+
+EVENT_STILL_GATED = "StillGated"
+
+
+class PodGate:
+    def __init__(
+        self,
+        cluster: kube.Cluster,
+        state: State,
+        *,
+        emit: Emit,
+        requeue: Callable[[str, float], None],
+        event_interval: float,
+    ) -> None:
+        self.cluster = cluster
+        self.state = state
+        self.emit = emit
+        self.requeue = requeue
+        self.event_interval = event_interval
+        self._warned: dict[str, tuple[str, float]] = {}  # pod key -> (message, monotonic time)
+
+    async def ungate(self, claim: models.GpuClaim) -> None:
+        for pod_key, pod in list(self.state.gated_pods(claim.key)):
+            allocation, why = gates.pod_allocation(pod, claim)
+            if allocation is None:
+                self._warn(pod_key, pod, why)
+                continue
+            conflict = gates.placement_conflict(pod, claim, allocation)
+            if conflict is not None:
+                self._warn(pod_key, pod, conflict)
+                continue
+            meta = pod.get("metadata") or {}
+            try:
+                await self.cluster.patch_pod(
+                    str(meta.get("namespace", "")),
+                    str(meta.get("name", "")),
+                    gates.ungate_patch(pod, allocation),
+                )
+            except errors.NotFound:
+                continue
+            except (errors.Invalid, errors.BadRequest, errors.Conflict) as exc:
+                # The gates changed under us (the patch's test failed): try again with a fresh cache.
+                log.info("pod changed while un-gating, retrying", extra={"pod": pod_key, "error": str(exc)})
+                self.requeue(claim.key, 1.0)
+                continue
+            self._warned.pop(pod_key, None)
+            log.info(
+                "pod un-gated",
+                extra={
+                    "pod": pod_key,
+                    "claim": claim.key,
+                    "node": allocation.node_name,
+                    "replica": allocation.replica,
+                },
+            )
+
+    def warn_gated(self, claim: models.GpuClaim, message: str) -> None:
+        """A Warning event on each pod still gated for a claim that will not release it."""
+        for pod_key, pod in list(self.state.gated_pods(claim.key)):
+            self._warn(pod_key, pod, message)  # events.emit cuts it to 1024
+
+    def _warn(self, pod_key: str, pod: Obj, message: str) -> None:
+        mono = time.monotonic()
+        last = self._warned.get(pod_key)
+        if last is not None and last[0] == message and mono - last[1] < self.event_interval:
+            return
+        self._warned[pod_key] = (message, mono)
+        log.warning("gated pod cannot be released", extra={"pod": pod_key, "reason": message})
+        self.emit(pod, EVENT_STILL_GATED, message, "Warning")
+
+    def prune(self) -> None:
+        """Forget the warnings of pods that are gone."""
+        pods = self.state.feeds["pods"].cache
+        for pod_key in [k for k in self._warned if k not in pods]:
+            del self._warned[pod_key]

@@ -1,0 +1,212 @@
+"""The controller process's parts, put together: caches, work queue, workers, sweep.
+
+``Controller`` owns the ``State`` (caches and indexes), the work queue, the
+``Reconciler`` (one claim at a time per key), the ``PodGate`` and the
+``Sweeper``, and talks to Kubernetes only through a ``cluster.Cluster``.
+``run_caches`` keeps the caches (always, leader or not); ``run_active``
+reconciles and sweeps while this process leads. The deterministic simulation
+builds the same object on an in-memory API server and drives ``reconcile``
+and ``sweep`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from controller import allocator
+from controller import cluster as kube
+from controller import metrics as controller_metrics
+from controller import queue as work_queue
+from controller.gating import PodGate
+from controller.reconciling import Reconciler, Settings
+from controller.state import Feed, State, reflectors
+from controller.sweeping import Sweeper
+from gpualloc.kube import errors, watching
+from gpualloc.runtime import backoff
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+ERROR_BACKOFF_BASE = 0.5
+ERROR_BACKOFF_CAP = 60.0
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class Controller:
+    """One controller process. ``feeds`` default to reflectors on ``cluster.api`` (a ``KubeCluster``)."""
+
+    def __init__(
+        self,
+        cluster: kube.Cluster,
+        settings: Settings,
+        metrics: controller_metrics.Metrics | None = None,
+        *,
+        rng: random.Random | None = None,
+        feeds: Mapping[str, Feed] | None = None,
+        now: Callable[[], datetime.datetime] = _now,
+    ) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.metrics = metrics or controller_metrics.Metrics()
+        self.rng = rng or random.Random()
+        self.queue = work_queue.WorkQueue(order=self._order)
+        if feeds is None:
+            feeds = reflectors(getattr(cluster, "api"), settings.namespace, settings.claim_selector)  # noqa: B009
+        self.feeds = feeds
+        self.state = State(
+            feeds,
+            lease_namespace=settings.namespace,
+            node_stale_after=settings.node_stale_after,
+            wake=self._wake,
+            now=now,
+        )
+        self.gate = PodGate(
+            cluster,
+            self.state,
+            emit=self._emit,
+            requeue=self.queue.add_after,
+            event_interval=settings.event_interval,
+        )
+        self.reconciler = Reconciler(
+            cluster,
+            self.state,
+            self.gate,
+            settings,
+            self.metrics,
+            rng=self.rng,
+            emit=self._emit,
+            requeue=self.queue.add_after,
+        )
+        self.sweeper = Sweeper(cluster, self.state, self.gate, wake=self.queue.add)
+        self._errors: dict[str, int] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.active = False
+        self.metrics.set_device_source(self.state.device_counts)
+        self.metrics.set_pending_source(lambda: len(self.state.pending))
+
+    # ------------------------------------------------------------------ what the simulation drives
+
+    async def reconcile(self, key: str) -> None:
+        await self.reconciler.reconcile(key)
+
+    async def sweep(self) -> None:
+        await self.sweeper.sweep()
+
+    @property
+    def sweeps(self) -> int:
+        return self.sweeper.sweeps
+
+    # ------------------------------------------------------------------ running
+
+    def synced(self) -> bool:
+        return self.state.synced()
+
+    async def run_caches(self) -> None:
+        """Keep every cache until cancelled (real API server only)."""
+        await watching.run_reflectors(*self.feeds.values())
+
+    async def run_active(self) -> None:
+        """Reconcile and sweep until cancelled (the leader's part). The caches must be running."""
+        await self.state.wait_synced()
+        self.active = True
+        self.metrics.leader.set(1)
+        try:
+            try:
+                await self.sweep()
+            except errors.KubeError as exc:  # the periodic sweep tries again
+                log.warning("startup sweep failed", extra={"error": str(exc)})
+            for key in self.state.claim_keys():
+                self.queue.add(key)
+            async with asyncio.TaskGroup() as group:
+                for i in range(max(1, self.settings.workers)):
+                    group.create_task(self._worker(), name=f"reconcile-worker-{i}")
+                group.create_task(self._sweep_loop(), name="sweep")
+        finally:
+            self.active = False
+            self.metrics.leader.set(0)
+            for task in list(self._background):
+                task.cancel()
+            for task in list(self._background):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    def _wake(self, key: str) -> None:
+        if self.state.raw_claim(key) is None:  # deleted
+            self.queue.forget(key)
+            self.reconciler.forget(key)
+            self._errors.pop(key, None)
+            return
+        self.queue.add(key)
+
+    def _order(self, key: str) -> tuple[Any, ...]:
+        claim = self.state.claim(key)
+        if claim is None:
+            return (0, 0, "", "", key)
+        deleting = 0 if claim.metadata.deletion_timestamp else 1  # releasing first frees capacity first
+        return (deleting, *allocator.order_key(claim))
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            started = time.perf_counter()
+            try:
+                await self.reconcile(key)
+                self._errors.pop(key, None)
+            except asyncio.CancelledError:
+                raise
+            except errors.Conflict as exc:
+                # Our cache was behind a write (another controller's, or the user's); its watch
+                # event re-queues the key too. Not an error worth a backoff.
+                log.debug("stale claim, retrying", extra={"claim": key, "error": str(exc)})
+                self.queue.add_after(key, 0.05 + 0.2 * self.rng.random())
+            except Exception as exc:
+                failures = self._errors[key] = self._errors.get(key, 0) + 1
+                delay = backoff.jittered_up(
+                    failures, base=ERROR_BACKOFF_BASE, cap=ERROR_BACKOFF_CAP, jitter=self.rng.random()
+                )
+                if isinstance(exc, errors.KubeError):
+                    log.warning(
+                        "reconcile failed", extra={"claim": key, "error": str(exc), "retry_in": delay}
+                    )
+                else:
+                    log.exception("reconcile crashed", extra={"claim": key, "retry_in": delay})
+                self.queue.add_after(key, delay)
+            finally:
+                self.queue.done(key)
+                self.metrics.reconcile_duration.observe(time.perf_counter() - started)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval)
+            try:
+                await self.sweep()
+            except errors.KubeError as exc:
+                log.warning("sweep failed", extra={"error": str(exc)})
+            except Exception:
+                log.exception("sweep crashed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _emit(self, obj: Obj, reason: str, message: str, type_: str = "Normal") -> None:
+        """Record an Event without holding up the reconcile."""
+        if obj:
+            self._spawn(self.cluster.emit_event(obj, reason, message, type_))
+
+
+def make_ready_check(controller: Controller, lost: Callable[[], bool] = lambda: False) -> Callable[[], bool]:
+    """Ready when the caches have synced and this process is leader or a healthy standby."""
+    return lambda: controller.synced() and not lost()

@@ -1,0 +1,386 @@
+"""What the controller knows of the cluster: its caches and the indexes kept from their events.
+
+Five feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
+device Leases (``managed-by=gpualloc`` in the controller's namespace) and the
+pods the webhook gated. On a real API server each is a
+``watching.Reflector``; in the deterministic simulation, an in-memory stand-in
+with the same ``cache`` / ``synced`` / ``on_event`` / ``get``. Each event
+updates the indexes here in O(what changed) and names the claims worth looking
+at again (``wake``).
+
+**One mechanism for "my cache is behind my own write".** The object a write of
+this process returns is written through into the cache at once
+(``remember``), as if its watch event had come, unless the cache already holds
+a newer version; a Lease this process deleted is forgotten at once. The watch
+event that follows changes nothing. In-flight acquisitions of this process
+are ``reserved`` so two of its workers never plan the same device.
+
+**Safety never rests on the caches.** A device is locked by creating its
+Lease (atomic), a claim's status is written only at the resourceVersion its
+decision was made from, and Leases are released only under the rules in
+``locking``. A cache that lags only costs a conflict and a retry.
+
+"Taken", for planning, is the union of: every device Lease in the cache,
+whoever holds it (Leases the claim being planned holds but does not record
+are left over from another attempt and are not adopted, see ``locking``); the
+devices every live claim's status lists, whether or not their Leases are
+there; and the devices being acquired right now by this process.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+from controller import allocator, gates, views
+from controller import metrics as controller_metrics
+from gpualloc.api import codecs, constants, leases, models
+from gpualloc.kube import watching
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods")
+
+
+class Feed(Protocol):
+    """A cache of one kind, kept by someone else (``watching.Reflector``, or the simulation's)."""
+
+    cache: dict[str, Obj]
+    synced: Any  # an asyncio.Event
+    on_event: Callable[[str, Obj], None] | None
+
+    def get(self, key: str) -> Obj | None: ...
+
+
+def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, watching.Reflector]:
+    """The feeds on a real API server."""
+    return {
+        "claims": watching.Reflector(api, watching.CLAIMS, label_selector=claim_selector),
+        "node_statuses": watching.Reflector(api, watching.NODE_STATUSES),
+        "nodes": watching.Reflector(api, watching.NODES),
+        "leases": watching.Reflector(
+            api, watching.LEASES, namespace=namespace, label_selector=leases.MANAGED
+        ),
+        # Only the pods the webhook gated (it labels them), never every pod in the cluster.
+        "pods": watching.Reflector(api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true"),
+    }
+
+
+def _meta(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = raw.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _newer(cached: Mapping[str, Any] | None, obj: Mapping[str, Any]) -> bool:
+    """The cache holds a later version of ``obj`` than ``obj`` (resourceVersions compared as the
+    etcd revisions they are; when either is not a number, nothing is known to be newer)."""
+    if cached is None:
+        return False
+    have, new = watching.resource_version_of(cached), watching.resource_version_of(obj)
+    return have.isdigit() and new.isdigit() and int(have) > int(new)
+
+
+def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
+    """The device UUIDs a claim's status lists."""
+    return frozenset(d.uuid for a in claim.status.allocations for d in a.devices)
+
+
+class State:
+    """The caches and their indexes. ``wake(key)`` is called for each claim worth reconciling."""
+
+    def __init__(
+        self,
+        feeds: Mapping[str, Feed],
+        *,
+        lease_namespace: str,
+        node_stale_after: float,
+        wake: Callable[[str], None],
+        now: Callable[[], datetime.datetime],
+    ) -> None:
+        self.feeds = {name: feeds[name] for name in FEEDS}
+        self.lease_namespace = lease_namespace
+        self.node_stale_after = node_stale_after
+        self.wake = wake
+        self.now = now
+        handlers = {
+            "claims": self._on_claim,
+            "node_statuses": self._on_node_status,
+            "nodes": self._on_node,
+            "leases": self._on_lease,
+            "pods": self._on_pod,
+        }
+        for name, feed in self.feeds.items():
+            feed.on_event = handlers[name]
+        # Claims.
+        self._parsed: dict[str, tuple[str, models.GpuClaim | None]] = {}  # key -> (resourceVersion, model)
+        self._uid_to_key: dict[str, str] = {}
+        self.pending: set[str] = set()
+        self._allocated_on: dict[str, set[str]] = collections.defaultdict(set)  # node -> claim keys
+        self._claim_nodes: dict[str, frozenset[str]] = {}
+        self._listed: dict[str, str] = {}  # device UUID -> uid of the claim whose status lists it
+        self._claim_listed: dict[str, tuple[str, frozenset[str]]] = {}  # key -> (uid, UUIDs)
+        # Nodes.
+        self.statuses: dict[str, models.GpuNodeStatus] = {}  # node name -> parsed
+        self._status_node: dict[str, str] = {}  # GpuNodeStatus name -> node name
+        self._fingerprints: dict[str, Any] = {}
+        self.facts: dict[str, views.NodeFacts] = {}
+        self.ready_nodes: dict[str, bool] = {}
+        # Leases.
+        self.leases: dict[str, leases.LeaseInfo] = {}  # lease name -> info
+        self._held: dict[str, dict[str, leases.LeaseInfo]] = collections.defaultdict(dict)  # holder uid ->
+        self.reserved: dict[str, str] = {}  # lease name -> claim uid, being acquired by this process
+        # Gated pods.
+        self._pod_claim: dict[str, str] = {}
+        self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
+
+    # ------------------------------------------------------------------ reading
+
+    def synced(self) -> bool:
+        return all(feed.synced.is_set() for feed in self.feeds.values())
+
+    async def wait_synced(self) -> None:
+        for feed in self.feeds.values():
+            await feed.synced.wait()
+
+    def claim_keys(self) -> list[str]:
+        return list(self.feeds["claims"].cache)
+
+    def raw_claim(self, key: str) -> Obj | None:
+        return self.feeds["claims"].get(key)
+
+    def claim(self, key: str) -> models.GpuClaim | None:
+        """The cached claim as a model, parsed once per resourceVersion; None if gone or unreadable."""
+        raw = self.raw_claim(key)
+        if raw is None:
+            return None
+        version = watching.resource_version_of(raw)
+        cached = self._parsed.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        claim: models.GpuClaim | None
+        try:
+            claim = codecs.parse_claim(raw)
+        except codecs.DecodeError as exc:
+            log.error("unreadable GpuClaim skipped", extra={"claim": key, "error": str(exc)})
+            claim = None
+        self._parsed[key] = (version, claim)
+        return claim
+
+    def claim_key_of(self, uid: str) -> str | None:
+        return self._uid_to_key.get(uid)
+
+    def held_by(self, uid: str) -> dict[str, leases.LeaseInfo]:
+        """The cached device Leases held by claim ``uid``, by name."""
+        return dict(self._held.get(uid, {}))
+
+    def holders(self) -> dict[str, dict[str, leases.LeaseInfo]]:
+        """Every holder's Leases (a copy: the caller may await while walking it)."""
+        return {holder: dict(held) for holder, held in self._held.items()}
+
+    def listed_by(self, uuid: str) -> str | None:
+        """The uid of the live claim whose status lists device ``uuid``."""
+        return self._listed.get(uuid)
+
+    def gated_pods(self, claim_key: str) -> Iterator[tuple[str, Obj]]:
+        pods = self.feeds["pods"]
+        for pod_key in sorted(self._pods_by_claim.get(claim_key, ())):
+            pod = pods.get(pod_key)
+            if pod is not None and gates.is_gated(pod):
+                yield pod_key, pod
+
+    def node_ready(self, node: str) -> bool:
+        status = self.statuses.get(node)
+        return status is not None and views.node_ready(
+            status.status, now=self.now(), stale_after=self.node_stale_after
+        )
+
+    def node_views(self) -> list[allocator.NodeView]:
+        """Every GPU node as the allocator sees it, with every taken device marked (module docstring)."""
+        held, listed, reserved = self.leases, self._listed, self.reserved
+
+        def is_taken(uuid: str) -> bool:
+            name = constants.lease_name(uuid)
+            return name in held or name in reserved or uuid in listed
+
+        return views.build_node_views(
+            statuses=self.statuses,
+            nodes=self.facts,
+            is_taken=is_taken,
+            now=self.now(),
+            stale_after=self.node_stale_after,
+        )
+
+    def device_counts(self) -> Iterable[tuple[str, str, int]]:
+        """(node, state, count) for ``gpualloc_devices``."""
+        for node, status in sorted(self.statuses.items()):
+            counts = dict.fromkeys(controller_metrics.DEVICE_STATES, 0)
+            for device in status.status.devices:
+                if constants.lease_name(device.uuid) in self.leases or device.uuid in self._listed:
+                    counts["allocated"] += 1
+                elif device.health != constants.HEALTHY:
+                    counts["unhealthy"] += 1
+                else:
+                    counts["free"] += 1
+            for state, count in counts.items():
+                yield node, state, count
+
+    # ------------------------------------------------------------------ this process's writes
+
+    def remember(self, feed: str, obj: Obj) -> None:
+        """Write ``obj``, as a write of ours returned it, through into the cache ``feed``."""
+        cache = self.feeds[feed].cache
+        key = watching.object_key(obj)
+        if _newer(cache.get(key), obj):
+            return
+        type_ = watching.MODIFIED if key in cache else watching.ADDED
+        cache[key] = obj
+        handler = self.feeds[feed].on_event
+        if handler is not None:
+            handler(type_, obj)
+
+    def forget_lease(self, name: str, uid: str) -> None:
+        """A Lease this process deleted (and whose finalizer it removed) is gone."""
+        feed = self.feeds["leases"]
+        key = f"{self.lease_namespace}/{name}"
+        cached = feed.cache.get(key)
+        if cached is None or str(_meta(cached).get("uid", "")) != uid:
+            return
+        del feed.cache[key]
+        if feed.on_event is not None:
+            feed.on_event(watching.DELETED, cached)
+
+    # ------------------------------------------------------------------ event handlers
+
+    def _on_claim(self, type_: str, raw: Obj) -> None:
+        key = watching.object_key(raw)
+        meta = _meta(raw)
+        uid = str(meta.get("uid", ""))
+        for node in self._claim_nodes.pop(key, frozenset()):
+            self._allocated_on[node].discard(key)
+        old_uid, old_listed = self._claim_listed.pop(key, ("", frozenset()))
+        for uuid in old_listed:
+            if self._listed.get(uuid) == old_uid:
+                del self._listed[uuid]
+        if type_ == watching.DELETED:
+            self._parsed.pop(key, None)
+            self.pending.discard(key)
+            if self._uid_to_key.get(uid) == key:
+                del self._uid_to_key[uid]
+            self._wake_pending()  # its devices are free for the others now
+            return
+        self._uid_to_key[uid] = key
+        status = raw.get("status") or {}
+        phase = status.get("phase") or constants.PHASE_PENDING
+        if meta.get("deletionTimestamp") or phase in (constants.PHASE_ALLOCATED, constants.PHASE_FAILED):
+            self.pending.discard(key)
+        else:
+            self.pending.add(key)
+        claim = self.claim(key)
+        if claim is not None:
+            listed = listed_devices(claim)
+            if listed:
+                self._claim_listed[key] = (uid, listed)
+                for uuid in listed:
+                    self._listed[uuid] = uid
+            nodes = frozenset(a.node_name for a in claim.status.allocations)
+            if nodes:
+                self._claim_nodes[key] = nodes
+                for node in nodes:
+                    self._allocated_on[node].add(key)
+        if old_listed - (self._claim_listed.get(key, ("", frozenset()))[1]):
+            self._wake_pending()  # it gave devices back
+        self.wake(key)
+
+    def _on_lease(self, type_: str, raw: Obj) -> None:
+        info = leases.parse(raw)
+        old = self.leases.pop(info.name, None)
+        if old is not None:
+            held = self._held.get(old.holder)
+            if held is not None:
+                held.pop(old.name, None)
+                if not held:
+                    del self._held[old.holder]
+        if type_ == watching.DELETED:
+            self._wake_pending()  # capacity freed
+            key = self._uid_to_key.get(info.holder)
+            if key is not None:
+                self.wake(key)  # an Allocated claim may have lost a recorded Lease
+            return
+        self.leases[info.name] = info
+        self._held[info.holder][info.name] = info
+        if old is None or old.deleting != info.deleting:
+            key = self._uid_to_key.get(info.holder)
+            if key is not None:
+                self.wake(key)
+
+    def _on_node_status(self, type_: str, raw: Obj) -> None:
+        name = str(_meta(raw).get("name", ""))
+        node = self._status_node.pop(name, None)
+        if node is not None:
+            self.statuses.pop(node, None)
+        if type_ != watching.DELETED:
+            try:
+                parsed = codecs.parse_node_status(raw)
+            except codecs.DecodeError as exc:
+                log.warning("unreadable GpuNodeStatus ignored", extra={"node": name, "error": str(exc)})
+                parsed = None
+            if parsed is not None:
+                node = parsed.spec.node_name or name
+                self.statuses[node] = parsed
+                self._status_node[name] = node
+        node = node or name
+        status = self.statuses.get(node)
+        fingerprint = None
+        if status is not None:
+            inv = status.status
+            fingerprint = (tuple((d.uuid, d.health, d.index) for d in inv.devices), inv.links)
+        ready = self.node_ready(node)
+        if self._fingerprints.get(node) != fingerprint or self.ready_nodes.get(node) != ready:
+            self._fingerprints[node] = fingerprint
+            self.ready_nodes[node] = ready
+            self.node_changed(node)
+
+    def _on_node(self, type_: str, raw: Obj) -> None:
+        facts = views.node_facts(raw)
+        old = self.facts.pop(facts.name, None)
+        if type_ != watching.DELETED:
+            self.facts[facts.name] = facts
+        if old != self.facts.get(facts.name):
+            self.node_changed(facts.name)
+
+    def node_changed(self, node: str) -> None:
+        self._wake_pending()
+        for key in self._allocated_on.get(node, ()):
+            self.wake(key)
+
+    def _on_pod(self, type_: str, raw: Obj) -> None:
+        key = watching.object_key(raw)
+        old = self._pod_claim.pop(key, None)
+        if old is not None:
+            self._pods_by_claim[old].discard(key)
+            if not self._pods_by_claim[old]:
+                del self._pods_by_claim[old]
+        if type_ == watching.DELETED or not gates.is_gated(raw):
+            return
+        claim_key = gates.pod_claim(raw)
+        if claim_key is None:
+            return
+        self._pod_claim[key] = claim_key
+        self._pods_by_claim[claim_key].add(key)
+        self.wake(claim_key)
+
+    def _wake_pending(self) -> None:
+        for key in self.pending:
+            self.wake(key)
+
+    def refresh_readiness(self) -> None:
+        """Nodes whose heartbeat went stale or fresh since the last look wake the pending claims."""
+        ready = {node: self.node_ready(node) for node in self.statuses}
+        if ready != self.ready_nodes:
+            self.ready_nodes = ready
+            self._wake_pending()

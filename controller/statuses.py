@@ -1,0 +1,311 @@
+"""What the controller writes into a claim's status, and what it reads back from it (pure).
+
+Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
+
+* ``allocated_status`` / ``unallocated_status``: the status merge patches;
+* ``allocation_problems`` / ``devices_lost_condition``: what became of the
+  devices of an Allocated claim;
+* ``in_use_status``: a claim being deleted that pods still use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from gpualloc.api import codecs, constants, models, timestamps
+
+Obj = dict[str, Any]
+
+REASON_ALLOCATED = "Allocated"
+REASON_INSUFFICIENT = "InsufficientDevices"
+REASON_RETRIES_EXHAUSTED = "RetriesExhausted"
+REASON_DEVICE_UNHEALTHY = "DeviceUnhealthy"
+REASON_DEVICES_MISSING = "DevicesMissing"
+REASON_DEVICES_HEALTHY = "DevicesHealthy"
+CONDITION_IN_USE = "InUse"
+REASON_PODS_RUNNING = "PodsRunning"
+
+
+def recorded_leases(status: models.GpuClaimStatus) -> frozenset[str]:
+    """The Lease names of the devices a claim's status lists."""
+    return frozenset(constants.lease_name(d.uuid) for a in status.allocations for d in a.devices)
+
+
+def allocation_complete(claim: models.GpuClaim) -> bool:
+    """Allocated, with one allocation per replica (0..replicas-1) and at least one device each."""
+    if claim.status.phase != constants.PHASE_ALLOCATED:
+        return False
+    replicas = sorted(a.replica for a in claim.status.allocations)
+    return replicas == list(range(claim.spec.replicas)) and all(a.devices for a in claim.status.allocations)
+
+
+# ------------------------------------------------------------------- status
+
+
+def display_fields(allocations: Sequence[models.Allocation]) -> tuple[str, str]:
+    """The printer-column strings: nodes ``"n1,n2"`` and devices ``"0,1"`` or ``"n1:0,1;n2:2,3"``."""
+    ordered = sorted(allocations, key=lambda a: a.replica)
+    nodes: list[str] = []
+    for alloc in ordered:
+        if alloc.node_name not in nodes:
+            nodes.append(alloc.node_name)
+
+    def indices(alloc: models.Allocation) -> str:
+        return ",".join(str(d.index) for d in sorted(alloc.devices, key=lambda d: d.index))
+
+    if len(ordered) == 1:
+        devices = indices(ordered[0])
+    else:
+        devices = ";".join(f"{a.node_name}:{indices(a)}" for a in ordered)
+    return ",".join(nodes), devices
+
+
+def set_condition(
+    conditions: Sequence[models.Condition], new: models.Condition
+) -> tuple[models.Condition, ...]:
+    """``conditions`` with ``new`` in place of the one of its type.
+
+    The old ``lastTransitionTime`` is kept when the status did not change,
+    as Kubernetes conditions do.
+    """
+    out: list[models.Condition] = []
+    placed = False
+    for cond in conditions:
+        if cond.type != new.type:
+            out.append(cond)
+            continue
+        placed = True
+        if cond.status == new.status and cond.last_transition_time:
+            new = dataclasses.replace(new, last_transition_time=cond.last_transition_time)
+        out.append(new)
+    if not placed:
+        out.append(new)
+    return tuple(out)
+
+
+def _conditions_json(conditions: Iterable[models.Condition]) -> list[Obj]:
+    return [codecs.encode(c) for c in conditions]
+
+
+def _condition(
+    claim: models.GpuClaim, type_: str, status: str, reason: str, message: str, *, now: datetime.datetime
+) -> models.Condition:
+    """A condition of ``claim`` at its current generation, changed ``now``."""
+    return models.Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=timestamps.format_time(now),
+        observed_generation=claim.metadata.generation or None,
+    )
+
+
+def allocated_status(
+    claim: models.GpuClaim,
+    allocations: Sequence[models.Allocation],
+    *,
+    now: datetime.datetime,
+) -> Obj:
+    """The merge patch that records a successful allocation."""
+    stamp = timestamps.format_time(now)
+    nodes, devices = display_fields(allocations)
+    count = sum(len(a.devices) for a in allocations)
+    message = f"allocated {count} GPU{'s' if count != 1 else ''} on {nodes}"
+    conditions = set_condition(
+        [c for c in claim.status.conditions if c.type != constants.CONDITION_DEVICES_LOST],
+        _condition(claim, constants.CONDITION_ALLOCATED, "True", REASON_ALLOCATED, message, now=now),
+    )
+    return {
+        "status": {
+            "phase": constants.PHASE_ALLOCATED,
+            "allocations": [codecs.encode(a) for a in sorted(allocations, key=lambda a: a.replica)],
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "retryCount": claim.status.retry_count,
+            "lastScheduleTime": stamp,
+            "observedGeneration": claim.metadata.generation,
+            "nodes": nodes,
+            "devices": devices,
+        }
+    }
+
+
+def unallocated_status(
+    claim: models.GpuClaim,
+    *,
+    phase: str,
+    reason: str,
+    message: str,
+    retry_count: int,
+    now: datetime.datetime,
+) -> Obj:
+    """The merge patch for a claim that holds nothing: Pending (will retry) or Failed."""
+    message = " ".join(message.split()) or "no allocation"
+    conditions = set_condition(
+        claim.status.conditions,
+        _condition(claim, constants.CONDITION_ALLOCATED, "False", reason, message, now=now),
+    )
+    return {
+        "status": {
+            "phase": phase,
+            "allocations": None,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "retryCount": retry_count,
+            "observedGeneration": claim.metadata.generation,
+            "nodes": "",
+            "devices": "",
+        }
+    }
+
+
+def status_differs(claim: models.GpuClaim, patch: Mapping[str, Any]) -> bool:
+    """Would writing ``patch`` change the claim's status (timestamps aside)?"""
+    current = codecs.encode(claim.status)
+    for key, value in (patch.get("status") or {}).items():
+        if key in ("lastScheduleTime",):
+            continue
+        have = current.get(key)
+        if key == "conditions":
+            strip = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in value or []]
+            have = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in have or []]
+            if strip != have:
+                return True
+        elif key == "allocations":
+            if (value or []) != (have or []):
+                return True
+        elif value != have:
+            return True
+    return False
+
+
+# ------------------------------------------------------------------- device health
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    node: str
+    uuid: str
+    reason: str  # REASON_DEVICE_UNHEALTHY or REASON_DEVICES_MISSING
+    detail: str  # one phrase, e.g. "gpu-3/GPU-5f1c… unhealthy (XID 79)"
+
+
+def allocation_problems(
+    allocations: Sequence[models.Allocation],
+    *,
+    statuses: Mapping[str, models.GpuNodeStatus],
+    nodes: Mapping[str, Any],  # node name -> views.NodeFacts; only presence is read
+) -> list[Problem]:
+    """Devices of an allocation whose Node, GpuNodeStatus or device entry vanished, or that are Unhealthy.
+
+    A stale heartbeat is not a problem here: an agent restart does not take GPUs away.
+    """
+    problems: list[Problem] = []
+    for alloc in sorted(allocations, key=lambda a: a.replica):
+        node = alloc.node_name
+        status = statuses.get(node)
+        by_uuid = {d.uuid: d for d in status.status.devices} if status else {}
+        for ref in alloc.devices:
+            reason = REASON_DEVICES_MISSING
+            if node not in nodes:
+                what = "node is gone"
+            elif status is None:
+                what = "no GpuNodeStatus"
+            elif ref.uuid not in by_uuid:
+                what = "device is gone"
+            elif by_uuid[ref.uuid].health != constants.HEALTHY:
+                why = by_uuid[ref.uuid].health_reason
+                reason, what = REASON_DEVICE_UNHEALTHY, "unhealthy" + (f" ({why})" if why else "")
+            else:
+                continue
+            detail = f"gpu-{ref.minor}/{ref.uuid} on {node}: {what}"
+            problems.append(Problem(node=node, uuid=ref.uuid, reason=reason, detail=detail))
+    return problems
+
+
+# Far below the schema's 32768 for a condition message, and still readable in kubectl describe.
+DEVICES_LOST_MESSAGE_LIMIT = 4096
+
+
+def join_capped(details: Sequence[str], limit: int = DEVICES_LOST_MESSAGE_LIMIT) -> str:
+    """``"; ".join(details)`` with as many whole details as fit in ``limit`` characters, then
+    ``"... and N more"``: a gang losing hundreds of devices at once must not make the
+    status write fail schema validation. Deterministic, so an unchanged list compares equal."""
+    joined = "; ".join(details)
+    if len(joined) <= limit:
+        return joined
+    kept: list[str] = []
+    used = 0
+    for detail in details:
+        tail = len(f"; ... and {len(details) - len(kept)} more")
+        if used + len(detail) + 2 + tail > limit:
+            break
+        kept.append(detail)
+        used += len(detail) + 2
+    return "; ".join([*kept, f"... and {len(details) - len(kept)} more"])
+
+
+def devices_lost_condition(
+    claim: models.GpuClaim,
+    problems: Sequence[Problem],
+    *,
+    taken: Mapping[str, str] | None = None,
+    now: datetime.datetime,
+) -> models.Condition | None:
+    """The DevicesLost condition to write, or None when the recorded one is still right.
+
+    True while there are problems: reason ``DevicesTaken`` when another claim
+    holds one of its Leases (``taken``: lease name -> one phrase; the webhook
+    then refuses the claim's new pods), else ``DevicesMissing`` when any device
+    is gone, else ``DeviceUnhealthy``. False (DevicesHealthy) once they are
+    over; no condition at all for a claim that never had a problem.
+    """
+    taken = taken or {}
+    current = next((c for c in claim.status.conditions if c.type == constants.CONDITION_DEVICES_LOST), None)
+    details = [taken[name] for name in sorted(taken)] + [p.detail for p in problems]
+    if details:
+        if taken:
+            reason = constants.REASON_DEVICES_TAKEN
+            details[len(taken) - 1] += "; delete and re-create this claim to get other GPUs"
+        elif any(p.reason == REASON_DEVICES_MISSING for p in problems):
+            reason = REASON_DEVICES_MISSING
+        else:
+            reason = REASON_DEVICE_UNHEALTHY
+        message = join_capped(details)
+        if current and current.status == "True" and current.reason == reason and current.message == message:
+            return None
+        return _condition(claim, constants.CONDITION_DEVICES_LOST, "True", reason, message, now=now)
+    if current is None or current.status == "False":
+        return None
+    return _condition(
+        claim,
+        constants.CONDITION_DEVICES_LOST,
+        "False",
+        REASON_DEVICES_HEALTHY,
+        "every allocated device is present and healthy",
+        now=now,
+    )
+
+
+def in_use_condition(
+    claim: models.GpuClaim, pods: Sequence[str], *, now: datetime.datetime
+) -> models.Condition | None:
+    """The ``InUse`` condition of a claim being deleted while ``pods`` (names) use it, or None when
+    the recorded one says that already. The claim keeps its devices until they are gone."""
+    shown = join_capped(list(pods), limit=1024)
+    message = (
+        f"being deleted, but {len(pods)} pod{'s' if len(pods) != 1 else ''} still use its devices "
+        f"({shown}); the devices are released when they finish or are deleted"
+    )
+    current = next((c for c in claim.status.conditions if c.type == CONDITION_IN_USE), None)
+    if current and current.status == "True" and current.message == message:
+        return None
+    return _condition(claim, CONDITION_IN_USE, "True", REASON_PODS_RUNNING, message, now=now)
+
+
+def condition_patch(claim: models.GpuClaim, condition: models.Condition) -> Obj:
+    return {"status": {"conditions": _conditions_json(set_condition(claim.status.conditions, condition))}}

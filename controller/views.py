@@ -1,0 +1,93 @@
+"""The allocator's view of each GPU node, built from the cached Nodes and GpuNodeStatuses (pure).
+
+``build_node_views`` makes one ``allocator.NodeView`` per node with a
+GpuNodeStatus; the caller says which devices are taken. ``node_ready`` is the
+freshness rule, ``seed_for`` the per-claim seed of the random strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from controller import allocator
+from gpualloc.api import constants, models, timestamps
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeFacts:
+    """What the allocator needs from a core/v1 Node."""
+
+    name: str
+    labels: Mapping[str, str]
+    unschedulable: bool
+
+
+def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
+    metadata = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    return NodeFacts(
+        name=str(metadata.get("name", "")),
+        labels={str(k): str(v) for k, v in (metadata.get("labels") or {}).items()},
+        unschedulable=bool(spec.get("unschedulable", False)),
+    )
+
+
+# A GpuNodeStatus whose heartbeat is older than this is not allocated from (--node-stale-after).
+NODE_STALE_AFTER_S = 120.0
+
+
+def node_ready(inventory: models.NodeInventory, *, now: datetime.datetime, stale_after: float) -> bool:
+    """The GpuNodeStatus Ready condition is True and its heartbeat is at most ``stale_after`` s old."""
+    ready = any(c.type == constants.CONDITION_READY and c.status == "True" for c in inventory.conditions)
+    if not ready:
+        return False
+    beat = timestamps.parse_time(inventory.last_heartbeat_time)
+    if beat is None:
+        return False
+    return (now - beat).total_seconds() <= stale_after
+
+
+def build_node_views(
+    *,
+    statuses: Mapping[str, models.GpuNodeStatus],
+    nodes: Mapping[str, NodeFacts],
+    is_taken: Callable[[str], bool],  # by device UUID
+    now: datetime.datetime,
+    stale_after: float,
+) -> list[allocator.NodeView]:
+    """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
+
+    ``statuses`` is keyed by node name (``spec.nodeName``). ``is_taken`` says
+    whether a device's Lease (by name) is held by another claim than the one
+    being planned: Leases that claim holds already are free for it (a retry
+    after a crash adopts them). Nodes without a GpuNodeStatus have no GPUs and
+    are left out.
+    """
+    views: list[allocator.NodeView] = []
+    for name in sorted(statuses):
+        inventory = statuses[name].status
+        facts = nodes.get(name)
+        taken = frozenset(device.uuid for device in inventory.devices if is_taken(device.uuid))
+        views.append(
+            allocator.NodeView(
+                name=name,
+                labels=facts.labels if facts else {},
+                unschedulable=facts.unschedulable if facts else False,
+                node_present=facts is not None,
+                ready=node_ready(inventory, now=now, stale_after=stale_after),
+                inventory=inventory,
+                taken=taken,
+            )
+        )
+    return views
+
+
+def seed_for(uid: str) -> int:
+    """A stable seed per claim for ``strategy: random`` (a retry makes the same choice)."""
+    value = 0
+    for char in uid:
+        value = (value * 131 + ord(char)) % (1 << 61)
+    return value
