@@ -1,0 +1,200 @@
+"""The three ways a GPU used to be double-booked, against the real API server.
+
+* a claim deleted while its pod runs keeps its Leases, Terminating with the
+  reason (condition InUse), until the pod is gone; only then does another
+  claim get its GPUs;
+* a Lease of an Allocated claim deleted by hand does not free its GPU: the
+  finalizer keeps it, and even with the finalizer forced off, planning counts
+  the devices the claim's status lists, and the owner re-creates its Lease;
+* an Allocated claim whose Lease another claim holds gets ``DevicesLost`` with
+  reason ``DevicesTaken`` (the webhook then refuses its new pods:
+  ``test_webhook_cluster``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.api import leases as lease_format
+from gpualloc.kube import errors, leases, resources, transport
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    device_leases,
+    get_claim,
+    running_controller,
+    status_uuids,
+    wait_for,
+    wait_phase,
+)
+
+GPUS = 8  # create_gpu_node's default board
+
+
+@pytest.fixture
+async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
+    """One 8-GPU node labelled with a fresh run id: (node name, run id)."""
+    run = uuid.uuid4().hex[:8]
+    name = f"excl-{run}"
+    await create_gpu_node(api, name, labels={RUN_LABEL: run})
+    yield name, run
+    await delete_gpu_node(api, name)
+
+
+def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return {}
+
+
+async def create_pod(api: ApiClient, namespace: str, name: str, claim: str) -> None:
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": {constants.ANNOTATION_CLAIM: claim}},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
+    await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
+
+
+async def held(api: ApiClient, namespace: str) -> dict[str, str]:
+    """Lease name -> holder of every device Lease in ``namespace``."""
+    return {
+        lease["metadata"]["name"]: lease["spec"].get("holderIdentity", "")
+        for lease in await device_leases(api, namespace)
+    }
+
+
+Probe = Callable[[], Awaitable[Any]]
+
+
+async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod_is_gone(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        created = await crs.create_claim(namespace, claim_body("first", GPUS, run=run))
+        first = await wait_phase(api, namespace, "first", "Allocated")
+        uid = created["metadata"]["uid"]
+        await create_pod(api, namespace, "worker", "first")  # Pending: not finished, so in use
+        await crs.delete_claim(namespace, "first")
+
+        async def blocked() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "first")
+            return got if condition(got, "InUse").get("status") == "True" else None
+
+        kept = await wait_for(blocked, what="the deleted claim to say it is in use")
+        assert kept["metadata"].get("deletionTimestamp")
+        assert "worker" in condition(kept, "InUse")["message"]
+        await crs.create_claim(namespace, claim_body("second", 1, run=run, priority=1000))
+        second = await wait_for(
+            lambda: _explained(api, namespace, "second"), what="the second claim to be explained"
+        )
+        assert second["status"]["phase"] == "Pending", second["status"]
+        holders = await held(api, namespace)
+        assert {name: h for name, h in holders.items() if h == uid} == {
+            constants.lease_name(u): uid for u in status_uuids(first)
+        }
+
+        await transport.request(
+            api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker", body={"gracePeriodSeconds": 0}
+        )
+        got = await wait_phase(api, namespace, "second", "Allocated", within=30)
+        assert await get_claim(api, namespace, "first") is None
+        assert set(status_uuids(got)) <= set(status_uuids(first))
+        assert set((await held(api, namespace)).values()) == {got["metadata"]["uid"]}
+
+
+async def _explained(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    got = await get_claim(api, namespace, name)
+    return got if ((got or {}).get("status") or {}).get("message") else None
+
+
+async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        created = await crs.create_claim(namespace, claim_body("owner", GPUS, run=run))
+        owner = await wait_phase(api, namespace, "owner", "Allocated")
+        uid = created["metadata"]["uid"]
+        victim = constants.lease_name(status_uuids(owner)[0])
+
+        # As kubectl delete would: the finalizer keeps the Lease, and the lock with it.
+        await leases.delete_lease(api, namespace, victim)
+        lease = await leases.get_lease(api, namespace, victim)
+        assert lease["metadata"].get("deletionTimestamp") and lease["spec"]["holderIdentity"] == uid
+        await crs.create_claim(namespace, claim_body("thief", 1, run=run, priority=1000))
+        thief = await wait_for(lambda: _explained(api, namespace, "thief"), what="the thief to be explained")
+        assert thief["status"]["phase"] == "Pending", thief["status"]
+
+        # Forced: the finalizer removed by hand, the Lease gone. The owner's status still counts,
+        # and the owner takes its Lease back.
+        await leases.drop_finalizers(api, namespace, victim, uid=lease["metadata"]["uid"])
+
+        async def recreated() -> dict[str, Any] | None:
+            try:
+                again = await leases.get_lease(api, namespace, victim)
+            except errors.NotFound:
+                return None
+            return again if again["metadata"]["uid"] != lease["metadata"]["uid"] else None
+
+        again = await wait_for(recreated, what="the owner to re-create its Lease")
+        assert again["spec"]["holderIdentity"] == uid
+        assert again["metadata"]["finalizers"] == [lease_format.FINALIZER]
+        thief = await get_claim(api, namespace, "thief")
+        assert thief is not None and thief["status"]["phase"] == "Pending"
+        assert set((await held(api, namespace)).values()) == {uid}
+
+
+async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, claim_body("owner", 2, run=run))
+        owner = await wait_phase(api, namespace, "owner", "Allocated")
+    # With no controller running, someone replaces one of its Leases by another claim's. (That
+    # claim has no run label, so no controller of this test handles it; it exists, so the sweep
+    # leaves its Lease alone.)
+    body = claim_body("intruder", 1, run=run)
+    del body["metadata"]["labels"]
+    intruder = await crs.create_claim(namespace, body)
+    uuid_ = status_uuids(owner)[0]
+    victim = constants.lease_name(uuid_)
+    lease = await leases.get_lease(api, namespace, victim)
+    await leases.delete_lease(api, namespace, victim)
+    await leases.drop_finalizers(api, namespace, victim, uid=lease["metadata"]["uid"])
+    await leases.create_lease(
+        api,
+        namespace,
+        victim,
+        holder=intruder["metadata"]["uid"],
+        labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY, RUN_LABEL: run},
+        annotations={constants.LABEL_CLAIM_NAMESPACE: namespace, constants.LABEL_CLAIM_NAME: "intruder"},
+    )
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+
+        async def marked() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "owner")
+            return got if condition(got, constants.CONDITION_DEVICES_LOST).get("status") == "True" else None
+
+        got = await wait_for(marked, what="DevicesLost on the owner")
+    lost = condition(got, constants.CONDITION_DEVICES_LOST)
+    assert lost["reason"] == constants.REASON_DEVICES_TAKEN
+    assert f"{uuid_} is held by claim {namespace}/intruder" in lost["message"]
+    assert got["status"]["phase"] == "Allocated"
+    assert (await held(api, namespace))[victim] == intruder["metadata"]["uid"]
