@@ -73,7 +73,9 @@ def explain(
         statuses=statuses,
         nodes=nodes,
         is_taken=taken.__contains__,
-        now=now,
+        heartbeat_ages={
+            name: node_views_.heartbeat_age_by_clock(s.status, now) for name, s in statuses.items()
+        },
         stale_after=node_views_.NODE_STALE_AFTER_S,
     )
     decision = allocator.allocate(claim, node_views, explain=True)

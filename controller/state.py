@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -101,12 +102,14 @@ class State:
         node_stale_after: float,
         wake: Callable[[str], None],
         now: Callable[[], datetime.datetime],
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.feeds = {name: feeds[name] for name in FEEDS}
         self.lease_namespace = lease_namespace
         self.node_stale_after = node_stale_after
         self.wake = wake
         self.now = now
+        self.monotonic = monotonic
         handlers = {
             "claims": self._on_claim,
             "node_statuses": self._on_node_status,
@@ -130,6 +133,7 @@ class State:
         self._fingerprints: dict[str, Any] = {}
         self.facts: dict[str, views.NodeFacts] = {}
         self.ready_nodes: dict[str, bool] = {}
+        self._beats: dict[str, tuple[str, float]] = {}  # node -> (heartbeat text, monotonic when it changed)
         # Leases.
         self.leases: dict[str, leases.LeaseInfo] = {}  # lease name -> info
         self._held: dict[str, dict[str, leases.LeaseInfo]] = collections.defaultdict(dict)  # holder uid ->
@@ -193,10 +197,16 @@ class State:
             if pod is not None and gates.is_gated(pod):
                 yield pod_key, pod
 
+    def heartbeat_age(self, node: str) -> float | None:
+        """Seconds since this process saw the node's heartbeat change (its own clock, not the agent's:
+        a first sight counts as a change); None without a heartbeat."""
+        beat = self._beats.get(node)
+        return None if beat is None else self.monotonic() - beat[1]
+
     def node_ready(self, node: str) -> bool:
         status = self.statuses.get(node)
         return status is not None and views.node_ready(
-            status.status, now=self.now(), stale_after=self.node_stale_after
+            status.status, heartbeat_age=self.heartbeat_age(node), stale_after=self.node_stale_after
         )
 
     def node_views(self) -> list[allocator.NodeView]:
@@ -211,7 +221,7 @@ class State:
             statuses=self.statuses,
             nodes=self.facts,
             is_taken=is_taken,
-            now=self.now(),
+            heartbeat_ages={node: self.heartbeat_age(node) for node in self.statuses},
             stale_after=self.node_stale_after,
         )
 
@@ -333,7 +343,15 @@ class State:
                 node = parsed.spec.node_name or name
                 self.statuses[node] = parsed
                 self._status_node[name] = node
+                beat = parsed.status.last_heartbeat_time or ""
+                seen = self._beats.get(node)
+                if not beat:
+                    self._beats.pop(node, None)
+                elif seen is None or seen[0] != beat:
+                    self._beats[node] = (beat, self.monotonic())
         node = node or name
+        if node not in self.statuses:
+            self._beats.pop(node, None)
         status = self.statuses.get(node)
         fingerprint = None
         if status is not None:

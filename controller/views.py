@@ -39,15 +39,23 @@ def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
 NODE_STALE_AFTER_S = 120.0
 
 
-def node_ready(inventory: models.NodeInventory, *, now: datetime.datetime, stale_after: float) -> bool:
-    """The GpuNodeStatus Ready condition is True and its heartbeat is at most ``stale_after`` s old."""
+def node_ready(inventory: models.NodeInventory, *, heartbeat_age: float | None, stale_after: float) -> bool:
+    """The GpuNodeStatus Ready condition is True and its heartbeat is at most ``stale_after`` s old.
+
+    ``heartbeat_age`` is measured by the caller: the controller counts from when
+    it last saw the heartbeat change, on its own monotonic clock, so an agent
+    clock that is hours ahead or behind changes nothing (``state``). None: no
+    heartbeat at all.
+    """
     ready = any(c.type == constants.CONDITION_READY and c.status == "True" for c in inventory.conditions)
-    if not ready:
-        return False
+    return ready and heartbeat_age is not None and heartbeat_age <= stale_after
+
+
+def heartbeat_age_by_clock(inventory: models.NodeInventory, now: datetime.datetime) -> float | None:
+    """Seconds since the heartbeat by the agent's own timestamp: what a one-off reader such as
+    ``gpualloc explain`` can tell (it trusts the agent's clock); None without a heartbeat."""
     beat = timestamps.parse_time(inventory.last_heartbeat_time)
-    if beat is None:
-        return False
-    return (now - beat).total_seconds() <= stale_after
+    return None if beat is None else (now - beat).total_seconds()
 
 
 def build_node_views(
@@ -55,16 +63,14 @@ def build_node_views(
     statuses: Mapping[str, models.GpuNodeStatus],
     nodes: Mapping[str, NodeFacts],
     is_taken: Callable[[str], bool],  # by device UUID
-    now: datetime.datetime,
+    heartbeat_ages: Mapping[str, float | None],  # by node name, see node_ready
     stale_after: float,
 ) -> list[allocator.NodeView]:
     """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
 
     ``statuses`` is keyed by node name (``spec.nodeName``). ``is_taken`` says
-    whether a device's Lease (by name) is held by another claim than the one
-    being planned: Leases that claim holds already are free for it (a retry
-    after a crash adopts them). Nodes without a GpuNodeStatus have no GPUs and
-    are left out.
+    whether a device (by UUID) is taken. Nodes without a GpuNodeStatus have no
+    GPUs and are left out.
     """
     views: list[allocator.NodeView] = []
     for name in sorted(statuses):
@@ -77,7 +83,7 @@ def build_node_views(
                 labels=facts.labels if facts else {},
                 unschedulable=facts.unschedulable if facts else False,
                 node_present=facts is not None,
-                ready=node_ready(inventory, now=now, stale_after=stale_after),
+                ready=node_ready(inventory, heartbeat_age=heartbeat_ages.get(name), stale_after=stale_after),
                 inventory=inventory,
                 taken=taken,
             )

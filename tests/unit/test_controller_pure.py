@@ -106,7 +106,7 @@ def test_node_views_mark_the_devices_the_caller_says_are_taken() -> None:
         statuses=by_node,
         nodes=facts,
         is_taken=taken_among({uuid(1, 0), uuid(1, 2)}),
-        now=NOW,
+        heartbeat_ages={"n1": 0.0},
         stale_after=120,
     )
     assert view.taken == {uuid(1, 0), uuid(1, 2)}
@@ -115,18 +115,21 @@ def test_node_views_mark_the_devices_the_caller_says_are_taken() -> None:
 
 def test_node_views_flag_missing_nodes_and_stale_or_unready_statuses() -> None:
     by_node = {
-        "fresh": status("fresh", inventory(1, heartbeat=NOW - datetime.timedelta(seconds=119))),
-        "stale": status("stale", inventory(2, heartbeat=NOW - datetime.timedelta(seconds=121))),
+        "fresh": status("fresh", inventory(1)),
+        "stale": status("stale", inventory(2)),
         "notready": status("notready", inventory(3, ready=False)),
+        "silent": status("silent", inventory(4)),
     }
+    ages = {"fresh": 119.0, "stale": 121.0, "notready": 0.0, "silent": None}
     facts = {n: views.NodeFacts(name=n, labels={}, unschedulable=n == "stale") for n in ("fresh", "stale")}
     by_name = {
         v.name: v
         for v in views.build_node_views(
-            statuses=by_node, nodes=facts, is_taken=taken_among(set()), now=NOW, stale_after=120
+            statuses=by_node, nodes=facts, is_taken=taken_among(set()), heartbeat_ages=ages, stale_after=120
         )
     }
     assert by_name["fresh"].ready and not by_name["stale"].ready and not by_name["notready"].ready
+    assert not by_name["silent"].ready
     assert by_name["stale"].unschedulable
     assert not by_name["notready"].node_present
 
@@ -138,7 +141,7 @@ def test_node_views_feed_the_allocator_which_avoids_taken_devices() -> None:
         statuses=by_node,
         nodes=facts,
         is_taken=taken_among({uuid(1, 0), uuid(1, 1)}),
-        now=NOW,
+        heartbeat_ages={"n1": 0.0},
         stale_after=120,
     )
     decision = allocator.allocate(claim(count=2), node_views)
@@ -538,3 +541,56 @@ def test_a_malformed_replica_index_keeps_the_pod_gated_even_for_a_one_replica_cl
 
 def test_seed_is_stable_per_claim_uid() -> None:
     assert views.seed_for("abc") == views.seed_for("abc") != views.seed_for("abd")
+
+
+class FakeFeed:
+    """The part of a Reflector the controller's state uses."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, Any] = {}
+        self.synced = None
+        self.on_event: Callable[[str, Any], None] | None = None
+
+    def get(self, key: str) -> Any:
+        return self.cache.get(key)
+
+    def put(self, obj: dict[str, Any]) -> None:
+        type_ = "MODIFIED" if obj["metadata"]["name"] in self.cache else "ADDED"
+        self.cache[obj["metadata"]["name"]] = obj
+        assert self.on_event is not None
+        self.on_event(type_, obj)
+
+
+@pytest.mark.parametrize("skew_hours", [-5.0, 0.0, 5.0])
+def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_whatever_the_agent_clock(
+    skew_hours: float,
+) -> None:
+    from controller import state as controller_state
+
+    mono = [1000.0]
+    feeds = {name: FakeFeed() for name in controller_state.FEEDS}
+    st = controller_state.State(
+        feeds,  # type: ignore[arg-type]
+        lease_namespace="gpualloc-system",
+        node_stale_after=120,
+        wake=lambda key: None,
+        now=lambda: NOW,
+        monotonic=lambda: mono[0],
+    )
+    agent_clock = NOW + datetime.timedelta(hours=skew_hours)
+
+    def beat(at: datetime.datetime) -> None:
+        raw = codecs.encode(status("n1", inventory(1, heartbeat=at)))
+        raw["metadata"]["resourceVersion"] = str(int(mono[0]))
+        feeds["node_statuses"].put(raw)
+
+    beat(agent_clock)
+    assert st.node_ready("n1"), "a first sight counts as a fresh heartbeat"
+    mono[0] += 100
+    beat(agent_clock + datetime.timedelta(seconds=100))  # the agent is alive: its heartbeat moves
+    mono[0] += 100
+    assert st.node_ready("n1"), "100 s since the last change seen"
+    mono[0] += 21
+    assert not st.node_ready("n1"), "121 s without a change: stale, whatever the timestamps say"
+    beat(agent_clock + datetime.timedelta(seconds=221))
+    assert st.node_ready("n1")
