@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sweep-interval", type=float, default=30.0, help="seconds between sweeps")
     parser.add_argument(
+        "--in-use-poll",
+        type=float,
+        default=reconciling.IN_USE_POLL,
+        help="seconds between looks at a deleted claim that pods still use",
+    )
+    parser.add_argument(
         "--claim-selector",
         default="",
         help="label selector: allocate only the GpuClaims it matches (default all); controllers with"
@@ -119,6 +125,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             node_stale_after=args.node_stale_after,
             cost_label=args.cost_label,
             sweep_interval=args.sweep_interval,
+            in_use_poll=args.in_use_poll,
             claim_selector=args.claim_selector,
         ),
         metrics,
