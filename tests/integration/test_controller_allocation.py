@@ -191,7 +191,7 @@ async def test_a_claim_that_cannot_fit_stays_pending_and_is_allocated_once_capac
 
         # The waiter's backoff is 10 minutes: only the freed capacity can wake it in time.
         await crs.delete_claim(namespace, "blocker")
-        allocated = await wait_phase(api, namespace, "waiter", "Allocated", within=20)
+        allocated = await wait_phase(api, namespace, "waiter", "Allocated", within=45)
         assert len(status_uuids(allocated)) == 4
 
 
