@@ -43,7 +43,7 @@ from controller import metrics as controller_metrics
 from controller.gating import PodGate
 from controller.state import State
 from gpualloc.api import codecs, constants, leases, models, timestamps
-from gpualloc.kube import errors
+from gpualloc.kube import errors, watching
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Reconciler:
         """Remember a claim one of our writes returned, and parse it (an authoritative view)."""
         raw.setdefault("apiVersion", constants.API_VERSION)
         raw.setdefault("kind", constants.CLAIM_KIND)
-        self.state.remember("claims", raw)
+        self.state.remember("claims", raw, reconciling=watching.object_key(raw))
         return codecs.parse_claim(raw)
 
     async def _write_status(self, claim: models.GpuClaim, patch: Obj) -> models.GpuClaim | None:
@@ -249,7 +249,7 @@ class Reconciler:
                     if self.state.reserved.get(name) == uid:
                         del self.state.reserved[name]
             for raw in result.created.values():
-                self.state.remember("leases", raw)
+                self.state.remember("leases", raw, reconciling=claim.key)
             if result.ok:
                 self._advance_cursor(node_views, decision.allocations)
                 break
@@ -383,7 +383,7 @@ class Reconciler:
             )
             if result.ok:
                 for raw in result.created.values():
-                    self.state.remember("leases", raw)
+                    self.state.remember("leases", raw, reconciling=claim.key)
                 log.warning(
                     "re-created a vanished device lease", extra={"claim": claim.key, "lease": item.lease}
                 )
@@ -393,7 +393,7 @@ class Reconciler:
             except errors.NotFound:
                 self.requeue(claim.key, 0.5)  # released meanwhile: try again
                 continue
-            self.state.remember("leases", raw)
+            self.state.remember("leases", raw, reconciling=claim.key)
             info = leases.parse(raw)
             if info.holder != claim.metadata.uid:
                 holder = f"{info.claim_namespace}/{info.claim_name}" if info.claim_name else info.holder

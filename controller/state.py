@@ -138,6 +138,7 @@ class State:
         self.leases: dict[str, leases.LeaseInfo] = {}  # lease name -> info
         self._held: dict[str, dict[str, leases.LeaseInfo]] = collections.defaultdict(dict)  # holder uid ->
         self.reserved: dict[str, str] = {}  # lease name -> claim uid, being acquired by this process
+        self._muted = ""  # a claim key not to wake while its own write is remembered
         # Gated pods.
         self._pod_claim: dict[str, str] = {}
         self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
@@ -241,8 +242,12 @@ class State:
 
     # ------------------------------------------------------------------ this process's writes
 
-    def remember(self, feed: str, obj: Obj) -> None:
-        """Write ``obj``, as a write of ours returned it, through into the cache ``feed``."""
+    def remember(self, feed: str, obj: Obj, *, reconciling: str) -> None:
+        """Write ``obj``, as a write of ours returned it, through into the cache ``feed``.
+
+        ``reconciling`` is the key of the claim whose reconcile made the write: it
+        is not queued again for its own write (nor for the watch event that echoes it).
+        """
         cache = self.feeds[feed].cache
         key = watching.object_key(obj)
         if _newer(cache.get(key), obj):
@@ -251,7 +256,11 @@ class State:
         cache[key] = obj
         handler = self.feeds[feed].on_event
         if handler is not None:
-            handler(type_, obj)
+            self._muted = reconciling
+            try:
+                handler(type_, obj)
+            finally:
+                self._muted = ""
 
     def forget_lease(self, name: str, uid: str) -> None:
         """A Lease this process deleted (and whose finalizer it removed) is gone."""
@@ -266,8 +275,19 @@ class State:
 
     # ------------------------------------------------------------------ event handlers
 
+    def _wake_claim(self, key: str) -> None:
+        if key != self._muted:
+            self.wake(key)
+
     def _on_claim(self, type_: str, raw: Obj) -> None:
         key = watching.object_key(raw)
+        parsed = self._parsed.get(key)
+        if (
+            type_ != watching.DELETED
+            and parsed is not None
+            and parsed[0] == watching.resource_version_of(raw)
+        ):
+            return  # the watch event of a write of ours that was remembered already
         meta = _meta(raw)
         uid = str(meta.get("uid", ""))
         for node in self._claim_nodes.pop(key, frozenset()):
@@ -304,7 +324,7 @@ class State:
                     self._allocated_on[node].add(key)
         if old_listed - (self._claim_listed.get(key, ("", frozenset()))[1]):
             self._wake_pending()  # it gave devices back
-        self.wake(key)
+        self._wake_claim(key)
 
     def _on_lease(self, type_: str, raw: Obj) -> None:
         info = leases.parse(raw)
@@ -319,14 +339,14 @@ class State:
             self._wake_pending()  # capacity freed
             key = self._uid_to_key.get(info.holder)
             if key is not None:
-                self.wake(key)  # an Allocated claim may have lost a recorded Lease
+                self._wake_claim(key)  # an Allocated claim may have lost a recorded Lease
             return
         self.leases[info.name] = info
         self._held[info.holder][info.name] = info
         if old is None or old.deleting != info.deleting:
             key = self._uid_to_key.get(info.holder)
             if key is not None:
-                self.wake(key)
+                self._wake_claim(key)
 
     def _on_node_status(self, type_: str, raw: Obj) -> None:
         name = str(_meta(raw).get("name", ""))
