@@ -1,8 +1,9 @@
 """Build the local control plane's programs from pinned Go modules, once per machine.
 
 No published package ships kube-apiserver, so it is compiled from the Kubernetes
-Go modules pinned in ``hack/controlplane``; etcd comes from ``hack/etcd``, kwok and
-helm from ``hack/tools/kwok`` and ``hack/tools/helm``. Each module's binaries land
+Go modules pinned in ``hack/controlplane``; etcd comes from ``hack/etcd``, kwok, helm
+and toxiproxy-server (the race test's faulty network) from ``hack/tools/kwok``,
+``hack/tools/helm`` and ``hack/tools/toxiproxy``. Each module's binaries land
 in ``${GPUALLOC_CACHE_DIR:-~/.cache/gpualloc}/bin/<name>-<version>-<hash>/``, where
 the hash covers the module's go.mod and go.sum and the build flags, so a change to
 a pin builds again and everything else is reused. Go's own module and build caches
@@ -31,6 +32,7 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.21.4"
+TOXIPROXY_VERSION = "v2.5.0"
 
 HEARTBEAT_SECONDS = 30.0
 
@@ -97,6 +99,14 @@ MODULES: tuple[Module, ...] = (
         directory="tools/helm",
         packages=(("helm", "helm.sh/helm/v3/cmd/helm"),),
         ldflags=HELM_LDFLAGS,
+    ),
+    # Only the server: the race test drives it through its HTTP API.
+    Module(
+        name="toxiproxy",
+        version=TOXIPROXY_VERSION,
+        directory="tools/toxiproxy",
+        packages=(("toxiproxy-server", "github.com/Shopify/toxiproxy/v2/cmd/server"),),
+        ldflags=f"-s -w -X github.com/Shopify/toxiproxy/v2.Version={TOXIPROXY_VERSION}",
     ),
 )
 

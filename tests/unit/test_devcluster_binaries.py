@@ -80,6 +80,17 @@ def test_kubernetes_binaries_carry_the_version_in_ldflags() -> None:
     }
 
 
+def test_toxiproxy_server_is_built_from_its_pinned_module_with_its_version() -> None:
+    (module,) = [m for m in binaries.MODULES if m.name == "toxiproxy"]
+
+    assert dict(module.packages) == {"toxiproxy-server": "github.com/Shopify/toxiproxy/v2/cmd/server"}
+    assert f"-X github.com/Shopify/toxiproxy/v2.Version={binaries.TOXIPROXY_VERSION}" in module.ldflags
+    go_mod = (binaries.HACK_DIR / module.directory / "go.mod").read_text()
+    assert f"github.com/Shopify/toxiproxy/v2 {binaries.TOXIPROXY_VERSION}" in go_mod
+    assert (binaries.HACK_DIR / module.directory / "go.sum").is_file()
+    assert "toxiproxy-server" in binaries.NAMES
+
+
 def test_ensure_builds_what_is_missing_then_reuses_the_cache(fake_go: Path) -> None:
     lines: list[str] = []
 
