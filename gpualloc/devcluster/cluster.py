@@ -276,12 +276,16 @@ class ControlPlane:
                 if not process.running():
                     raise process.failure("exited")
 
-    def restart_apiserver(self) -> None:
-        """Stop kube-apiserver and start it again on the same port; wait for /readyz."""
+    def restart_apiserver(self, *, stop_timeout: float = 10.0) -> None:
+        """Stop kube-apiserver and start it again on the same port; wait for /readyz.
+
+        The stop is SIGTERM, then SIGKILL after ``stop_timeout`` seconds: open watches
+        keep a terminating API server alive until then.
+        """
         with self._lock:
             process = self._processes.pop("kube-apiserver", None)
             if process is not None:
-                process.stop()
+                process.stop(stop_timeout)
             self._start_apiserver()
 
     # ------------------------------------------------------------------- extras
