@@ -1,23 +1,46 @@
-"""Three controller processes race over 300 claims on 20 x 8 GPUs; one is SIGKILLed and restarted.
+"""Controllers race over 300 claims on 20 x 8 GPUs against the real API server, under faults.
 
-No leader election: the three really compete, and only the Leases keep them
-honest. Checked at every observation while they work (safety), and once they
-have settled (liveness):
+Three controllers run without leader election (they really compete: only the
+Leases keep them honest) and a pair with it (one leads, one stands by). For
+``CHAOS_S`` seconds, while claims are created, and Allocated ones deleted and
+replaced (churn), the run's seed chooses when these faults strike:
 
-* no two claims list the same GPU, and every GPU a claim's status lists has
-  its Lease held by that claim's UID (never by another);
-* once settled, every claim holds exactly the Leases of its status (Allocated)
-  or none (Pending), and no Pending claim would fit in the GPUs left free;
+a. a racer is SIGKILLed and restarted (twice);
+b. kube-apiserver is restarted on the same port (clients reconnect);
+c. each controller reaches the API server through its own toxiproxy listener,
+   which in turn adds latency and jitter, black-holes data (``timeout``),
+   resets connections (``reset_peer``) or closes and refuses them (the proxy
+   disabled) for a while;
+d. the elected leader is SIGSTOPped past its lease; once the standby has taken
+   over, it is SIGCONTed: it may write before it notices, and must then stop
+   (exit 1: a supervisor would restart it as a standby, and the test does).
+   An elected controller that loses its lease by other faults is restarted too.
+
+Safety is checked from a watch of claims and Leases (``chaos_support.Mirror``)
+after every event, at one revision at a time:
+
+* no two claims list the same GPU, and every GPU an Allocated claim lists has
+  its Lease (Terminating or not) held by that claim's UID;
+
+and once the faults are healed and the controllers have settled (liveness):
+
+* every claim holds exactly the Leases of its status (Allocated) or none
+  (Pending), and no Pending claim would fit in the GPUs left free;
 * after every claim is deleted, the finalizers and the sweep leave no Lease.
 
-``GPUALLOC_RACE_RUNS=5`` repeats the whole scenario five times (different
-seeds); ``make test`` runs it once. ``GPUALLOC_RACE_SEED`` shifts the seeds.
+On failure the seed, the fault timeline and where the logs are come with the
+error. ``GPUALLOC_RACE_RUNS=N`` repeats the scenario N times (default 2,
+different seeds); ``GPUALLOC_RACE_SEED`` shifts the seeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
+import functools
+import json
 import os
 import random
 import signal
@@ -25,6 +48,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,82 +56,160 @@ import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
-from gpualloc.kube import resources, transport
+from gpualloc.devcluster import binaries
+from gpualloc.kube import errors, leases, resources, transport
+from tests.integration.chaos_support import (
+    Books,
+    Mirror,
+    Timeline,
+    Toxiproxy,
+    all_of,
+    consistent_snapshot,
+    proxied_kubeconfig,
+    recorded,
+    until_available,
+)
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     create_gpu_node,
     delete_gpu_node,
-    device_leases,
-    retry_unavailable,
 )
 
-RUNS = int(os.environ.get("GPUALLOC_RACE_RUNS", "1"))
+RUNS = int(os.environ.get("GPUALLOC_RACE_RUNS", "2"))
 BASE_SEED = int(os.environ.get("GPUALLOC_RACE_SEED", "0"))
 NODES = 20
 GPUS = 8
 CLAIMS = 300
 SIZES = (1, 2, 4, 8)
-CONTROLLERS = 3
-SETTLE_WITHIN = 150.0
+RACERS = 3  # slots 0..2, without leader election
+ELECTORS = 2  # slots 3 and 4, with it
+CHAOS_S = 30.0
+APISERVER_STOP_S = 3.0  # SIGTERM, then SIGKILL: watches keep a terminating API server alive
+SETTLE_WITHIN = 120.0
+RELEASE_WITHIN = 60.0
+LEASE_DURATION = 5.0
+RENEW_DEADLINE = 3.5
+RETRY_PERIOD = 0.5
+ELECTION_ID = "gpualloc-controller"
+EXIT_LOST_LEADERSHIP = 1
 GPUALLOC = Path(sys.executable).with_name("gpualloc")
 
 
-class Controllers:
-    """The controller processes, their logs in ``tmp_path``."""
+@dataclasses.dataclass
+class Slot:
+    index: int
+    elect: bool
+    kubeconfig: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    held_down: bool = False  # killed on purpose, to be restarted by the fault itself
+    paused: bool = False
 
-    def __init__(self, kubeconfig: str, namespace: str, logs: Path, run: str) -> None:
-        self.run = run
-        self.kubeconfig = kubeconfig
+    @property
+    def identity(self) -> str:
+        return f"{'elect' if self.elect else 'racer'}-{self.index}-{self.starts}"
+
+
+class Controllers:
+    """The controller processes (racers and the elected pair), their logs in ``logs``."""
+
+    def __init__(
+        self, kubeconfigs: list[Path], namespace: str, logs: Path, run: str, timeline: Timeline
+    ) -> None:
         self.namespace = namespace
         self.logs = logs
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.starts = collections.Counter[int]()
+        self.run = run
+        self.timeline = timeline
+        self.slots = [Slot(i, i >= RACERS, kubeconfig) for i, kubeconfig in enumerate(kubeconfigs)]
+        self.lost_leadership = collections.Counter[str]()  # identity -> exits with code 1
+        self.unexpected: list[str] = []
 
-    def start(self, slot: int) -> None:
-        self.starts[slot] += 1
-        log = open(self.logs / f"controller-{slot}-{self.starts[slot]}.log", "wb")  # noqa: SIM115
-        self.procs[slot] = subprocess.Popen(
-            [
-                str(GPUALLOC),
-                "controller",
-                "--leader-elect=false",
-                "--kubeconfig",
-                self.kubeconfig,
-                "--namespace",
-                self.namespace,
-                "--health-port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--sweep-interval",
-                "3",
-                "--identity",
-                f"racer-{slot}-{self.starts[slot]}",
-                "--claim-selector",
-                f"{RUN_LABEL}={self.run}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+    def start(self, index: int) -> None:
+        slot = self.slots[index]
+        slot.starts += 1
+        argv = [
+            str(GPUALLOC),
+            "controller",
+            "--kubeconfig",
+            str(slot.kubeconfig),
+            "--namespace",
+            self.namespace,
+            "--health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--sweep-interval",
+            "3",
+            "--identity",
+            slot.identity,
+            "--claim-selector",
+            f"{RUN_LABEL}={self.run}",
+        ]
+        if slot.elect:
+            argv += [
+                "--leader-elect=true",
+                "--leader-election-id",
+                ELECTION_ID,
+                "--leader-election-lease-duration",
+                str(LEASE_DURATION),
+                "--leader-election-renew-deadline",
+                str(RENEW_DEADLINE),
+                "--leader-election-retry-period",
+                str(RETRY_PERIOD),
+            ]
+        else:
+            argv.append("--leader-elect=false")
+        with open(self.logs / f"controller-{slot.identity}.log", "wb") as log:
+            slot.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        slot.paused = False
 
-    def kill(self, slot: int) -> None:
-        proc = self.procs[slot]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+    def signal(self, index: int, sig: signal.Signals) -> None:
+        slot = self.slots[index]
+        if slot.proc is not None and slot.proc.poll() is None:
+            slot.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            slot.paused = True
+        elif sig == signal.SIGCONT:
+            slot.paused = False
 
-    def stop_all(self) -> dict[int, int]:
-        codes: dict[int, int] = {}
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for slot, proc in self.procs.items():
+    def slot_of(self, identity: str) -> Slot | None:
+        return next((s for s in self.slots if s.identity == identity and s.proc is not None), None)
+
+    def reap(self) -> None:
+        """Restart controllers that exited on their own, as a Deployment would; note why."""
+        for slot in self.slots:
+            if slot.held_down or slot.proc is None or slot.proc.poll() is None:
+                continue
+            code = slot.proc.returncode
+            if slot.elect and code == EXIT_LOST_LEADERSHIP:
+                self.lost_leadership[slot.identity] += 1
+                self.timeline.note(f"{slot.identity} lost its leadership and exited 1; restarting it")
+            else:
+                self.unexpected.append(f"{slot.identity} exited {code}")
+                self.timeline.note(f"UNEXPECTED: {slot.identity} exited {code}; restarting it")
+            self.start(slot.index)
+
+    async def supervise(self) -> None:
+        while True:
+            self.reap()
+            await asyncio.sleep(0.2)
+
+    def stop_all(self) -> dict[str, int]:
+        """SIGCONT the paused, SIGTERM every one; identity -> exit status."""
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGCONT)
+                slot.proc.send_signal(signal.SIGTERM)
+        codes: dict[str, int] = {}
+        for slot in self.slots:
+            if slot.proc is None:
+                continue
             try:
-                codes[slot] = proc.wait(20)
+                codes[slot.identity] = slot.proc.wait(20)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[slot] = proc.wait(10)
+                slot.proc.kill()
+                codes[slot.identity] = slot.proc.wait(10)
         return codes
 
     def tail(self, lines: int = 15) -> str:
@@ -118,33 +220,273 @@ class Controllers:
         return "\n".join(out)
 
 
-async def snapshot(api: ApiClient, namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    listing = await retry_unavailable(lambda: resources.CustomResources(api).list_claims(namespace))
-    leases = await retry_unavailable(lambda: device_leases(api, namespace))
-    return listing["items"], leases
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    at: float  # seconds after the chaos starts
+    kind: str  # sigkill | apiserver | overlap | latency | timeout | reset_peer | cut
+    slot: int = -1
+    duration: float = 0.0
+    attributes: tuple[tuple[str, int], ...] = ()
+    stream: str = "downstream"
+
+    def describe(self) -> str:
+        where = f" slot {self.slot}" if self.slot >= 0 else ""
+        attrs = f" {dict(self.attributes)}" if self.attributes else ""
+        span = f" for {self.duration:.1f} s" if self.duration else ""
+        return f"{self.kind}{where}{attrs}{span}"
 
 
-def recorded(claim: dict[str, Any]) -> list[str]:
-    return [d["uuid"] for a in (claim.get("status") or {}).get("allocations") or [] for d in a["devices"]]
+def plan_faults(rng: random.Random) -> list[Fault]:
+    """The run's faults, drawn from its seed; none lasts past ``CHAOS_S``."""
+    plan = [
+        Fault(
+            at=rng.uniform(2, CHAOS_S - 5),
+            kind="sigkill",
+            slot=rng.randrange(RACERS),
+            duration=rng.uniform(0.2, 2),
+        )
+        for _ in range(2)
+    ]
+    # Early: under load a restart takes 15-30 s to be ready, and the chaos lasts until it is.
+    plan.append(Fault(at=rng.uniform(0.1, 0.4) * CHAOS_S, kind="apiserver"))
+    plan.append(Fault(at=rng.uniform(3, CHAOS_S - 18), kind="overlap", duration=rng.uniform(0.5, 3)))
+    for slot in range(RACERS + ELECTORS):
+        at = rng.uniform(0, 5)
+        while True:
+            kind = rng.choice(("latency", "latency", "timeout", "reset_peer", "cut"))
+            if kind == "latency":
+                fault = Fault(
+                    at=at,
+                    kind=kind,
+                    slot=slot,
+                    duration=rng.uniform(3, 10),
+                    attributes=(("latency", rng.randint(20, 300)), ("jitter", rng.randint(0, 150))),
+                )
+            elif kind == "timeout":
+                fault = Fault(
+                    at=at,
+                    kind=kind,
+                    slot=slot,
+                    duration=rng.uniform(1, 5),
+                    attributes=(("timeout", rng.choice((0, rng.randint(200, 3000)))),),
+                    stream=rng.choice(("upstream", "downstream")),
+                )
+            elif kind == "reset_peer":
+                fault = Fault(
+                    at=at,
+                    kind=kind,
+                    slot=slot,
+                    duration=rng.uniform(1, 3),
+                    attributes=(("timeout", rng.randint(0, 500)),),
+                )
+            else:
+                fault = Fault(at=at, kind=kind, slot=slot, duration=rng.uniform(1, 6))
+            if fault.at + fault.duration > CHAOS_S - 1:
+                break
+            plan.append(fault)
+            at = fault.at + fault.duration + rng.uniform(2, 8)
+    return sorted(plan, key=lambda f: f.at)
 
 
-def check_safety(claims: list[dict[str, Any]], leases: list[dict[str, Any]]) -> None:
-    """No GPU is listed by two claims, and each listed GPU's Lease is held by the claim that lists it."""
-    holder_of = {lease["metadata"]["name"]: lease["spec"].get("holderIdentity") for lease in leases}
-    assert len(holder_of) == len(leases)
-    owner: dict[str, str] = {}
-    for claim in claims:
-        uid = claim["metadata"]["uid"]
-        key = f"{claim['metadata']['namespace']}/{claim['metadata']['name']}"
-        phase = (claim.get("status") or {}).get("phase")
-        uuids = recorded(claim)
-        if phase != constants.PHASE_ALLOCATED:
-            assert not uuids, f"{key} is {phase} but lists devices {uuids}"
-        for gpu in uuids:
-            assert gpu not in owner, f"{gpu} listed by {owner.get(gpu)} and {key}"
-            owner[gpu] = key
-            held = holder_of.get(constants.lease_name(gpu))
-            assert held == uid, f"{key} lists {gpu} whose Lease is held by {held!r}, not {uid}"
+class Chaos:
+    """Carries out a plan of faults against the controllers, the proxies and the API server."""
+
+    def __init__(
+        self,
+        control_plane: Any,
+        api: ApiClient,
+        namespace: str,
+        controllers: Controllers,
+        toxiproxy: Toxiproxy,
+        timeline: Timeline,
+    ) -> None:
+        self.control_plane = control_plane
+        self.api = api
+        self.namespace = namespace
+        self.controllers = controllers
+        self.toxiproxy = toxiproxy
+        self.timeline = timeline
+        self.overlaps: list[dict[str, Any]] = []
+        self._toxics = 0
+        # One SIGKILL at a time per slot: two would race to restart it.
+        self._killing: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+
+    async def run(self, plan: list[Fault], started: float) -> None:
+        async def at(fault: Fault) -> None:
+            await asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))
+            await self.strike(fault)
+
+        await all_of(*(at(fault) for fault in plan))
+
+    async def strike(self, fault: Fault) -> None:
+        if fault.kind == "sigkill":
+            await self.sigkill(fault)
+        elif fault.kind == "apiserver":
+            await self.restart_apiserver()
+        elif fault.kind == "overlap":
+            await self.overlap(fault)
+        else:
+            await self.network(fault)
+
+    async def sigkill(self, fault: Fault) -> None:
+        slot = self.controllers.slots[fault.slot]
+        async with self._killing[fault.slot]:
+            await self._sigkill(slot, fault)
+
+    async def _sigkill(self, slot: Slot, fault: Fault) -> None:
+        if slot.proc is None:
+            return
+        slot.held_down = True
+        try:
+            slot.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(slot.proc.wait, 10)
+            self.timeline.note(f"SIGKILLed {slot.identity}; restarting it in {fault.duration:.1f} s")
+            await asyncio.sleep(fault.duration)
+            self.controllers.start(slot.index)
+            self.timeline.note(f"started {slot.identity}")
+        finally:
+            slot.held_down = False
+
+    async def restart_apiserver(self) -> None:
+        self.timeline.note("restarting kube-apiserver")
+        began = time.monotonic()
+        await asyncio.to_thread(self.control_plane.restart_apiserver, stop_timeout=APISERVER_STOP_S)
+        ready = time.monotonic() - began
+        # /readyz comes before the custom resources are served again.
+        await until_available(lambda: resources.CustomResources(self.api).list_claims(self.namespace))
+        for path in (
+            f"/apis/{constants.GROUP}/{constants.VERSION}/{constants.NODE_STATUS_PLURAL}",
+            f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases",
+        ):
+            await until_available(
+                functools.partial(transport.request, self.api, "GET", path, query=[("limit", "1")])
+            )
+        serving = time.monotonic() - began
+        self.timeline.note(
+            f"kube-apiserver ready again after {ready:.1f} s, serving claims after {serving:.1f} s"
+        )
+
+    async def election_holder(self) -> str:
+        try:
+            lease = await leases.get_lease(self.api, self.namespace, ELECTION_ID)
+        except errors.KubeError:
+            return ""
+        return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+    async def overlap(self, fault: Fault) -> None:
+        """SIGSTOP the leader past its lease; SIGCONT it once the standby leads."""
+        outcome: dict[str, Any] = {}
+        self.overlaps.append(outcome)
+        deadline = time.monotonic() + 10
+        while True:
+            holder = await self.election_holder()
+            leader = self.controllers.slot_of(holder)
+            if leader is not None and leader.proc is not None and leader.proc.poll() is None:
+                break
+            if time.monotonic() > deadline:
+                outcome["skipped"] = f"no running leader to stop (election Lease holder {holder!r})"
+                self.timeline.note(f"overlap: {outcome['skipped']}")
+                return
+            await asyncio.sleep(0.2)
+        proc = leader.proc
+        outcome["stopped"] = leader.identity
+        self.controllers.signal(leader.index, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        self.timeline.note(f"overlap: SIGSTOPped the leader {leader.identity}")
+        try:
+            successor = ""
+            give_up = stopped_at + LEASE_DURATION + 20
+            while time.monotonic() < give_up:
+                holder = await self.election_holder()
+                if holder and holder != outcome["stopped"]:
+                    successor = holder
+                    break
+                await asyncio.sleep(0.2)
+            if successor:
+                outcome["successor"] = successor
+                self.timeline.note(f"overlap: {successor} leads after {time.monotonic() - stopped_at:.1f} s")
+                await asyncio.sleep(fault.duration)
+            else:
+                self.timeline.note("overlap: nobody took over while the leader was stopped")
+        finally:
+            self.controllers.signal(leader.index, signal.SIGCONT)
+        self.timeline.note(
+            f"overlap: SIGCONTed {outcome['stopped']} after {time.monotonic() - stopped_at:.1f} s"
+        )
+        resumed = time.monotonic()
+        audit_offset = audit_size(self.control_plane.audit_log)
+        while proc.poll() is None:
+            if time.monotonic() - resumed > 30:
+                outcome["exit"] = None
+                self.timeline.note(f"overlap: {outcome['stopped']} still runs 30 s after SIGCONT")
+                return
+            await asyncio.sleep(0.1)
+        outcome["exit"] = proc.returncode
+        outcome["exit_s_after_cont"] = round(time.monotonic() - resumed, 1)
+        outcome["writes_after_cont"] = await asyncio.to_thread(
+            audited_writes, self.control_plane.audit_log, audit_offset, outcome["stopped"]
+        )
+        self.timeline.note(
+            f"overlap: {outcome['stopped']} exited {proc.returncode} {outcome['exit_s_after_cont']} s after"
+            f" SIGCONT; its writes meanwhile: {outcome['writes_after_cont'] or 'none'}"
+        )
+
+    async def network(self, fault: Fault) -> None:
+        proxy = f"controller-{fault.slot}"
+        who = self.controllers.slots[fault.slot].identity
+        self._toxics += 1
+        name = f"{fault.kind}-{self._toxics}"
+        attributes = dict(fault.attributes)
+        if fault.kind == "cut":
+            await self.toxiproxy.set_enabled(proxy, False)
+        elif fault.kind == "latency":
+            await self.toxiproxy.add_toxic(proxy, name, "latency", attributes, stream="downstream")
+            await self.toxiproxy.add_toxic(proxy, name + "-up", "latency", attributes, stream="upstream")
+        else:
+            await self.toxiproxy.add_toxic(proxy, name, fault.kind, attributes, stream=fault.stream)
+        self.timeline.note(f"network: {fault.describe()} ({who}, {fault.stream})")
+        await asyncio.sleep(fault.duration)
+        if fault.kind == "cut":
+            await self.toxiproxy.set_enabled(proxy, True)
+        else:
+            await self.toxiproxy.remove_toxic(proxy, name)
+            if fault.kind == "latency":
+                await self.toxiproxy.remove_toxic(proxy, name + "-up")
+        self.timeline.note(f"network: {fault.kind} on slot {fault.slot} over")
+
+
+def audit_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def audited_writes(path: Path, offset: int, identity: str) -> dict[str, int]:
+    """Writes the controller ``identity`` made (by the audit log, from byte ``offset``):
+    ``"<verb> <resource> <code>"`` -> count."""
+    agent = f"gpualloc-controller/{identity}"
+    writes: collections.Counter[str] = collections.Counter()
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            lines = log.read().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("userAgent") != agent or event.get("stage") != "ResponseComplete":
+            continue
+        verb = event.get("verb")
+        if verb not in ("create", "update", "patch", "delete"):
+            continue
+        ref = event.get("objectRef") or {}
+        resource = ref.get("resource", "?") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        writes[f"{verb} {resource} {(event.get('responseStatus') or {}).get('code')}"] += 1
+    return dict(writes)
 
 
 def settled_problems(
@@ -168,6 +510,8 @@ def settled_problems(
         status = claim.get("status") or {}
         mine = held.get(uid, set())
         want = {constants.lease_name(u) for u in recorded(claim)}
+        if claim["metadata"].get("deletionTimestamp"):
+            problems.append(f"{name} is still being deleted")
         if mine != want:
             problems.append(f"{name} holds {len(mine)} leases, status lists {len(want)}")
         if not status.get("phase"):
@@ -184,102 +528,216 @@ def settled_problems(
     return problems
 
 
+async def churn(
+    api: ApiClient,
+    namespace: str,
+    tag: str,
+    mirror: Mirror,
+    timeline: Timeline,
+    rng: random.Random,
+    counts: Any,
+) -> None:
+    """Until ``CHAOS_S``: now and then delete an Allocated claim and create a new one, so that
+    GPUs are released and taken again while the faults strike."""
+    crs = resources.CustomResources(api)
+    end = time.monotonic() + CHAOS_S - 3
+    await asyncio.sleep(3)
+    while time.monotonic() < end:
+        await asyncio.sleep(rng.uniform(0.3, 1.0))
+        allocated = mirror.books.allocated()
+        pick = rng.random()
+        size = rng.choice(SIZES)
+        if allocated:
+            key = allocated[int(pick * len(allocated))]
+            name = key.split("/", 1)[1]
+            with contextlib.suppress(errors.NotFound):
+                await until_available(functools.partial(crs.delete_claim, namespace, name))
+                counts["deleted"] += 1
+        name = f"n{counts['created']:03d}"
+        body = claim_body(name, size, run=tag)
+        with contextlib.suppress(errors.AlreadyExists):  # a retried create that had landed
+            await until_available(functools.partial(crs.create_claim, namespace, body))
+        counts["created"] += 1
+    timeline.note(f"churn over: {counts['deleted']} claims deleted, {counts['created']} created")
+
+
+async def wait_for_problem_free(
+    what: str,
+    probe: Callable[[], Awaitable[list[str]]],
+    mirror: Mirror,
+    within: float,
+) -> int:
+    """Poll ``probe`` (the problems left) every second until it has none; fail on safety violations.
+    Every 10 s the timeline notes what is left."""
+    began = time.monotonic()
+    polls = 0
+    while True:
+        polls += 1
+        mirror.check_now()
+        assert not mirror.violations, "safety violated:\n" + "\n".join(mirror.violations[:20])
+        problems = await probe()
+        if not problems:
+            return polls
+        waited = time.monotonic() - began
+        assert waited < within, (
+            f"{what}: not done after {within:.0f} s ({len(problems)} left): {problems[:10]}"
+        )
+        if polls % 10 == 0:
+            mirror.timeline.note(
+                f"{what}: {len(problems)} problems left after {waited:.0f} s, e.g. {problems[0]}"
+            )
+        await asyncio.sleep(1.0)
+
+
 @pytest.mark.parametrize("run", range(RUNS))
-async def test_three_racing_controllers_and_a_sigkill_never_double_book(
-    api: ApiClient, kubeconfig: str, namespace: str, tmp_path: Path, run: int
+async def test_racing_controllers_under_faults_never_double_book(
+    control_plane: Any, api: ApiClient, kubeconfig: str, namespace: str, tmp_path: Path, run: int
 ) -> None:
     seed = BASE_SEED + run
+    timeline = Timeline()
+    plan = plan_faults(random.Random(seed))
+    timeline.note(
+        f"seed {seed}; {len(plan)} faults planned: " + "; ".join(f"{f.at:.1f} s {f.describe()}" for f in plan)
+    )
+    try:
+        await race(control_plane, api, Path(kubeconfig), namespace, tmp_path, seed, plan, timeline)
+    except BaseException as exc:
+        (tmp_path / "timeline.txt").write_text(timeline.render() + "\n")
+        exc.add_note(
+            f"race run {run}, seed {seed} (GPUALLOC_RACE_SEED={seed} GPUALLOC_RACE_RUNS=1 repeats it); "
+            f"logs in {tmp_path} (API server's: {control_plane.logs_dir}, audit: {control_plane.audit_log})\n"
+            f"timeline:\n{timeline.render()}"
+        )
+        raise
+
+
+async def race(
+    control_plane: Any,
+    api: ApiClient,
+    kubeconfig: Path,
+    namespace: str,
+    logs: Path,
+    seed: int,
+    plan: list[Fault],
+    timeline: Timeline,
+) -> None:
     rng = random.Random(seed)
     tag = uuid.uuid4().hex[:8]
     nodes = [f"race-{tag}-{i:02d}" for i in range(NODES)]
     crs = resources.CustomResources(api)
-    controllers = Controllers(kubeconfig, namespace, tmp_path, tag)
+    mirror = Mirror(api, namespace, label=RUN_LABEL, value=tag, timeline=timeline)
     report: dict[str, Any] = {"seed": seed}
-    started = time.monotonic()
-    try:
-        await asyncio.gather(
-            *(
-                create_gpu_node(api, n, labels={RUN_LABEL: tag}, kind="nvswitch" if i % 2 else "pcie")
-                for i, n in enumerate(nodes)
-            )
-        )
-        for slot in range(CONTROLLERS):
-            controllers.start(slot)
-
-        sizes = [rng.choice(SIZES) for _ in range(CLAIMS)]
-        priorities = [rng.choice((0, 0, 0, 10)) for _ in range(CLAIMS)]
-        victim = rng.randrange(CONTROLLERS)
-        # The kill lands while the controllers allocate: once a seeded number of claims is Allocated
-        # (160 GPUs hold 20 claims at the very least, so this happens before they are done).
-        kill_at = rng.randint(1, 20)
-        limit = asyncio.Semaphore(16)
-
-        async def create(i: int) -> None:
-            async with limit:
-                body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
-                await retry_unavailable(lambda: crs.create_claim(namespace, body))
-
-        async def crash() -> None:
-            give_up = time.monotonic() + 60
-            while time.monotonic() < give_up:
-                claims, _ = await snapshot(api, namespace)
-                done = sum(
-                    1 for c in claims if (c.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED
+    binary = (await asyncio.to_thread(binaries.ensure, ["toxiproxy-server"], progress=lambda _: None))[
+        "toxiproxy-server"
+    ]
+    tasks: list[asyncio.Task[Any]] = []
+    controllers: Controllers | None = None
+    codes: dict[str, int] = {}
+    async with Toxiproxy(binary, logs / "toxiproxy.log") as toxiproxy:
+        try:
+            upstream = f"127.0.0.1:{control_plane.ports['apiserver']}"
+            kubeconfigs = []
+            for slot in range(RACERS + ELECTORS):
+                listen = await toxiproxy.create_proxy(f"controller-{slot}", upstream)
+                kubeconfigs.append(
+                    proxied_kubeconfig(kubeconfig, f"https://{listen}", logs / f"kubeconfig-{slot}")
                 )
-                if done >= kill_at:
-                    break
-                await asyncio.sleep(0.05)
-            report["allocated_at_kill"] = done
-            report["killed_after_s"] = round(time.monotonic() - started, 1)
-            await asyncio.to_thread(controllers.kill, victim)
-            await asyncio.sleep(rng.uniform(0.2, 2.0))
-            controllers.start(victim)
-
-        await asyncio.gather(*(create(i) for i in range(CLAIMS)), crash())
-        report["killed"] = victim
-
-        observations = 0
-        deadline = time.monotonic() + SETTLE_WITHIN
-        while True:
-            claims, leases = await snapshot(api, namespace)
-            observations += 1
-            check_safety(claims, leases)
-            problems = settled_problems(claims, leases, nodes)
-            if not problems:
-                break
-            assert time.monotonic() < deadline, (
-                f"not settled after {SETTLE_WITHIN:.0f} s ({len(problems)} problems): {problems[:10]}\n"
-                + controllers.tail()
+            controllers = Controllers(kubeconfigs, namespace, logs, tag, timeline)
+            chaos = Chaos(control_plane, api, namespace, controllers, toxiproxy, timeline)
+            await all_of(
+                *(
+                    create_gpu_node(api, n, labels={RUN_LABEL: tag}, kind="nvswitch" if i % 2 else "pcie")
+                    for i, n in enumerate(nodes)
+                )
             )
-            await asyncio.sleep(1.0)
-        allocated = [c for c in claims if c["status"]["phase"] == constants.PHASE_ALLOCATED]
-        report.update(
-            observations=observations,
-            allocated=len(allocated),
-            pending=len(claims) - len(allocated),
-            gpus_held=len(leases),
-            settled_s=round(time.monotonic() - started, 1),
-        )
-        assert len(claims) == CLAIMS and allocated, report
-        assert {c["metadata"]["uid"] for c in allocated} >= {
-            lease["spec"]["holderIdentity"] for lease in leases
-        }
+            tasks.append(asyncio.create_task(mirror.run(), name="mirror"))
+            await asyncio.wait_for(mirror.synced.wait(), 30)
+            for slot in range(RACERS + ELECTORS):
+                controllers.start(slot)
+            tasks.append(asyncio.create_task(controllers.supervise(), name="supervise"))
 
-        await transport.request(api, "DELETE", f"/apis/gpu.scheduling/v1/namespaces/{namespace}/gpuclaims")
-        deadline = time.monotonic() + 60
-        while True:
-            claims, leases = await snapshot(api, namespace)
-            if not claims and not leases:
-                break
-            assert time.monotonic() < deadline, (
-                f"{len(claims)} claims and {len(leases)} leases left 60 s after deleting every claim\n"
-                + controllers.tail()
+            sizes = [rng.choice(SIZES) for _ in range(CLAIMS)]
+            priorities = [rng.choice((0, 0, 0, 10)) for _ in range(CLAIMS)]
+            limit = asyncio.Semaphore(16)
+
+            async def create(i: int) -> None:
+                body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
+                async with limit:
+                    with contextlib.suppress(errors.AlreadyExists):  # a retried create that had landed
+                        await until_available(lambda: crs.create_claim(namespace, body))
+
+            counts: collections.Counter[str] = collections.Counter()
+            started = time.monotonic()
+            timeline.note("chaos starts: creating the claims")
+            await all_of(
+                *(create(i) for i in range(CLAIMS)),
+                chaos.run(plan, started),
+                churn(api, namespace, tag, mirror, timeline, random.Random(f"{seed}-churn"), counts),
             )
-            await asyncio.sleep(0.5)
-        report["released_s"] = round(time.monotonic() - started - report["settled_s"], 1)
-        print(f"\nrace run {run}: {report}")
-    finally:
-        codes = await asyncio.to_thread(controllers.stop_all)
-        for node in nodes:
-            await delete_gpu_node(api, node)
-    assert all(code == 0 for code in codes.values()), (codes, controllers.tail())
+            await toxiproxy.reset()
+            timeline.note(f"faults over after {time.monotonic() - started:.1f} s; network healed")
+            report.update(overlaps=chaos.overlaps, churned=counts["deleted"])
+
+            async def unsettled() -> list[str]:
+                claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
+                problems = Books.of(claims, held, label=RUN_LABEL, value=tag).problems()
+                assert not problems, "safety violated (consistent snapshot):\n" + "\n".join(problems[:20])
+                return settled_problems(claims, held, nodes)
+
+            polls = await wait_for_problem_free("settling", unsettled, mirror, SETTLE_WITHIN)
+            claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
+            allocated = [c for c in claims if c["status"]["phase"] == constants.PHASE_ALLOCATED]
+            report.update(
+                polls=polls,
+                allocated=len(allocated),
+                pending=len(claims) - len(allocated),
+                gpus_held=len(held),
+                settled_s=round(timeline.now(), 1),
+            )
+            timeline.note(f"settled: {len(allocated)} claims Allocated, {len(held)} GPUs held")
+            assert len(claims) == CLAIMS + counts["created"] - counts["deleted"] and allocated, report
+            assert {c["metadata"]["uid"] for c in allocated} >= {
+                lease["spec"]["holderIdentity"] for lease in held
+            }
+
+            await until_available(
+                lambda: transport.request(
+                    api,
+                    "DELETE",
+                    f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/{constants.CLAIM_PLURAL}",
+                    query=[("labelSelector", f"{RUN_LABEL}={tag}")],
+                )
+            )
+
+            async def unreleased() -> list[str]:
+                claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
+                return [f"{len(claims)} claims and {len(held)} leases left"] if claims or held else []
+
+            await wait_for_problem_free("releasing every claim", unreleased, mirror, RELEASE_WITHIN)
+            report["released_s"] = round(timeline.now() - report["settled_s"], 1)
+            mirror.check_now()
+            report["mirror"] = dict(mirror.stats)
+            assert not mirror.violations, "safety violated:\n" + "\n".join(mirror.violations[:20])
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if controllers is not None:
+                codes = await asyncio.to_thread(controllers.stop_all)
+            for node in nodes:
+                with contextlib.suppress(errors.KubeError):
+                    await until_available(functools.partial(delete_gpu_node, api, node), within=30)
+    assert controllers is not None
+    timeline.note(f"controllers stopped: {codes}")
+    tail = controllers.tail()
+    assert not controllers.unexpected, (controllers.unexpected, tail)
+    assert all(code == 0 for code in codes.values()), (codes, tail)
+    for overlap in report["overlaps"]:
+        if "successor" in overlap:
+            # The stopped leader found its lease taken: it must have stopped, not kept leading.
+            assert overlap.get("exit") == EXIT_LOST_LEADERSHIP, (overlap, tail)
+    report["lost_leadership"] = dict(controllers.lost_leadership)
+    report["elapsed_s"] = round(timeline.now(), 1)
+    print(f"\nrace (seed {seed}): {report}\n{timeline.render()}")

@@ -1,0 +1,156 @@
+"""The race test's safety mirror (chaos_support.Mirror), fed by hand: no API server needed.
+
+It must flag a double-booked GPU and an Allocated claim whose Lease is missing
+or held by another claim, and must not flag what only two watch streams
+arriving out of step make look wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpualloc.api import constants
+from tests.integration.chaos_support import CLAIMS, LEASES, Mirror, Timeline
+
+NS = "ns"
+RUN = "r1"
+GPU = "GPU-00000000-0000-0000-0000-000000000001"
+LEASE = constants.lease_name(GPU)
+
+
+def claim(
+    name: str, rv: int, *, uid: str = "", gpus: tuple[str, ...] = (), deleting: bool = False
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": NS,
+        "uid": uid or f"uid-{name}",
+        "resourceVersion": str(rv),
+        "labels": {"gpualloc.test/run": RUN},
+    }
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"phase": constants.PHASE_PENDING}
+    if gpus:
+        status = {
+            "phase": constants.PHASE_ALLOCATED,
+            "allocations": [{"replica": 0, "nodeName": "n", "devices": [{"uuid": g} for g in gpus]}],
+        }
+    return {"metadata": metadata, "spec": {"devices": {"count": max(1, len(gpus))}}, "status": status}
+
+
+def lease(rv: int, holder: str, name: str = LEASE) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "resourceVersion": str(rv),
+            "labels": {constants.LABEL_MANAGED_BY: constants.MANAGED_BY},
+        },
+        "spec": {"holderIdentity": holder},
+    }
+
+
+def event(type_: str, obj: dict[str, Any]) -> dict[str, Any]:
+    return {"type": type_, "object": obj}
+
+
+def bookmark(rv: int) -> dict[str, Any]:
+    return {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": str(rv)}}}
+
+
+def mirror() -> Mirror:
+    m = Mirror(None, NS, label="gpualloc.test/run", value=RUN, timeline=Timeline())  # type: ignore[arg-type]
+    m._relisted(CLAIMS, {}, 1)
+    m._relisted(LEASES, {}, 1)
+    return m
+
+
+def test_a_status_that_arrives_before_its_lease_is_not_a_violation() -> None:
+    m = mirror()
+    m._watched(CLAIMS, event("ADDED", claim("a", 2)))
+    m._watched(CLAIMS, event("MODIFIED", claim("a", 4, gpus=(GPU,))))  # written after the Lease (3)
+    assert m.lag() == 2  # waits for the Lease stream to pass revision 4
+    m._watched(LEASES, event("ADDED", lease(3, "uid-a")))
+    m._watched(LEASES, bookmark(5))
+
+    assert m.lag() == 0
+    assert m.revision == 4
+    assert not m.violations
+
+
+def test_a_lease_deleted_before_the_status_is_seen_cleared_is_not_a_violation() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(LEASES, event("DELETED", lease(6, "uid-a")))  # released after the status was cleared (5)
+    m._watched(CLAIMS, event("MODIFIED", claim("a", 5, deleting=True)))
+    m._watched(CLAIMS, bookmark(7))
+
+    assert m.revision == 6
+    assert not m.violations
+
+
+def test_two_claims_listing_one_gpu_is_a_violation() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(CLAIMS, event("ADDED", claim("b", 4, gpus=(GPU,))))
+    m._watched(LEASES, bookmark(5))
+
+    assert any("listed by 2 claims" in v for v in m.violations), m.violations
+    assert any("ns/b" in v and "held='uid-a'" in v for v in m.violations), m.violations
+
+
+def test_an_allocated_claim_without_its_lease_is_a_violation() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(LEASES, event("DELETED", lease(4, "uid-a")))
+    m._watched(CLAIMS, bookmark(5))
+
+    assert len(m.violations) == 1 and "has no Lease" in m.violations[0], m.violations
+
+
+def test_a_claim_being_deleted_counts_only_while_it_holds_the_lease() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,), deleting=True)))
+    m._watched(LEASES, event("DELETED", lease(4, "uid-a")))  # its finalizer released the GPU
+    m._watched(LEASES, event("ADDED", lease(5, "uid-b")))
+    m._watched(CLAIMS, event("ADDED", claim("b", 6, gpus=(GPU,))))
+    m._watched(LEASES, bookmark(7))
+    assert not m.violations
+
+    m2 = mirror()
+    m2._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m2._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,), deleting=True)))
+    m2._watched(CLAIMS, event("ADDED", claim("b", 4, gpus=(GPU,))))  # while a still holds it
+    m2._watched(LEASES, bookmark(5))
+    assert any("listed by 2 claims" in v for v in m2.violations), m2.violations
+
+
+def test_inside_a_relist_window_only_the_state_at_the_list_is_checked() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(LEASES, bookmark(3))
+    # The claims watch breaks at 3. Meanwhile the claim is released (5) and its Lease deleted (6);
+    # the Lease stream reports that, the claims stream only the re-list at 8.
+    m._watched(LEASES, event("DELETED", lease(6, "uid-a")))
+    m._watched(LEASES, bookmark(9))
+    m._relisted(CLAIMS, {f"{NS}/a": claim("a", 5)}, 8)
+
+    assert m.revision == 8
+    assert not m.violations
+    assert m.stats["events in re-list windows"] == 1
+
+    # The same break, but the re-list still shows the GPU listed without its Lease.
+    m2 = mirror()
+    m2._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m2._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m2._watched(LEASES, event("DELETED", lease(6, "uid-a")))
+    m2._watched(LEASES, bookmark(9))
+    m2._relisted(CLAIMS, {f"{NS}/a": claim("a", 3, gpus=(GPU,))}, 8)
+
+    assert len(m2.violations) == 1 and "after re-list" in m2.violations[0], m2.violations
