@@ -83,7 +83,8 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+    argv = controller_argv(namespace, "--in-use-poll", "1", run=run)
+    async with running_controller(kubeconfig, argv):
         created = await crs.create_claim(namespace, claim_body("first", GPUS, run=run))
         first = await wait_phase(api, namespace, "first", "Allocated")
         uid = created["metadata"]["uid"]
@@ -94,12 +95,12 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
             got = await get_claim(api, namespace, "first")
             return got if condition(got, "InUse").get("status") == "True" else None
 
-        kept = await wait_for(blocked, what="the deleted claim to say it is in use")
+        kept = await wait_for(blocked, within=60, what="the deleted claim to say it is in use")
         assert kept["metadata"].get("deletionTimestamp")
         assert "worker" in condition(kept, "InUse")["message"]
         await crs.create_claim(namespace, claim_body("second", 1, run=run, priority=1000))
         second = await wait_for(
-            lambda: _explained(api, namespace, "second"), what="the second claim to be explained"
+            lambda: _explained(api, namespace, "second"), within=60, what="the second claim to be explained"
         )
         assert second["status"]["phase"] == "Pending", second["status"]
         holders = await held(api, namespace)
@@ -110,7 +111,7 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
         await transport.request(
             api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker", body={"gracePeriodSeconds": 0}
         )
-        got = await wait_phase(api, namespace, "second", "Allocated", within=30)
+        got = await wait_phase(api, namespace, "second", "Allocated", within=60)
         assert await get_claim(api, namespace, "first") is None
         assert set(status_uuids(got)) <= set(status_uuids(first))
         assert set((await held(api, namespace)).values()) == {got["metadata"]["uid"]}
