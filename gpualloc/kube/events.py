@@ -81,7 +81,10 @@ async def emit(
             api, "POST", transport.collection_path("", "v1", "events", namespace), body=body
         )
     except Exception as exc:  # best effort: an event is never worth failing the caller
-        log.warning(
+        # The API server refuses new objects in a namespace being deleted: nobody would read them.
+        level = logging.DEBUG if "because it is being terminated" in str(exc) else logging.WARNING
+        log.log(
+            level,
             "could not record event",
             extra={"reason": reason, "object": body["involvedObject"]["name"], "error": str(exc)},
         )

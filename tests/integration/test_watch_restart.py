@@ -138,8 +138,11 @@ async def test_reflector_cache_matches_a_fresh_list_after_an_apiserver_restart(
                 f"{key}: last event {last.get(key)}, now rv {rv}"
             )
         for key in touched - fresh.keys():
-            assert key in last, f"{key}: no event at all"
-            assert last[key][0] == "DELETED", f"{key}: last event {last[key]}, but it is gone"
+            # c11 may live and die while the reflector waits out its backoff: a list-watch cache that
+            # never saw it is right. One that saw it must have seen it go.
+            if key in last or key != f"{namespace}/c11":
+                assert key in last, f"{key}: no event at all"
+                assert last[key][0] == "DELETED", f"{key}: last event {last[key]}, but it is gone"
         assert reflector.cache[f"{namespace}/c0"]["status"]["message"] == "during"
         assert reflector.cache[f"{namespace}/c10"]["status"]["message"] == "after"
         # It noticed the restart: it had to list again (after a connection error or a 410).
