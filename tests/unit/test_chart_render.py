@@ -521,7 +521,7 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
     expected |= {
         (NAMESPACE, "coordination.k8s.io", "leases", v, ())
-        for v in ("get", "list", "watch", "create", "update", "delete")
+        for v in ("get", "list", "watch", "create", "update", "patch", "delete")
     }
     assert granted == expected
     # Leases only in its own namespace: a lock elsewhere locks nothing.
