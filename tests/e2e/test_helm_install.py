@@ -375,7 +375,28 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
             "GET", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{fullname}"
         )
     assert gone.value.status == 404
-    cluster.request("POST", pods, _pod("claimed-after-uninstall", {CLAIM_ANNOTATION: "two-gpus"}))
+    admission = "/apis/admissionregistration.k8s.io/v1"
+    for kind, suffix in (
+        ("mutatingadmissionpolicies", "no-gpu-without-claim"),
+        ("validatingadmissionpolicies", "pod-devices"),
+        ("validatingadmissionpolicies", "node-identity"),
+    ):
+        with pytest.raises(cluster_mod.RequestError) as gone:
+            cluster.request("GET", f"{admission}/{kind}/{fullname}-{suffix}")
+        assert gone.value.status == 404
+    # The API server drops deleted policies from its admission cache a moment after the delete
+    # (the pod-devices policy refuses a claim pod that no webhook gave its devices).
+    claimed = _pod("claimed-after-uninstall", {CLAIM_ANNOTATION: "two-gpus"})
+
+    def created() -> bool:
+        try:
+            cluster.request("POST", pods, claimed)
+        except cluster_mod.RequestError as exc:
+            assert exc.status == 403 and "pod-devices" in str(exc), exc
+            return False
+        return True
+
+    _wait("the claim pod created once the release is gone", created, timeout=30)
 
 
 def test_helm_install_with_cert_manager_crds(cluster: Any, helm: Helm, release: str, namespace: str) -> None:

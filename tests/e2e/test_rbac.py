@@ -648,7 +648,7 @@ async def annotation_policy(control_plane: Any, installed: Installed) -> AsyncIt
     docs = [
         d
         for d in _render(installed.release, installed.namespace, "--set", "webhook.pendingMode=gate")
-        if d["kind"] in POLICY_COLLECTIONS
+        if d["kind"] in POLICY_COLLECTIONS and d["metadata"]["name"].endswith("-pod-annotations")
     ]
     assert sorted(d["kind"] for d in docs) == sorted(POLICY_COLLECTIONS)
     created: list[str] = []

@@ -55,7 +55,9 @@ def _set_args(values: dict[str, str]) -> list[str]:
 
 
 @functools.cache
-def _render_cached(values: tuple[tuple[str, str], ...]) -> tuple[Obj, ...]:
+def _render_cached(
+    values: tuple[tuple[str, str], ...], api_versions: tuple[str, ...] = ()
+) -> tuple[Obj, ...]:
     result = _run(
         "template",
         RELEASE,
@@ -64,16 +66,18 @@ def _render_cached(values: tuple[tuple[str, str], ...]) -> tuple[Obj, ...]:
         NAMESPACE,
         "--kube-version",
         KUBE_VERSION,
+        *[arg for version in api_versions for arg in ("--api-versions", version)],
         *_set_args(dict(values)),
     )
     assert result.returncode == 0, result.stderr
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
 
-def render(**values: str) -> list[Obj]:
-    """Render the chart with ``--set key=value`` for each keyword (dots spelled as __)."""
+def render(*api_versions: str, **values: str) -> list[Obj]:
+    """Render the chart with ``--set key=value`` for each keyword (dots spelled as __), and
+    ``--api-versions`` for each positional argument (what the API server would say it serves)."""
     flat = tuple(sorted((key.replace("__", "."), value) for key, value in values.items()))
-    return list(_render_cached(flat))
+    return list(_render_cached(flat, api_versions))
 
 
 def one(objs: list[Obj], kind: str, name: str) -> Obj:
@@ -545,7 +549,7 @@ def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_c
     exempt = [c["expression"] for c in policy["spec"]["matchConditions"] if "userInfo" in c["expression"]]
     assert exempt == [f"request.userInfo.username != 'system:serviceaccount:{NAMESPACE}:{controller}'"]
     off = render(podAnnotationPolicy__enabled="false")
-    assert not kinds(off) & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    assert not [o for o in off if o["metadata"]["name"] == name]
 
 
 def test_certs_job_touches_only_its_secret_and_its_webhook_configuration() -> None:
@@ -683,3 +687,248 @@ def test_each_component_parses_the_flags_the_chart_gives_it(
     if component == "agent":
         assert parsed.node_name == "gpu-node-1"
         assert parsed.source == "simulated"
+
+
+# ----------------------------------------------------------------------------- isolation policies
+
+MAP_V1 = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+NO_GPU = f"{FULLNAME}-no-gpu-without-claim"
+POD_DEVICES = f"{FULLNAME}-pod-devices"
+NODE_IDENTITY = f"{FULLNAME}-node-identity"
+GATED_LABEL = f"{FULLNAME}-pod-gated-label"
+
+
+def named(objs: list[Obj], name: str) -> list[str]:
+    """The kinds rendered under ``name``."""
+    return sorted(o["kind"] for o in objs if o["metadata"]["name"] == name)
+
+
+def _variables(policy: Obj) -> dict[str, str]:
+    return {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+
+
+def test_mutating_policy_is_rendered_where_the_api_server_serves_it_and_the_validating_one_always() -> None:
+    served = render(MAP_V1)
+    assert named(served, NO_GPU) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    assert named(served, POD_DEVICES) == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    policy = one(served, "MutatingAdmissionPolicy", NO_GPU)
+    assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert one(served, "MutatingAdmissionPolicyBinding", NO_GPU)["spec"] == {"policyName": NO_GPU}
+    validating = one(served, "ValidatingAdmissionPolicyBinding", POD_DEVICES)
+    assert validating["spec"] == {"policyName": POD_DEVICES, "validationActions": ["Deny"]}
+
+    # An older API server (helm asks it: .Capabilities.APIVersions): no MutatingAdmissionPolicy,
+    # the validating one still, and the NOTES warn (test_notes_warn_...).
+    older = render()
+    assert named(older, NO_GPU) == []
+    assert named(older, POD_DEVICES) == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    # always: rendered without asking (offline rendering for a 1.36 cluster); never: not rendered.
+    assert "MutatingAdmissionPolicy" in named(render(isolation__mutatingAdmissionPolicy="always"), NO_GPU)
+    assert named(render(MAP_V1, isolation__mutatingAdmissionPolicy="never"), NO_GPU) == []
+    off = render(MAP_V1, isolation__enabled="false")
+    assert named(off, NO_GPU) == [] and named(off, POD_DEVICES) == []
+
+
+def test_isolation_policies_fail_closed_on_pods_and_ephemeral_containers_outside_exempt_namespaces() -> None:
+    objs = render(MAP_V1)
+    for kind, name in (("MutatingAdmissionPolicy", NO_GPU), ("ValidatingAdmissionPolicy", POD_DEVICES)):
+        spec = one(objs, kind, name)["spec"]
+        assert spec["failurePolicy"] == "Fail"
+        constraints = spec["matchConstraints"]
+        assert constraints["resourceRules"] == [
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]},
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "operations": ["UPDATE"],
+                "resources": ["pods/ephemeralcontainers"],
+            },
+        ]
+        (expression,) = constraints["namespaceSelector"]["matchExpressions"]
+        assert expression == {
+            "key": "kubernetes.io/metadata.name",
+            "operator": "NotIn",
+            "values": [NAMESPACE, "kube-system"],
+        }
+    mutating = one(objs, "MutatingAdmissionPolicy", NO_GPU)["spec"]
+    assert mutating["reinvocationPolicy"] == "IfNeeded"
+    (mutation,) = mutating["mutations"]
+    assert mutation["patchType"] == "JSONPatch"
+    patch = mutation["jsonPatch"]["expression"]
+    for path in ("/spec/containers/", "/spec/initContainers/", "/spec/ephemeralContainers/"):
+        assert f"path: '{path}' + string(i) + '/env'" in patch
+    assert patch.count("{'name': 'NVIDIA_VISIBLE_DEVICES', 'value': 'void'}") == 9
+
+    # The admin's namespaces join the release namespace; kube-system is a default, not a rule.
+    listed = render(MAP_V1, **{"isolation.exemptNamespaces": "{gpu-operator}"})
+    for kind, name in (("MutatingAdmissionPolicy", NO_GPU), ("ValidatingAdmissionPolicy", POD_DEVICES)):
+        (expression,) = one(listed, kind, name)["spec"]["matchConstraints"]["namespaceSelector"][
+            "matchExpressions"
+        ]
+        assert expression["values"] == [NAMESPACE, "gpu-operator"]
+
+
+def test_device_plugin_and_dra_exemptions_come_from_values() -> None:
+    default = _variables(one(render(MAP_V1), "MutatingAdmissionPolicy", NO_GPU))["pluginPod"]
+    resources = (
+        '(k in ["nvidia.com/gpu","nvidia.com/gpu.shared"] || ["nvidia.com/mig-"].exists(p, k.startsWith(p)))'
+    )
+    assert resources in default
+    assert "isGreaterThan(quantity('0'))" in default  # a request of 0 GPUs exempts nothing
+    assert "size(object.spec.?resourceClaims.orValue([])) > 0" in default
+    custom = render(
+        MAP_V1,
+        **{
+            "isolation.exemptResources": "{example.com/gpu,amd.com/*}",
+            "isolation.exemptResourceClaims": "false",
+        },
+    )
+    for kind, name in (("MutatingAdmissionPolicy", NO_GPU), ("ValidatingAdmissionPolicy", POD_DEVICES)):
+        plugin = _variables(one(custom, kind, name))["pluginPod"]
+        assert '(k in ["example.com/gpu"] || ["amd.com/"].exists(p, k.startsWith(p)))' in plugin
+        assert "resourceClaims" not in plugin
+
+
+def test_claim_pods_are_the_ones_the_webhook_is_called_for() -> None:
+    claim = _variables(one(render(MAP_V1), "MutatingAdmissionPolicy", NO_GPU))["claimPod"]
+    assert claim == (
+        "has(object.metadata.annotations) && 'gpu.scheduling/claim' in object.metadata.annotations"
+        f' && !(request.namespace in ["kube-system","{NAMESPACE}"])'
+    )
+    excluded = render(MAP_V1, **{"webhook.excludeNamespaces": "{batch}"})
+    assert (
+        '["kube-system","gpu-system","batch"]'
+        in _variables(one(excluded, "MutatingAdmissionPolicy", NO_GPU))["claimPod"]
+    )
+    # Without the webhook nothing writes a claim pod's devices: the annotation exempts nothing.
+    no_webhook = render(MAP_V1, webhook__enabled="false")
+    for kind, name in (("MutatingAdmissionPolicy", NO_GPU), ("ValidatingAdmissionPolicy", POD_DEVICES)):
+        assert _variables(one(no_webhook, kind, name))["claimPod"] == "false"
+
+
+def test_pod_devices_policy_accepts_what_the_webhook_writes_in_each_device_id_mode() -> None:
+    uuid = _variables(one(render(), "ValidatingAdmissionPolicy", POD_DEVICES))["claimBad"]
+    assert "e.?value.orValue('') == variables.devices" in uuid
+    assert (
+        "e.?valueFrom.?fieldRef.?fieldPath.orValue('') == \"metadata.annotations['gpu.scheduling/devices']\""
+        in uuid
+    )
+    assert "'all'" not in uuid
+    index = _variables(one(render(webhook__deviceIds="index"), "ValidatingAdmissionPolicy", POD_DEVICES))[
+        "claimBad"
+    ]
+    assert "e.?value.orValue('') == 'all'" in index
+    assert "matches('^[0-9]+(,[0-9]+)*$')" in index
+    messages = " ".join(
+        v["messageExpression"]
+        for v in one(render(), "ValidatingAdmissionPolicy", POD_DEVICES)["spec"]["validations"]
+    )
+    for words in (
+        "gets no GPU",
+        "GpuClaim",
+        "device plugin",
+        "ephemeral containers",
+        "/var/run/nvidia-container-devices",
+    ):
+        assert words in messages
+
+
+def test_node_identity_policy_binds_the_agent_to_its_own_node() -> None:
+    objs = render()
+    policy = one(objs, "ValidatingAdmissionPolicy", NODE_IDENTITY)["spec"]
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", NODE_IDENTITY)["spec"]
+    assert binding == {"policyName": NODE_IDENTITY, "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    assert policy["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": ["gpu.scheduling"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["gpunodestatuses", "gpunodestatuses/status"],
+        }
+    ]
+    agent = f"system:serviceaccount:{NAMESPACE}:{FULLNAME}-agent"
+    assert policy["matchConditions"] == [
+        {"name": "the-agent", "expression": f"request.userInfo.username == '{agent}'"}
+    ]
+    assert "authentication.kubernetes.io/node-name" in _variables({"spec": policy})["node"]
+    checks = " ".join(v["expression"] for v in policy["validations"])
+    assert "object.metadata.name == variables.node[0]" in checks
+    assert "object.?spec.?nodeName.orValue('') == variables.node[0]" in checks
+    # agent.nodeLabels grants patch nodes: the same check covers the Node it labels.
+    labelled = one(render(agent__nodeLabels__enabled="true"), "ValidatingAdmissionPolicy", NODE_IDENTITY)
+    assert labelled["spec"]["matchConstraints"]["resourceRules"][1] == {
+        "apiGroups": [""],
+        "apiVersions": ["v1"],
+        "operations": ["UPDATE"],
+        "resources": ["nodes"],
+    }
+    assert named(render(nodeIdentityPolicy__enabled="false"), NODE_IDENTITY) == []
+    assert named(render(agent__enabled="false"), NODE_IDENTITY) == []
+
+
+def test_gated_label_policy_checks_creation_and_allows_only_removal() -> None:
+    objs = render()
+    policy = one(objs, "ValidatingAdmissionPolicy", GATED_LABEL)["spec"]
+    assert one(objs, "ValidatingAdmissionPolicyBinding", GATED_LABEL)["spec"]["validationActions"] == ["Deny"]
+    assert policy["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE", "UPDATE"]
+    checks = " ".join(v["expression"] for v in policy["validations"])
+    assert "g.name == 'gpu.scheduling/claim-allocated'" in checks
+    assert "'gpu.scheduling/claim' in object.metadata" in checks
+    assert named(render(gatedLabelPolicy__enabled="false"), GATED_LABEL) == []
+
+
+def test_node_status_crd_requires_the_name_to_be_the_node_name() -> None:
+    crd = yaml.safe_load((CHART / "crds" / "gpunodestatuses.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    (rule,) = version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert rule["rule"] == "self.metadata.name == self.spec.nodeName"
+    assert "metadata.name must equal spec.nodeName" in rule["message"]
+
+
+def _notes(tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as ``helm install`` would print it, rendered offline: a copy of the chart in
+    which a ConfigMap renders NOTES.txt's text with ``tpl`` (``helm template`` leaves NOTES out)."""
+    chart = tmp_path / "gpualloc"
+    shutil.copytree(CHART, chart)
+    (chart / "NOTES.copy").write_text((CHART / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "notes-probe.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ tpl (.Files.Get "NOTES.copy") . | toJson }}}\n'
+    )
+    result = _run(
+        "template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+        "--show-only", "templates/notes-probe.yaml", *args,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notes: str = yaml.safe_load(result.stdout)["data"]["notes"]
+    return notes
+
+
+def test_notes_warn_when_pods_without_a_claim_are_not_given_void(tmp_path: Path) -> None:
+    assert "WARNING" not in _notes(tmp_path / "served", "--api-versions", MAP_V1)
+    older = _notes(tmp_path / "older")
+    assert "WARNING: pods without a GpuClaim are NOT given NVIDIA_VISIBLE_DEVICES=void" in older
+    assert "does not\nserve admissionregistration.k8s.io/v1 MutatingAdmissionPolicy" in older
+    assert f"{POD_DEVICES} still refuses" in older
+    assert "Upgrade to Kubernetes 1.36" in older
+    never = _notes(
+        tmp_path / "never", "--api-versions", MAP_V1, "--set", "isolation.mutatingAdmissionPolicy=never"
+    )
+    assert 'isolation.mutatingAdmissionPolicy is "never"' in never
+    off = _notes(tmp_path / "off", "--api-versions", MAP_V1, "--set", "isolation.enabled=false")
+    assert "WARNING: isolation.enabled is false" in off
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("isolation.mutatingAdmissionPolicy=yes", "value must be one of"),
+        ("isolation.exemptNamespace={a}", "additional properties 'exemptNamespace' not allowed"),
+        ("isolation.exemptNamespaces={Not_A_Namespace}", "does not match pattern"),
+    ],
+)
+def test_values_schema_checks_the_isolation_values(setting: str, message: str) -> None:
+    result = _run("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, "--set", setting)
+    assert result.returncode != 0
+    assert message in result.stderr

@@ -1,0 +1,890 @@
+"""Isolation and node identity, as the chart installs them, attacked with a tenant's own token.
+
+One ``helm install`` for the module (``--no-hooks``: the certs hook Job makes the webhook's
+certificate, which this module replaces, see below). The tenant is a ServiceAccount bound to
+the ``edit`` ClusterRole in its namespaces, with a token from the TokenRequest API; every
+attack below is its own call to the real kube-apiserver, which evaluates the chart's CEL
+policies (the MutatingAdmissionPolicy and the ValidatingAdmissionPolicies) itself.
+
+Claim pods go through the real webhook: it runs in this process on 127.0.0.1, in gate mode,
+and the release's MutatingWebhookConfiguration is pointed at it (the local API server cannot
+reach a Service's pods). So what the validating policies see is what the webhook wrote,
+after every mutation, as in a cluster.
+
+Node identity: two plain Nodes, a pod of the agent's ServiceAccount on each (never run), and
+a TokenRequest token bound to each pod, which carries the pod's node
+(``authentication.kubernetes.io/node-name``). The agent program itself runs with one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.devcluster import binaries
+from gpualloc.devcluster import cluster as cluster_mod
+from gpualloc.kube import client as kube_client
+from gpualloc.kube import errors, resources, watching
+from gpualloc.runtime import serving
+from tests.integration.tls_support import write_serving_pair
+from webhook import admission, cache, server
+from webhook import metrics as metrics_
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
+ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+NODE_STATUSES = "/apis/gpu.scheduling/v1/gpunodestatuses"
+STRATEGIC = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+NV, CUDA = "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
+VOID = {"name": NV, "value": "void"}
+# An image whose Dockerfile says ENV NVIDIA_VISIBLE_DEVICES=all (nothing pulls it here: what
+# counts is that the stored spec overrides whatever the image says).
+CUDA_IMAGE = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
+UUIDS = "GPU-11111111-2222-3333-4444-555555555555,GPU-66666666-7777-8888-9999-000000000000"
+NOT_A_GPU_POD = "a pod without a gpu.scheduling/claim annotation gets no GPU"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Setup:
+    """The installed release, the tenant's client and the namespaces it may edit."""
+
+    release: str
+    system: str  # the release namespace
+    tenant_ns: str  # an ordinary tenant namespace
+    unhooked_ns: str  # a namespace the webhook is not called for (webhook.excludeNamespaces)
+    exempt_ns: str  # a namespace listed in isolation.exemptNamespaces
+    admin: ApiClient
+    tenant: ApiClient
+    control_plane: Any
+    kubeconfigs: Path  # a directory for token kubeconfigs and logs
+    nodes: list[str] = field(default_factory=list)
+
+    def token_kubeconfig(self, token: str, name: str) -> Path:
+        return _token_kubeconfig(self.control_plane, token, self.kubeconfigs / name)
+
+    @property
+    def fullname(self) -> str:
+        return f"{self.release}-gpualloc"
+
+
+def _helm(kubeconfig: Path, home: Path, *args: str) -> str:
+    helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
+    env = {**os.environ, **{f"HELM_{d.upper()}_HOME": str(home / d) for d in ("config", "cache", "data")}}
+    result = subprocess.run(
+        [helm, "--kubeconfig", str(kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+async def call(
+    api: ApiClient,
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    content_type: str = "application/json",
+    query: list[tuple[str, str]] | None = None,
+) -> Any:
+    """One API call; the JSON answer. A refusal raises ``errors.KubeError`` with the API server's
+    whole message (``gpualloc.kube.errors`` cuts messages short, and the policies' are long)."""
+    response = await api.call_api(
+        path,
+        method,
+        query_params=query or [],
+        header_params={"Accept": "application/json", "Content-Type": content_type},
+        body=body,
+        auth_settings=["BearerToken"],
+        _preload_content=False,
+    )
+    try:
+        raw = await response.read()
+    finally:
+        response.release()
+    answer = json.loads(raw) if raw else None
+    if not 200 <= response.status < 300:
+        status = answer if isinstance(answer, dict) else {}
+        raise errors.KubeError(
+            response.status, str(status.get("reason", "")), str(status.get("message", raw))
+        )
+    return answer
+
+
+def _token_kubeconfig(control_plane: Any, token: str, path: Path) -> Path:
+    """A kubeconfig with the admin's cluster (server, CA) and a bearer-token user."""
+    admin = yaml.safe_load(Path(control_plane.kubeconfig).read_text())
+    server_entry = dict(admin["clusters"][0]["cluster"])
+    server_entry["server"] = control_plane.server
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "local", "cluster": server_entry}],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    path.chmod(0o600)
+    return path
+
+
+async def _token(admin: ApiClient, namespace: str, account: str, pod: dict[str, Any] | None = None) -> str:
+    """A TokenRequest token for the ServiceAccount; bound to ``pod`` (and so to its node) if given."""
+    spec: dict[str, Any] = {"audiences": [], "expirationSeconds": 3600}
+    if pod is not None:
+        spec["boundObjectRef"] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": pod["metadata"]["name"],
+            "uid": pod["metadata"]["uid"],
+        }
+    review = await call(
+        admin,
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+    )
+    token: str = review["status"]["token"]
+    return token
+
+
+async def eventually(what: str, check: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            result = await check()
+        except errors.KubeError:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:.0f} s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def pod(name: str, containers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A pod whose containers are ``containers``; ``init=[...]`` adds init containers,
+    ``annotations``/``labels`` go to metadata, anything else to spec."""
+    metadata: dict[str, Any] = {"name": name}
+    for key in ("annotations", "labels"):
+        if key in extra:
+            metadata[key] = extra.pop(key)
+    spec: dict[str, Any] = {"containers": containers, **extra}
+    if "init" in spec:
+        spec["initContainers"] = spec.pop("init")
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def container(name: str, *env: dict[str, Any], image: str = CUDA_IMAGE, **more: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": name, "image": image, **more}
+    if env:
+        out["env"] = list(env)
+    return out
+
+
+def value(name: str, text: str) -> dict[str, Any]:
+    return {"name": name, "value": text}
+
+
+def from_field(name: str, path: str = "metadata.name") -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def device_entries(container_: dict[str, Any], name: str = NV) -> list[dict[str, Any]]:
+    return [e for e in container_.get("env") or [] if e["name"] == name]
+
+
+async def create(api: ApiClient, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    stored: dict[str, Any] = await call(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
+    return stored
+
+
+async def refused(call: Awaitable[Any]) -> str:
+    """``call`` must fail with 403 Forbidden; returns the API server's message."""
+    with pytest.raises(errors.KubeError) as caught:
+        await call
+    assert caught.value.status == 403, caught.value
+    return caught.value.message
+
+
+async def add_ephemeral(api: ApiClient, namespace: str, name: str, debug: dict[str, Any]) -> dict[str, Any]:
+    """Add an ephemeral container the way ``kubectl debug`` does: the pods/ephemeralcontainers subresource."""
+    stored: dict[str, Any] = await call(
+        api,
+        "PATCH",
+        f"/api/v1/namespaces/{namespace}/pods/{name}/ephemeralcontainers",
+        body={"spec": {"ephemeralContainers": [debug]}},
+        content_type=STRATEGIC,
+    )
+    return stored
+
+
+# ----------------------------------------------------------------------------- the webhook
+
+
+@dataclass
+class LocalWebhook:
+    """The gpualloc webhook, serving TLS on 127.0.0.1 in this process (gate mode)."""
+
+    url: str
+    ca_pem: bytes
+    stop: Callable[[], Awaitable[None]]
+
+
+async def _start_webhook(admin: ApiClient) -> LocalWebhook:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as tmp:
+        ca_file, cert_file, key_file = write_serving_pair(Path(tmp))
+        ca_pem = ca_file.read_bytes()
+        context.load_cert_chain(str(cert_file), str(key_file))
+    metrics = metrics_.Metrics()
+    reflector = watching.Reflector(admin, watching.CLAIMS)
+    claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(admin)), metrics=metrics)
+    app = server.make_app(claims=claims, options=admission.Options(pending="gate"), metrics=metrics)
+    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    task = asyncio.create_task(reflector.run())
+    await asyncio.wait_for(reflector.synced.wait(), 30)
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(app, runner)
+
+    return LocalWebhook(f"https://127.0.0.1:{runner.addresses[0][1]}/mutate", ca_pem, stop)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _delete(control_plane: Any, path: str) -> None:
+    try:
+        control_plane.request("DELETE", path)
+    except cluster_mod.RequestError as exc:
+        if exc.status != 404:
+            raise
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("isolation")
+
+
+@pytest.fixture(scope="module")
+def namespaces(control_plane: Any) -> Iterator[dict[str, str]]:
+    tag = uuid.uuid4().hex[:6]
+    names = {
+        "system": f"iso-sys-{tag}",
+        "tenant": f"tenant-{tag}",
+        "unhooked": f"tenant-nohook-{tag}",
+        "exempt": f"gpu-op-{tag}",
+    }
+    for name in names.values():
+        control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+        control_plane.ensure_service_account(name)
+    try:
+        yield names
+    finally:
+        for name in names.values():
+            _delete(control_plane, f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="module")
+async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path) -> AsyncIterator[Setup]:
+    # kube-controller-manager aggregates the edit ClusterRole (without it, edit grants nothing).
+    control_plane.ensure_controller_manager()
+    release = f"iso{uuid.uuid4().hex[:6]}"
+    fullname = f"{release}-gpualloc"
+    kubeconfig = Path(control_plane.kubeconfig)
+    admin = await kube_client.connect(str(kubeconfig))
+    webhook = await _start_webhook(admin)
+    opened = [admin]
+    nodes = [f"iso-node-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    try:
+        _helm(
+            kubeconfig, tmp_module / "helm", "install", release, str(CHART),
+            "--namespace", namespaces["system"], "--no-hooks", "--timeout", "120s",
+            "--set", "certManager.enabled=false", "--set", "webhook.pendingMode=gate",
+            "--set", f"isolation.exemptNamespaces={{kube-system,{namespaces['exempt']}}}",
+            "--set", f"webhook.excludeNamespaces={{{namespaces['unhooked']}}}",
+        )  # fmt: skip
+        # The release's webhook configuration, pointed at the webhook in this process.
+        client_config = {"url": webhook.url, "caBundle": base64.b64encode(webhook.ca_pem).decode()}
+        await call(
+            admin,
+            "PATCH",
+            f"{ADMISSION}/mutatingwebhookconfigurations/{fullname}",
+            body=[{"op": "replace", "path": "/webhooks/0/clientConfig", "value": client_config}],
+            content_type=JSON_PATCH,
+        )
+
+        # The tenant: edit in its namespaces, a token from the TokenRequest API.
+        for ns in (namespaces["tenant"], namespaces["unhooked"], namespaces["exempt"]):
+            if ns == namespaces["tenant"]:
+                control_plane.ensure_service_account(ns, "tenant")
+            control_plane.request(
+                "POST",
+                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+                {
+                    "metadata": {"name": "tenant-edit"},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "ClusterRole",
+                        "name": "edit",
+                    },
+                    "subjects": [
+                        {"kind": "ServiceAccount", "name": "tenant", "namespace": namespaces["tenant"]}
+                    ],
+                },
+            )
+        # Kubernetes' edit role does not grant pods/ephemeralcontainers (kubectl debug); clusters
+        # that let tenants debug grant it like this, and that is the case the policies must cover.
+        rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespaces['tenant']}"
+        rule = {
+            "apiGroups": [""],
+            "resources": ["pods/ephemeralcontainers"],
+            "verbs": ["get", "patch", "update"],
+        }
+        control_plane.request("POST", f"{rbac}/roles", {"metadata": {"name": "debug"}, "rules": [rule]})
+        control_plane.request(
+            "POST",
+            f"{rbac}/rolebindings",
+            {
+                "metadata": {"name": "tenant-debug"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "debug"},
+                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": namespaces["tenant"]}],
+            },
+        )
+        token = await _token(admin, namespaces["tenant"], "tenant")
+        tenant = await kube_client.connect(
+            str(_token_kubeconfig(control_plane, token, tmp_module / "tenant.kubeconfig"))
+        )
+        opened.append(tenant)
+        for name in nodes:
+            control_plane.request("POST", "/api/v1/nodes", {"metadata": {"name": name}})
+        result = Setup(
+            release=release,
+            system=namespaces["system"],
+            tenant_ns=namespaces["tenant"],
+            unhooked_ns=namespaces["unhooked"],
+            exempt_ns=namespaces["exempt"],
+            admin=admin,
+            tenant=tenant,
+            control_plane=control_plane,
+            kubeconfigs=tmp_module,
+            nodes=nodes,
+        )
+        await _wait_until_in_force(result)
+        yield result
+    finally:
+        try:
+            _helm(kubeconfig, tmp_module / "helm", "uninstall", release, "--namespace", namespaces["system"])
+        finally:
+            # Never leave a cluster-wide policy or a fail-closed webhook behind for later tests.
+            for kind in (
+                "mutatingwebhookconfigurations",
+                "mutatingadmissionpolicies",
+                "mutatingadmissionpolicybindings",
+                "validatingadmissionpolicies",
+                "validatingadmissionpolicybindings",
+            ):
+                for suffix in (
+                    "",
+                    "-no-gpu-without-claim",
+                    "-pod-devices",
+                    "-node-identity",
+                    "-pod-gated-label",
+                ):
+                    _delete(control_plane, f"{ADMISSION}/{kind}/{fullname}{suffix}")
+            for name in nodes:
+                _delete(control_plane, f"{NODE_STATUSES}/{name}")
+                _delete(control_plane, f"/api/v1/nodes/{name}")  # later tests count the nodes
+            await _wait_until_gone(admin, namespaces["tenant"])
+            await webhook.stop()
+            for api in opened:
+                await api.close()
+
+
+async def _wait_until_gone(admin: ApiClient, namespace: str) -> None:
+    """The API server drops deleted policies from its admission path a moment after the delete:
+    wait for that, so that no later test's pod meets them (dry runs as the admin)."""
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    body = pod(
+        "probe",
+        [container("main", value(NV, "all"), from_field(CUDA))],
+        labels={constants.LABEL_GATED: "true"},
+    )
+
+    async def gone() -> bool:
+        stored = await call(admin, "POST", pods, body=body, query=[("dryRun", "All")])
+        return bool(device_entries(stored["spec"]["containers"][0]) == [value(NV, "all")])
+
+    await eventually("the policies to leave the API server's admission path", gone)
+
+
+async def _wait_until_in_force(s: Setup) -> None:
+    """The API server loads policies, bindings and the webhook configuration from watches: wait
+    (with dry runs) until each answers, and until the tenant's edit role has been aggregated."""
+    pods = f"/api/v1/namespaces/{s.tenant_ns}/pods"
+    dry = [("dryRun", "All")]
+
+    async def voided() -> bool:
+        body = pod("probe", [container("main", value(NV, "all"))])
+        stored = await call(s.tenant, "POST", pods, body=body, query=dry)
+        return bool(device_entries(stored["spec"]["containers"][0]) == [VOID])
+
+    async def validated() -> bool:
+        body = pod("probe", [container("main", from_field(CUDA))])
+        try:
+            await call(s.admin, "POST", pods, body=body, query=dry)
+        except errors.KubeError as exc:
+            return exc.status == 403 and NOT_A_GPU_POD in exc.message
+        return False
+
+    async def label_checked() -> bool:
+        body = pod("probe", [container("main")], labels={constants.LABEL_GATED: "true"})
+        try:
+            await call(s.admin, "POST", pods, body=body, query=dry)
+        except errors.KubeError as exc:
+            return exc.status == 403 and "gpu.scheduling/gated" in exc.message
+        return False
+
+    async def webhook_called() -> bool:
+        body = pod("probe", [container("main")], annotations={constants.ANNOTATION_CLAIM: "no-such-claim"})
+        stored = await call(s.admin, "POST", pods, body=body, query=dry)
+        return constants.SCHEDULING_GATE in {g["name"] for g in stored["spec"].get("schedulingGates") or []}
+
+    async def agent_checked() -> bool:
+        token = await _token(s.admin, s.system, f"{s.fullname}-agent")
+        agent = await kube_client.connect(str(s.token_kubeconfig(token, "agent-unbound.kubeconfig")))
+        try:
+            body = status_body(s.nodes[0])
+            await call(agent, "POST", NODE_STATUSES, body=body, query=dry)
+        except errors.KubeError as exc:
+            return exc.status == 403 and "carries no node name" in exc.message
+        finally:
+            await agent.close()
+        return False
+
+    await eventually("the MutatingAdmissionPolicy to set void", voided)
+    await eventually("the pod-devices ValidatingAdmissionPolicy", validated)
+    await eventually("the gated-label ValidatingAdmissionPolicy", label_checked)
+    await eventually("the API server to call the webhook", webhook_called)
+    await eventually("the node-identity ValidatingAdmissionPolicy", agent_checked)
+
+
+def status_body(node: str, name: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.NODE_STATUS_KIND,
+        "metadata": {"name": name or node},
+        "spec": {"nodeName": node},
+    }
+
+
+# ----------------------------------------------------------------------------- pods without a claim
+
+
+async def test_pod_without_claim_setting_all_is_stored_with_void_in_every_container(setup: Setup) -> None:
+    body = pod(
+        "sets-all",
+        [
+            container("main", value(NV, "all"), value("OTHER", "kept")),
+            container("side", from_field(NV), value(NV, "0,1")),  # valueFrom, and a later duplicate
+            container("plain"),
+        ],
+        init=[container("prep", value(NV, "all"))],
+    )
+    stored = await create(setup.tenant, setup.tenant_ns, body)
+    spec = stored["spec"]
+    for c in [*spec["initContainers"], *spec["containers"]]:
+        entries = device_entries(c)
+        assert entries and all(e == VOID for e in entries), (c["name"], c.get("env"))
+    assert {"name": "OTHER", "value": "kept"} in spec["containers"][0]["env"]
+    read = await call(setup.tenant, "GET", f"/api/v1/namespaces/{setup.tenant_ns}/pods/sets-all")
+    assert read["spec"] == spec
+
+
+async def test_pod_with_no_env_at_all_gets_void_over_the_image_default(setup: Setup) -> None:
+    body = pod("image-default", [container("main"), container("other")], init=[container("prep")])
+    stored = await create(setup.tenant, setup.tenant_ns, body)
+    for c in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]:
+        assert c["env"] == [VOID], c["name"]
+
+
+async def test_claim_annotation_where_the_webhook_is_not_called_does_not_escape_void(setup: Setup) -> None:
+    # webhook.excludeNamespaces: nothing there writes a claim's devices, so the annotation counts for nothing.
+    body = pod(
+        "claims-unhooked",
+        [container("main", value(NV, "all"))],
+        annotations={constants.ANNOTATION_CLAIM: "any", constants.ANNOTATION_DEVICES: "GPU-x"},
+    )
+    stored = await create(setup.tenant, setup.unhooked_ns, body)
+    assert device_entries(stored["spec"]["containers"][0]) == [VOID]
+
+
+async def test_pod_setting_cuda_visible_devices_by_value_from_is_refused_with_the_reason(
+    setup: Setup,
+) -> None:
+    body = pod("cuda-from", [container("main", from_field(CUDA))])
+    message = await refused(create(setup.tenant, setup.tenant_ns, body))
+    assert NOT_A_GPU_POD in message
+    assert "main: CUDA_VISIBLE_DEVICES from valueFrom" in message
+    assert "create a\nGpuClaim" in message or "create a GpuClaim" in message
+
+    literal = pod("cuda-literal", [container("main", value(CUDA, "0,1"))], init=[container("prep")])
+    message = await refused(create(setup.tenant, setup.tenant_ns, literal))
+    assert 'main: CUDA_VISIBLE_DEVICES="0,1"' in message
+    # Hiding every GPU from CUDA is what a CPU-only program does: allowed.
+    hidden = await create(
+        setup.tenant, setup.tenant_ns, pod("cuda-hidden", [container("main", value(CUDA, "-1"))])
+    )
+    assert value(CUDA, "-1") in hidden["spec"]["containers"][0]["env"]
+
+
+async def test_mount_at_the_runtimes_device_list_path_is_refused(setup: Setup) -> None:
+    body = pod(
+        "device-list-mount",
+        [
+            container(
+                "main", volumeMounts=[{"name": "v", "mountPath": "/var/run/nvidia-container-devices/all"}]
+            )
+        ],
+        volumes=[{"name": "v", "emptyDir": {}}],
+    )
+    message = await refused(create(setup.tenant, setup.tenant_ns, body))
+    assert "main: /var/run/nvidia-container-devices/all" in message
+
+
+# ----------------------------------------------------------------------------- ephemeral containers
+
+
+async def test_ephemeral_container_added_through_the_subresource_gets_void(setup: Setup) -> None:
+    ns = setup.tenant_ns
+    await create(setup.tenant, ns, pod("debugged", [container("main")]))
+    stored = await add_ephemeral(setup.tenant, ns, "debugged", container("debug", value(NV, "all")))
+    (debug,) = stored["spec"]["ephemeralContainers"]
+    assert device_entries(debug) == [VOID]
+    stored = await add_ephemeral(setup.tenant, ns, "debugged", container("debug-2"))
+    assert {c["name"]: c["env"] for c in stored["spec"]["ephemeralContainers"]} == {
+        "debug": [VOID],
+        "debug-2": [VOID],
+    }
+    message = await refused(
+        add_ephemeral(setup.tenant, ns, "debugged", container("debug-3", from_field(CUDA)))
+    )
+    assert (
+        "ephemeral containers get no GPU" in message
+        and "debug-3: CUDA_VISIBLE_DEVICES from valueFrom" in message
+    )
+
+
+# ----------------------------------------------------------------------------- claim pods
+
+
+async def _allocated_claim(s: Setup, name: str) -> None:
+    crs = resources.CustomResources(s.admin)
+    body = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.CLAIM_KIND,
+        "metadata": {"name": name},
+        "spec": {"devices": {"count": 2}},
+    }
+    await crs.create_claim(s.tenant_ns, body)
+    devices = [{"index": i, "minor": i, "uuid": u} for i, u in enumerate(UUIDS.split(","))]
+    allocation = {"replica": 0, "nodeName": "gpu-node-7", "devices": devices}
+    await crs.patch_claim_status(
+        s.tenant_ns, name, {"status": {"phase": constants.PHASE_ALLOCATED, "allocations": [allocation]}}
+    )
+
+
+async def test_claim_pods_keep_what_the_webhook_writes_and_their_debug_containers_get_void(
+    setup: Setup,
+) -> None:
+    ns = setup.tenant_ns
+    await _allocated_claim(setup, "two-gpus")
+    body = pod(
+        "trainer",
+        [container("main", value(NV, "all")), container("side", from_field(CUDA))],
+        init=[container("prep")],
+        annotations={constants.ANNOTATION_CLAIM: "two-gpus"},
+    )
+
+    async def allocated_seen() -> bool:
+        pods = f"/api/v1/namespaces/{ns}/pods"
+        probe = await call(setup.tenant, "POST", pods, body=body, query=[("dryRun", "All")])
+        return constants.ANNOTATION_DEVICES in probe["metadata"].get("annotations", {})
+
+    # In gate mode a pod is admitted gated while the webhook's cache still has the claim Pending.
+    await eventually("the webhook to see the claim Allocated", allocated_seen)
+    stored = await create(setup.tenant, ns, body)
+    assert stored["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == UUIDS
+    for c in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]:
+        assert device_entries(c) == [value(NV, UUIDS)], c["name"]
+        assert device_entries(c, CUDA) == [value(CUDA, UUIDS)], c["name"]
+
+    # kubectl debug on a claim pod: the debug container gets no GPU, the others keep theirs.
+    debugged = await add_ephemeral(setup.tenant, ns, "trainer", container("debug", value(NV, UUIDS)))
+    (debug,) = debugged["spec"]["ephemeralContainers"]
+    assert device_entries(debug) == [VOID]
+    assert device_entries(debugged["spec"]["containers"][0]) == [value(NV, UUIDS)]
+
+    # Gate mode, claim not Allocated: the env comes from the devices annotation (fieldRef).
+    gated = await create(
+        setup.tenant,
+        ns,
+        pod(
+            "waiting",
+            [container("main", value(NV, "all"))],
+            annotations={constants.ANNOTATION_CLAIM: "later"},
+        ),
+    )
+    assert constants.SCHEDULING_GATE in {g["name"] for g in gated["spec"]["schedulingGates"]}
+    assert gated["metadata"]["labels"][constants.LABEL_GATED] == "true"
+    field_path = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
+    (entry,) = device_entries(gated["spec"]["containers"][0])
+    assert entry["valueFrom"]["fieldRef"]["fieldPath"] == field_path
+
+
+async def test_gated_label_is_refused_on_pods_the_webhook_did_not_gate(setup: Setup) -> None:
+    ns = setup.tenant_ns
+    body = pod("fake-gated", [container("main")], labels={constants.LABEL_GATED: "true"})
+    assert "its webhook sets it" in await refused(create(setup.tenant, ns, body))
+    # A gate of one's own is not the webhook's doing either: no claim annotation.
+    body["spec"]["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
+    assert "its webhook sets it" in await refused(create(setup.tenant, ns, body))
+
+    await create(setup.tenant, ns, pod("labelled-later", [container("main")]))
+    label = {"metadata": {"labels": {constants.LABEL_GATED: "true"}}}
+    message = await refused(
+        call(
+            setup.tenant,
+            "PATCH",
+            f"/api/v1/namespaces/{ns}/pods/labelled-later",
+            body=label,
+            content_type=STRATEGIC,
+        )
+    )
+    assert "can only be removed" in message
+
+
+# ----------------------------------------------------------------------------- exempt pods
+
+
+async def test_exempt_pods_are_left_alone(setup: Setup) -> None:
+    plugin = pod("plugin-gpu", [container("main", resources={"limits": {"nvidia.com/gpu": "1"}})])
+    stored = await create(setup.tenant, setup.tenant_ns, plugin)
+    assert "env" not in stored["spec"]["containers"][0]
+    mig = pod("plugin-mig", [container("main", resources={"limits": {"nvidia.com/mig-1g.10gb": "2"}})])
+    assert "env" not in (await create(setup.tenant, setup.tenant_ns, mig))["spec"]["containers"][0]
+
+    # A request of zero GPUs gets nothing from the device plugin, so it exempts nothing.
+    zero = pod("plugin-zero", [container("main", resources={"limits": {"nvidia.com/gpu": "0"}})])
+    assert (await create(setup.tenant, setup.tenant_ns, zero))["spec"]["containers"][0]["env"] == [VOID]
+
+    listed = pod("operator-tool", [container("main", value(NV, "all"))])
+    stored = await create(setup.tenant, setup.exempt_ns, listed)
+    assert stored["spec"]["containers"][0]["env"] == [value(NV, "all")]
+
+
+async def test_device_plugin_pod_may_not_override_the_plugins_choice(setup: Setup) -> None:
+    body = pod(
+        "plugin-override",
+        [container("main", value(NV, "all"), resources={"limits": {"nvidia.com/gpu": "1"}})],
+    )
+    message = await refused(create(setup.tenant, setup.tenant_ns, body))
+    assert "requests GPUs from a device plugin" in message and 'main: NVIDIA_VISIBLE_DEVICES="all"' in message
+
+
+# ----------------------------------------------------------------------------- node identity
+
+
+class Agent:
+    """``gpualloc agent`` as a child process (simulated GPUs), its output in a log file."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GPUALLOC_", "KUBECONFIG", "POD_", "NODE_"))
+        }
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gpualloc.cli", "agent", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> None:
+    agent_account = f"{setup.fullname}-agent"
+    clients: list[ApiClient] = []
+    try:
+        agents: dict[str, ApiClient] = {}
+        kubeconfigs: dict[str, Path] = {}
+        for node in setup.nodes:
+            body = pod(f"agent-{node}", [container("agent")], serviceAccountName=agent_account, nodeName=node)
+            agent_pod = await create(setup.admin, setup.system, body)
+            token = await _token(setup.admin, setup.system, agent_account, agent_pod)
+            kubeconfigs[node] = setup.token_kubeconfig(token, f"{node}.kubeconfig")
+            agents[node] = await kube_client.connect(str(kubeconfigs[node]))
+            clients.append(agents[node])
+        mine, other = setup.nodes
+
+        # Its own node: create, then the status subresource.
+        await call(agents[mine], "POST", NODE_STATUSES, body=status_body(mine))
+        patched = await call(
+            agents[mine],
+            "PATCH",
+            f"{NODE_STATUSES}/{mine}/status",
+            body={"status": {"source": "simulated", "total": 0, "healthy": 0}},
+            content_type="application/merge-patch+json",
+        )
+        assert patched["status"]["source"] == "simulated"
+
+        # Another node's: 403 with the policy's message, on create and on the status subresource.
+        message = await refused(call(agents[mine], "POST", NODE_STATUSES, body=status_body(other)))
+        assert f"only the GpuNodeStatus of the node its pod runs on ({mine}), not {other}" in message
+        # An admin's write is not an agent's: not matched by the policy.
+        await call(setup.admin, "POST", NODE_STATUSES, body=status_body(other))
+        forged = {"status": {"source": "simulated", "total": 8, "healthy": 8}}
+        for path in (f"{NODE_STATUSES}/{other}/status", f"{NODE_STATUSES}/{other}"):
+            message = await refused(
+                call(agents[mine], "PATCH", path, body=forged, content_type="application/merge-patch+json")
+            )
+            assert f"runs on ({mine}), not {other}" in message
+        await call(
+            agents[other],
+            "PATCH",
+            f"{NODE_STATUSES}/{other}/status",
+            body={"status": {"source": "simulated", "total": 0, "healthy": 0}},
+            content_type="application/merge-patch+json",
+        )
+
+        # A token of the agent's ServiceAccount not bound to a pod carries no node: refused.
+        unbound = await _token(setup.admin, setup.system, agent_account)
+        loose = await kube_client.connect(str(setup.token_kubeconfig(unbound, "unbound.kubeconfig")))
+        clients.append(loose)
+        message = await refused(
+            call(
+                loose,
+                "PATCH",
+                f"{NODE_STATUSES}/{mine}/status",
+                body=forged,
+                content_type="application/merge-patch+json",
+            )
+        )
+        assert "carries no node name" in message
+
+        # The CRD: a GpuNodeStatus is named after its node, whoever writes it.
+        with pytest.raises(errors.KubeError) as invalid:
+            await call(setup.admin, "POST", NODE_STATUSES, body=status_body(other, name="elsewhere"))
+        assert invalid.value.status == 422
+        assert "metadata.name must equal spec.nodeName" in invalid.value.message
+
+        # The agent program, unchanged, with the token of its pod: publishes its node.
+        await call(setup.admin, "DELETE", f"{NODE_STATUSES}/{mine}")
+        agent = Agent(
+            [
+                f"--kubeconfig={kubeconfigs[mine]}", f"--node-name={mine}", "--source=simulated",
+                "--profile=h100-sxm-8", f"--lease-namespace={setup.system}", "--heartbeat-interval=5",
+                "--health-port=0", "--metrics-port=0", "--log-format=text",
+            ],
+            setup.kubeconfigs / "agent.log",
+        )  # fmt: skip
+        try:
+
+            async def published() -> bool:
+                assert agent.process.poll() is None, agent.log.read_text()[-3000:]
+                got = await call(setup.admin, "GET", f"{NODE_STATUSES}/{mine}")
+                return bool((got.get("status") or {}).get("total") == 8)
+
+            await eventually("the agent to publish its node's 8 GPUs", published, within=60)
+        finally:
+            assert agent.stop() == 0, agent.log.read_text()[-3000:]
+        # A whole-word 403 only: log lines carry timestamps and uids in which 403 turns up by chance.
+        log = agent.log.read_text()
+        assert not re.search(r"\b403\b", log) and "Forbidden" not in log, log[-3000:]
+    finally:
+        for api in clients:
+            await api.close()
+
+
+# ----------------------------------------------------------------------------- every variant compiles
+
+POLICY_KINDS = {
+    "MutatingAdmissionPolicy": f"{ADMISSION}/mutatingadmissionpolicies",
+    "MutatingAdmissionPolicyBinding": f"{ADMISSION}/mutatingadmissionpolicybindings",
+    "ValidatingAdmissionPolicy": f"{ADMISSION}/validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": f"{ADMISSION}/validatingadmissionpolicybindings",
+}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["webhook.deviceIds=index", "agent.nodeLabels.enabled=true"],
+        [
+            "webhook.enabled=false",
+            "isolation.exemptResourceClaims=false",
+            "isolation.exemptResources={a.com/b}",
+        ],
+    ],
+    ids=["index-mode-node-labels", "no-webhook-no-exemptions"],
+)
+async def test_policy_variants_compile_in_the_api_server(setup: Setup, values: list[str]) -> None:
+    """The API server compiles (type-checks) CEL when a policy is created: a dry run with strict
+    field validation of each variant the values can render, next to the one installed above."""
+    helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
+    args = [helm, "template", "variant", str(CHART), "--namespace", setup.system, "--kube-version", "1.36.0"]
+    args += ["--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"]
+    args += [arg for v in values for arg in ("--set", v)]
+    process = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+    rendered, _ = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0
+    policies = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in POLICY_KINDS]
+    assert {o["kind"] for o in policies} == set(POLICY_KINDS)
+    for obj in policies:
+        query = [("dryRun", "All"), ("fieldValidation", "Strict")]
+        await call(setup.admin, "POST", POLICY_KINDS[obj["kind"]], body=obj, query=query)
