@@ -54,6 +54,7 @@ Obj = dict[str, Any]
 CLAIMS = "claims"
 LEASES = "leases"
 TICK = "race-tick"  # the Lease and the GpuClaim the mirror writes to move a quiet watch on
+NUDGE_EVERY_S = 0.5  # at most one tick write per kind this often, and only while events wait
 
 
 class Timeline:
@@ -476,7 +477,7 @@ class Mirror:
             head = self._queue[0].rv
             now = time.monotonic()
             for kind in (CLAIMS, LEASES):
-                if self._upto[kind] < head and now - self._nudged[kind] > 0.3:
+                if self._upto[kind] < head and now - self._nudged[kind] > NUDGE_EVERY_S:
                     self._nudged[kind] = now
                     await self._nudge(kind)
 

@@ -20,7 +20,8 @@ Safety is checked from a watch of claims and Leases (``chaos_support.Mirror``)
 after every event, at one revision at a time:
 
 * no two claims list the same GPU, and every GPU an Allocated claim lists has
-  its Lease (Terminating or not) held by that claim's UID;
+  its Lease (Terminating or not) held by that claim's UID (a claim being
+  deleted releases its Leases first: ``chaos_support.Books`` says how it counts);
 
 and once the faults are healed and the controllers have settled (liveness):
 
@@ -86,8 +87,11 @@ RACERS = 3  # slots 0..2, without leader election
 ELECTORS = 2  # slots 3 and 4, with it
 CHAOS_S = 30.0
 APISERVER_STOP_S = 3.0  # SIGTERM, then SIGKILL: watches keep a terminating API server alive
-SETTLE_WITHIN = 120.0
-RELEASE_WITHIN = 60.0
+# Liveness bounds, counted from the end of the faults (settling) and from the deletion of every claim
+# (releasing): no progress for the first, or not done after the second. A claim's error backoff
+# reaches 60 s after many failed attempts (running.ERROR_BACKOFF_CAP), so "stuck" means longer.
+SETTLE_STALL, SETTLE_WITHIN = 90.0, 300.0
+RELEASE_STALL, RELEASE_WITHIN = 90.0, 180.0
 LEASE_DURATION = 5.0
 RENEW_DEADLINE = 3.5
 RETRY_PERIOD = 0.5
@@ -249,7 +253,7 @@ def plan_faults(rng: random.Random) -> list[Fault]:
     ]
     # Early: under load a restart takes 15-30 s to be ready, and the chaos lasts until it is.
     plan.append(Fault(at=rng.uniform(0.1, 0.4) * CHAOS_S, kind="apiserver"))
-    plan.append(Fault(at=rng.uniform(3, CHAOS_S - 18), kind="overlap", duration=rng.uniform(0.5, 3)))
+    plan.append(Fault(at=rng.uniform(6, CHAOS_S - 16), kind="overlap", duration=rng.uniform(0.5, 3)))
     for slot in range(RACERS + ELECTORS):
         at = rng.uniform(0, 5)
         while True:
@@ -377,7 +381,7 @@ class Chaos:
         """SIGSTOP the leader past its lease; SIGCONT it once the standby leads."""
         outcome: dict[str, Any] = {}
         self.overlaps.append(outcome)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # on a loaded machine the first election can take that long
         while True:
             holder = await self.election_holder()
             leader = self.controllers.slot_of(holder)
@@ -561,15 +565,17 @@ async def churn(
     timeline.note(f"churn over: {counts['deleted']} claims deleted, {counts['created']} created")
 
 
-async def wait_for_problem_free(
-    what: str,
-    probe: Callable[[], Awaitable[list[str]]],
-    mirror: Mirror,
-    within: float,
+async def wait_until_done(
+    what: str, probe: Callable[[], Awaitable[list[str]]], mirror: Mirror, *, stall: float, within: float
 ) -> int:
-    """Poll ``probe`` (the problems left) every second until it has none; fail on safety violations.
-    Every 10 s the timeline notes what is left."""
-    began = time.monotonic()
+    """Poll ``probe`` (the problems left) every second until it finds none; the number of polls.
+
+    Fails on a safety violation, when the problems have not become fewer for ``stall`` seconds
+    (stuck), or after ``within`` seconds in all. A slow machine only slows it down. Every 10
+    polls the timeline notes what is left.
+    """
+    began = improved = time.monotonic()
+    fewest = -1
     polls = 0
     while True:
         polls += 1
@@ -578,13 +584,16 @@ async def wait_for_problem_free(
         problems = await probe()
         if not problems:
             return polls
-        waited = time.monotonic() - began
-        assert waited < within, (
-            f"{what}: not done after {within:.0f} s ({len(problems)} left): {problems[:10]}"
+        now = time.monotonic()
+        if fewest < 0 or len(problems) < fewest:
+            fewest, improved = len(problems), now
+        assert now - improved < stall and now - began < within, (
+            f"{what}: not done after {now - began:.0f} s, no progress for {now - improved:.0f} s"
+            f" ({len(problems)} left): {problems[:10]}"
         )
         if polls % 10 == 0:
             mirror.timeline.note(
-                f"{what}: {len(problems)} problems left after {waited:.0f} s, e.g. {problems[0]}"
+                f"{what}: {len(problems)} left after {now - began:.0f} s, e.g. {problems[0]}"
             )
         await asyncio.sleep(1.0)
 
@@ -679,12 +688,19 @@ async def race(
             report.update(overlaps=chaos.overlaps, churned=counts["deleted"])
 
             async def unsettled() -> list[str]:
+                # The mirror is cheap to ask; once it looks settled, a consistent snapshot confirms it.
+                books = mirror.books
+                problems = settled_problems(list(books.claims.values()), list(books.leases.values()), nodes)
+                if problems:
+                    return problems
                 claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
-                problems = Books.of(claims, held, label=RUN_LABEL, value=tag).problems()
-                assert not problems, "safety violated (consistent snapshot):\n" + "\n".join(problems[:20])
+                unsafe = Books.of(claims, held, label=RUN_LABEL, value=tag).problems()
+                assert not unsafe, "safety violated (consistent snapshot):\n" + "\n".join(unsafe[:20])
                 return settled_problems(claims, held, nodes)
 
-            polls = await wait_for_problem_free("settling", unsettled, mirror, SETTLE_WITHIN)
+            polls = await wait_until_done(
+                "settling", unsettled, mirror, stall=SETTLE_STALL, within=SETTLE_WITHIN
+            )
             claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
             allocated = [c for c in claims if c["status"]["phase"] == constants.PHASE_ALLOCATED]
             report.update(
@@ -710,10 +726,13 @@ async def race(
             )
 
             async def unreleased() -> list[str]:
+                books = mirror.books
+                if books.claims or books.leases:
+                    return [f"{len(books.claims)} claims and {len(books.leases)} leases left"]
                 claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
                 return [f"{len(claims)} claims and {len(held)} leases left"] if claims or held else []
 
-            await wait_for_problem_free("releasing every claim", unreleased, mirror, RELEASE_WITHIN)
+            await wait_until_done("releasing", unreleased, mirror, stall=RELEASE_STALL, within=RELEASE_WITHIN)
             report["released_s"] = round(timeline.now() - report["settled_s"], 1)
             mirror.check_now()
             report["mirror"] = dict(mirror.stats)
@@ -733,7 +752,14 @@ async def race(
     timeline.note(f"controllers stopped: {codes}")
     tail = controllers.tail()
     assert not controllers.unexpected, (controllers.unexpected, tail)
-    assert all(code == 0 for code in codes.values()), (codes, tail)
+    # An elected controller may have lost its lease just before the end (exit 1, as when it is noticed).
+    assert all(
+        code == 0 or (code == EXIT_LOST_LEADERSHIP and who.startswith("elect-"))
+        for who, code in codes.items()
+    ), (
+        codes,
+        tail,
+    )
     for overlap in report["overlaps"]:
         if "successor" in overlap:
             # The stopped leader found its lease taken: it must have stopped, not kept leading.
