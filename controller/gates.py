@@ -33,6 +33,41 @@ def pod_claim(pod: Mapping[str, Any]) -> str | None:
     return f"{metadata.get('namespace', '')}/{name}"
 
 
+# What the controller's cache keeps of a gated pod: enough for ``pod_allocation``, ``placement_conflict``
+# and ``ungate_patch`` (a JSON Patch from a diff of what is kept touches only those fields).
+_KEPT_ANNOTATIONS = frozenset(
+    {constants.ANNOTATION_CLAIM, constants.ANNOTATION_DEVICES, *pods.REPLICA_ANNOTATIONS}
+)
+_KEPT_LABELS = frozenset({constants.LABEL_GATED, *pods.REPLICA_LABELS})
+_NAME_MAX = 253
+
+
+def kept_of_pod(pod: Obj) -> Obj:
+    """The part of a gated pod the controller caches. Tenants create pods: a pod with a large
+    annotation or spec costs the controller only these few fields, and a claim name longer
+    than any object name is dropped."""
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = {
+        k: v
+        for k, v in (metadata.get("annotations") or {}).items()
+        if k in _KEPT_ANNOTATIONS and isinstance(v, str) and len(v) <= _NAME_MAX
+    }
+    labels = {k: v for k, v in (metadata.get("labels") or {}).items() if k in _KEPT_LABELS}
+    kept_meta: Obj = {
+        key: metadata[key] for key in ("name", "namespace", "uid", "resourceVersion") if key in metadata
+    }
+    kept_meta["annotations"] = annotations
+    kept_meta["labels"] = labels
+    kept_spec = {key: spec[key] for key in ("schedulingGates", "nodeSelector", "affinity") if key in spec}
+    return {
+        "apiVersion": pod.get("apiVersion", "v1"),
+        "kind": pod.get("kind", "Pod"),
+        "metadata": kept_meta,
+        "spec": kept_spec,
+    }
+
+
 def pods_using(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The pods among ``candidates`` (one namespace's, read from the API server) that use the claim
     ``claim_name``: annotated with it, not Succeeded or Failed, and not waiting at our scheduling

@@ -67,8 +67,11 @@ def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, 
         "leases": watching.Reflector(
             api, watching.LEASES, namespace=namespace, label_selector=leases.MANAGED
         ),
-        # Only the pods the webhook gated (it labels them), never every pod in the cluster.
-        "pods": watching.Reflector(api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true"),
+        # Only the pods the webhook gated (it labels them), never every pod in the cluster, and
+        # only the few fields gate mode reads (``gates.kept_of_pod``).
+        "pods": watching.Reflector(
+            api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", transform=gates.kept_of_pod
+        ),
     }
 
 

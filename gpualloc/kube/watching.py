@@ -124,8 +124,10 @@ BACKOFF_BASE_SECONDS = 0.2
 class Reflector:
     """A cache of one kind, kept by list -> watch -> re-list until cancelled.
 
-    ``cache`` maps ``namespace/name`` (or ``name``) to the raw object; treat the
-    dicts as read-only. ``on_event(type, obj)`` runs after the cache was
+    ``cache`` maps ``namespace/name`` (or ``name``) to the raw object, or to what
+    ``transform`` keeps of it (a cache of objects tenants create should hold only
+    what its reader needs); treat the dicts as read-only. Lists are read
+    ``page_size`` objects at a time. ``on_event(type, obj)`` runs after the cache was
     updated, for every ADDED/MODIFIED/DELETED, including those a re-list
     found; an exception it raises is logged and does not stop the reflector.
     """
@@ -142,6 +144,8 @@ class Reflector:
         watch_timeout_seconds: int = 300,
         max_backoff_seconds: float = 5.0,
         rng: random.Random | None = None,
+        transform: Callable[[Obj], Obj] | None = None,
+        page_size: int = 500,
     ) -> None:
         self.api = api
         self.kind = kind
@@ -152,6 +156,8 @@ class Reflector:
         self.watch_timeout_seconds = watch_timeout_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self._rng = rng or random.Random()
+        self.transform = transform
+        self.page_size = page_size
         self.cache: dict[str, Obj] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""
@@ -220,18 +226,27 @@ class Reflector:
         return query
 
     async def list_objects(self) -> tuple[dict[str, Obj], str]:
-        """One full list: the objects by key and the list's resourceVersion."""
-        listing = await transport.request(
-            self.api, "GET", self.kind.path(self.namespace), query=self._selectors()
-        )
-        items = listing.get("items") or []
+        """One full list, ``page_size`` objects a page: the objects by key and the list's resourceVersion."""
         objects: dict[str, Obj] = {}
-        for item in items:
-            # List items leave out apiVersion and kind; watch events carry them. Make both the same.
-            item.setdefault("apiVersion", self.kind.api_version)
-            item.setdefault("kind", self.kind.kind)
-            objects[object_key(item)] = item
-        return objects, str(listing["metadata"]["resourceVersion"])
+        token = ""
+        while True:
+            query = [*self._selectors(), ("limit", str(self.page_size))]
+            if token:
+                query.append(("continue", token))
+            listing = await transport.request(self.api, "GET", self.kind.path(self.namespace), query=query)
+            for item in listing.get("items") or []:
+                # List items leave out apiVersion and kind; watch events carry them. Make both the same.
+                item.setdefault("apiVersion", self.kind.api_version)
+                item.setdefault("kind", self.kind.kind)
+                objects[object_key(item)] = self._kept(item)
+            metadata = listing["metadata"]
+            token = str(metadata.get("continue") or "")
+            if not token:
+                return objects, str(metadata["resourceVersion"])
+
+    def _kept(self, obj: Obj) -> Obj:
+        """What the cache keeps of ``obj``: all of it, or what ``transform`` makes of it."""
+        return obj if self.transform is None else self.transform(obj)
 
     async def relist(self) -> None:
         """List again, replace the cache, and emit the differences."""
@@ -275,6 +290,7 @@ class Reflector:
                 self.resource_version = rv
             return
         key = object_key(obj)
+        obj = self._kept(obj)
         if type_ in (ADDED, MODIFIED):
             self.cache[key] = obj
         elif type_ == DELETED:

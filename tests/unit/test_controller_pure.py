@@ -594,3 +594,24 @@ def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_what
     assert not st.node_ready("n1"), "121 s without a change: stale, whatever the timestamps say"
     beat(agent_clock + datetime.timedelta(seconds=221))
     assert st.node_ready("n1")
+
+
+def test_the_cached_part_of_a_gated_pod_drops_what_a_tenant_can_bloat_and_ungates_the_same() -> None:
+    pod: dict[str, Any] = gated_pod()
+    pod["metadata"]["annotations"]["ballast"] = "x" * 150_000
+    pod["metadata"]["labels"] = {**(pod["metadata"].get("labels") or {}), "team": "y" * 60}
+    pod["spec"]["containers"] = [{"name": "c", "image": "i", "env": [{"name": "E", "value": "v" * 10_000}]}]
+    kept = gates.kept_of_pod(pod)
+    assert len(str(kept)) < 1_000
+    assert "ballast" not in kept["metadata"]["annotations"] and "containers" not in kept["spec"]
+    allocation = alloc(0, "n1", 1, (0, 1))
+    patched = jsonpatch.apply_patch(pod, gates.ungate_patch(kept, allocation))
+    assert patched == jsonpatch.apply_patch(pod, gates.ungate_patch(pod, allocation))
+    assert patched["metadata"]["annotations"]["ballast"] == "x" * 150_000
+    assert patched["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == ",".join(
+        d.uuid for d in allocation.devices
+    )
+    assert patched["spec"]["schedulingGates"] == [{"name": "other/gate"}]
+    long_claim: dict[str, Any] = gated_pod()
+    long_claim["metadata"]["annotations"][constants.ANNOTATION_CLAIM] = "c" * 300
+    assert gates.pod_claim(gates.kept_of_pod(long_claim)) is None
