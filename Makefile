@@ -82,3 +82,14 @@ bench: build compiled
 
 clean:
 	rm -rf $(VENV) $(COMPILED_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# The deterministic simulation (tests/simulation): several controllers and simulated users
+# interleaved at every await against an in-memory API server; invariants checked after every step.
+# `make sim SIM_ARGS="--seed 1234 --trace"` replays one schedule.
+.PHONY: sim sim-long
+SIM_ARGS ?= --schedules 10000 --workers 2
+sim: setup
+	$(BIN)/python -m tests.simulation $(SIM_ARGS)
+
+sim-long: setup
+	$(BIN)/python -m tests.simulation --long

@@ -1,0 +1,118 @@
+"""What must hold in the simulated cluster: after every step (1-3), and once settled (4).
+
+1. No device is listed by two live claims' statuses.
+2. Every device a live Allocated claim lists has a Lease (Terminating counts)
+   held by it (``holderIdentity`` is the claim's uid).
+3. No claim in use is released: while a pod that was given a claim's devices is
+   not terminal (Succeeded or Failed), the claim it is bound to exists, and
+   Leases held by it exist for every device the claim lists and the pod uses.
+   A pod is bound to the claim it was admitted for; a gated pod (which uses no
+   device yet) to the claim of its name when it is un-gated.
+4. Once settled, no Lease is held by a claim that no longer exists.
+
+A live claim is one that exists and is not being deleted. A claim being deleted
+may release its devices (that is what deleting it asks for) unless a pod still
+uses it, which is invariant 3's business.
+
+A Lease an admin deleted outright (no finalizer kept it) is exempt from 2 and 3
+until its holder creates it again: the controller is not to blame that it is gone.
+That another claim then takes the GPU is not exempt (1, or 2's "held by").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gpualloc.api import constants
+from tests.simulation import model
+
+
+class Violation(Exception):
+    """An invariant does not hold; ``number`` says which (0: the controller code raised)."""
+
+    def __init__(self, number: int, message: str) -> None:
+        self.number = number
+        self.message = message
+        super().__init__(f"invariant {number}: {message}")
+
+
+def listed_devices(claim: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
+    """(uuid, node, index) of every device a claim's status lists."""
+    for alloc in (claim.get("status") or {}).get("allocations") or []:
+        for device in alloc.get("devices") or []:
+            yield str(device.get("uuid")), str(alloc.get("nodeName")), int(device.get("index", -1))
+
+
+def _holder(lease: dict[str, Any]) -> str:
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def _lease_problem(server: model.ApiServer, uuid: str, uid: str) -> str | None:
+    name = constants.lease_name(uuid)
+    lease = server.lease(name)
+    if lease is None:
+        if (name, uid) in server.admin_vanished:
+            return None
+        return "has no Lease"
+    if _holder(lease) != uid:
+        return f"has its Lease held by {_holder(lease)!r}"
+    return None
+
+
+def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
+    """Invariants 1-3; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
+    owners: dict[str, str] = {}
+    for key, claim in sorted(server.objects["claims"].items()):
+        if model.meta(claim).get("deletionTimestamp"):
+            continue
+        uid = str(model.meta(claim).get("uid"))
+        for uuid, _, _ in listed_devices(claim):
+            other = owners.get(uuid)
+            if other is not None and other != key:
+                raise Violation(
+                    1, f"device {label.get(uuid, uuid)} is listed by both {other} and {key} ({uid})"
+                )
+            owners[uuid] = key
+        if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED:
+            for uuid, _, _ in listed_devices(claim):
+                problem = _lease_problem(server, uuid, uid)
+                if problem is not None:
+                    raise Violation(
+                        2,
+                        f"Allocated claim {key} ({uid}) lists device {label.get(uuid, uuid)}, "
+                        f"which {problem}",
+                    )
+    for pod_key, pod in sorted(server.objects["pods"].items()):
+        phase = (pod.get("status") or {}).get("phase")
+        if phase in model.TERMINAL_PHASES or model.is_gated(pod):
+            continue
+        m = model.meta(pod)
+        annotations = m.get("annotations") or {}
+        claim_name = annotations.get(constants.ANNOTATION_CLAIM)
+        admitted_for = server.pod_claim_uid.get(pod_key, "")
+        claim = server.claim(str(m.get("namespace")), str(claim_name))
+        claim_key = f"{m.get('namespace')}/{claim_name}"
+        if claim is None or model.meta(claim).get("uid") != admitted_for:
+            raise Violation(
+                3, f"claim {claim_key} ({admitted_for}) is gone while its pod {pod_key} is {phase}"
+            )
+        used = [u for u in str(annotations.get(constants.ANNOTATION_DEVICES) or "").split(",") if u]
+        for uuid in [u for u, _, _ in listed_devices(claim)] + used:
+            problem = _lease_problem(server, uuid, admitted_for)
+            if problem is not None:
+                raise Violation(
+                    3,
+                    f"claim {claim_key} ({admitted_for}) is in use by pod {pod_key} ({phase}), "
+                    f"but device {label.get(uuid, uuid)} {problem}",
+                )
+
+
+def check_settled(server: model.ApiServer) -> None:
+    """Invariant 4; raises ``Violation``."""
+    uids = {str(model.meta(c).get("uid")) for c in server.objects["claims"].values()}
+    for key, lease in sorted(server.objects["leases"].items()):
+        holder = _holder(lease)
+        if holder not in uids:
+            state = " (Terminating)" if model.meta(lease).get("deletionTimestamp") else ""
+            raise Violation(4, f"settled, yet Lease {key}{state} is held by {holder!r}, a claim that is gone")

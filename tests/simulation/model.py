@@ -1,0 +1,561 @@
+"""An in-memory API server with exactly the semantics the controller relies on.
+
+One ``ApiServer`` per simulated cluster holds GpuClaims, GpuNodeStatuses,
+Nodes, device Leases and Pods. Its methods are synchronous and atomic: the
+scheduler decides *when* a call is applied (``scheduler.SimCluster`` wraps
+them as the controller's ``Cluster``); the server decides *what* it does:
+
+* one global ``resourceVersion`` counter, bumped by every write that changes
+  an object (a write that changes nothing bumps nothing, as the real server);
+  ``metadata.generation`` bumps on spec changes only;
+* GpuClaims: JSON merge patches (RFC 7386) on the status subresource or on
+  metadata, each with a resourceVersion precondition (``errors.Conflict``);
+  deleting a claim with finalizers only sets ``deletionTimestamp``; it is
+  removed when a patch empties them; no finalizer may be added then;
+* Leases: ``create`` is the lock (``errors.AlreadyExists`` while the name
+  exists, Terminating included), ``delete`` takes a uid precondition
+  (``errors.Conflict`` on another uid, ``errors.NotFound`` when none) and only
+  marks a Lease with finalizers Terminating; ``drop_lease_finalizer`` empties
+  them and removes a Terminating Lease;
+* Pods: JSON Patch, a failed ``test`` answered 422 (``errors.Invalid``).
+
+Every write fans an event (a deep copy) out to every subscribed watch whose
+filter the object passes, one FIFO queue per watch and kind: the scheduler
+delivers them late but in order per kind. A label-selector watch sees an
+object that stops matching as DELETED, one that starts matching as ADDED.
+
+``SimFeed`` is a controller cache with the interface of ``watching.Reflector``
+that the controller uses (``cache``, ``synced``, ``on_event``, ``get``), fed by
+``apply`` (one watch event) and ``relist`` (a fresh list, differences as events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import datetime
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jsonpatch
+import jsonpointer
+import msgspec
+
+from gpualloc.api import constants
+from gpualloc.kube import errors, watching
+
+Obj = dict[str, Any]
+
+KINDS = ("claims", "node_statuses", "nodes", "leases", "pods")
+NAMESPACE = "gpualloc-system"  # where the device Leases live
+PRODUCT = "NVIDIA H100 80GB HBM3"
+TERMINAL_PHASES = ("Succeeded", "Failed")
+API_VERSIONS = {
+    "claims": (constants.API_VERSION, constants.CLAIM_KIND),
+    "node_statuses": (constants.API_VERSION, constants.NODE_STATUS_KIND),
+    "nodes": ("v1", "Node"),
+    "leases": ("coordination.k8s.io/v1", "Lease"),
+    "pods": ("v1", "Pod"),
+}
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def clone(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists, scalars), as it goes over the wire.
+
+    A msgpack round trip: about twice as fast as a recursive copy in Python."""
+    return _decode(_encode(value))
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: ``patch`` applied to ``target``; ``None`` deletes a key. Never mutates either."""
+    if not isinstance(patch, dict):
+        return clone(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def meta(obj: Mapping[str, Any]) -> Obj:
+    m = obj.get("metadata")
+    return m if isinstance(m, dict) else {}
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    digest = hashlib.sha256(f"{node}/{index}".encode()).hexdigest()
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def _stamp(when: datetime.datetime) -> str:
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def inventory(
+    node: str, gpus: int, *, now: datetime.datetime, ready: bool = True, unhealthy: Sequence[int] = ()
+) -> Obj:
+    """The ``status`` of a GpuNodeStatus as the agent writes it, kept small: every controller parses
+    it on start and on each change, and the locking races do not depend on the topology (one
+    NVLink island, no per-pair links)."""
+    bad = set(unhealthy)
+    devices = [
+        {
+            "index": i,
+            "minor": i,
+            "uuid": gpu_uuid(node, i),
+            "product": PRODUCT,
+            "memoryMiB": 81559,
+            "health": constants.UNHEALTHY if i in bad else constants.HEALTHY,
+        }
+        for i in range(gpus)
+    ]
+    stamp = _stamp(now)
+    return {
+        "source": "simulated",
+        "product": PRODUCT,
+        "devices": devices,
+        "islands": [list(range(gpus))],
+        "total": gpus,
+        "healthy": gpus - len(bad),
+        "lastHeartbeatTime": stamp,
+        "conditions": [
+            {
+                "type": constants.CONDITION_READY,
+                "status": "True" if ready else "False",
+                "reason": "Publishing" if ready else "NotReady",
+                "lastTransitionTime": stamp,
+            }
+        ],
+    }
+
+
+def _not_found(kind: str, name: str) -> errors.NotFound:
+    return errors.NotFound(404, "NotFound", f'{kind} "{name}" not found')
+
+
+def _conflict(kind: str, name: str, why: str) -> errors.Conflict:
+    return errors.Conflict(409, "Conflict", f'Operation cannot be fulfilled on {kind} "{name}": {why}')
+
+
+@dataclasses.dataclass(slots=True)
+class Watch:
+    """One controller process's watches: a FIFO of (type, object) per kind, since its last list."""
+
+    name: str
+    queues: dict[str, collections.deque[tuple[str, Obj]]] = dataclasses.field(
+        default_factory=lambda: {kind: collections.deque() for kind in KINDS}
+    )
+
+
+class ApiServer:
+    """The simulated API server: atomic, synchronous operations on plain dicts.
+
+    Stored objects are never mutated in place (a write stores a new dict), and
+    what leaves the server is a copy, so nothing a client does to an answer or
+    an event can change the store.
+    """
+
+    def __init__(self, *, namespace: str = NAMESPACE, clock: Callable[[], datetime.datetime]) -> None:
+        self.namespace = namespace
+        self.clock = clock
+        self.rv = 0
+        self.objects: dict[str, dict[str, Obj]] = {kind: {} for kind in KINDS}
+        self.watches: dict[str, Watch] = {}
+        self._uids = 0
+        # (lease name, holder) of Leases an admin deleted outright (no finalizer held them), until
+        # that holder creates the name again: the controller is not to blame that they are gone
+        # (invariants 2 and 3 skip them).
+        self.admin_vanished: set[tuple[str, str]] = set()
+        # The claim uid each pod is bound to: the one the webhook admitted it for, or for a gated
+        # pod the claim of its name when it was un-gated ("" when there was none).
+        self.pod_claim_uid: dict[str, str] = {}
+        self.events_emitted = 0
+
+    # ------------------------------------------------------------------ store and watches
+
+    def _uid(self, prefix: str) -> str:
+        self._uids += 1
+        return f"{prefix}-{self._uids}"
+
+    @staticmethod
+    def key_of(obj: Mapping[str, Any]) -> str:
+        return watching.object_key(obj)
+
+    def visible(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """Does ``obj`` pass the controller's watch filter for ``kind``?"""
+        m = meta(obj)
+        labels = m.get("labels") or {}
+        if kind == "leases":
+            return (
+                m.get("namespace") == self.namespace
+                and labels.get(constants.LABEL_MANAGED_BY) == constants.MANAGED_BY
+            )
+        if kind == "pods":
+            return labels.get(constants.LABEL_GATED) == "true"
+        return True
+
+    def subscribe(self, name: str) -> Watch:
+        """A fresh set of watches for controller process ``name`` (replacing any older one)."""
+        watch = Watch(name)
+        self.watches[name] = watch
+        return watch
+
+    def unsubscribe(self, name: str) -> None:
+        self.watches.pop(name, None)
+
+    def list(self, kind: str) -> dict[str, Obj]:
+        """What a LIST with the controller's filter returns now, by ``object_key`` (copies)."""
+        return {key: clone(obj) for key, obj in self.objects[kind].items() if self.visible(kind, obj)}
+
+    def relist(self, name: str, kind: str) -> dict[str, Obj]:
+        """A LIST for controller ``name``'s watch of ``kind``: its queue restarts from now."""
+        self.watches[name].queues[kind].clear()
+        return self.list(kind)
+
+    def _write(self, kind: str, key: str, new: Obj | None) -> Obj | None:
+        """Store ``new`` at ``key`` (None removes it); bump the resourceVersion and fan events out.
+
+        Returns the stored object (or the removed one with its final resourceVersion). A
+        write that changes nothing is no write: no new resourceVersion, no event.
+        """
+        store = self.objects[kind]
+        old = store.get(key)
+        if new is not None and old is not None and new == old:
+            return old
+        self.rv += 1
+        if new is None:
+            if old is None:
+                return None
+            del store[key]
+            final = dict(old)
+            final["metadata"] = {**meta(old), "resourceVersion": str(self.rv)}
+            self._fan_out(kind, old, None, final)
+            return final
+        new = dict(new)
+        new["metadata"] = {**meta(new), "resourceVersion": str(self.rv)}
+        store[key] = new
+        self._fan_out(kind, old, new, new)
+        return new
+
+    def _fan_out(self, kind: str, old: Obj | None, new: Obj | None, shown: Obj) -> None:
+        was = old is not None and self.visible(kind, old)
+        now = new is not None and self.visible(kind, new)
+        if now:
+            type_ = watching.MODIFIED if was else watching.ADDED
+        elif was:
+            type_ = watching.DELETED
+        else:
+            return
+        for watch in self.watches.values():
+            watch.queues[kind].append((type_, clone(shown)))
+
+    def pending_events(self) -> int:
+        return sum(len(q) for w in self.watches.values() for q in w.queues.values())
+
+    def _created(self, kind: str, body: Mapping[str, Any], prefix: str) -> Obj:
+        api_version, kind_name = API_VERSIONS[kind]
+        obj = clone(dict(body))
+        obj["apiVersion"] = api_version
+        obj["kind"] = kind_name
+        m = obj.setdefault("metadata", {})
+        m["uid"] = self._uid(prefix)
+        m["creationTimestamp"] = _stamp(self.clock())
+        if kind in ("claims", "node_statuses"):
+            m["generation"] = 1
+        m.pop("deletionTimestamp", None)
+        return obj
+
+    # ------------------------------------------------------------------ GpuClaims
+
+    def claim(self, namespace: str, name: str) -> Obj | None:
+        return self.objects["claims"].get(f"{namespace}/{name}")
+
+    def create_claim(self, namespace: str, name: str, spec: Mapping[str, Any]) -> Obj:
+        key = f"{namespace}/{name}"
+        if key in self.objects["claims"]:
+            raise errors.AlreadyExists(409, "AlreadyExists", f'gpuclaims "{name}" already exists')
+        body = {"metadata": {"name": name, "namespace": namespace}, "spec": clone(dict(spec))}
+        obj = self._created("claims", body, "claim")
+        return clone(self._write("claims", key, obj))
+
+    def delete_claim(self, namespace: str, name: str) -> None:
+        """A user's delete: Terminating while finalizers remain, else removed."""
+        key = f"{namespace}/{name}"
+        old = self.objects["claims"].get(key)
+        if old is None:
+            raise _not_found("gpuclaims", name)
+        if meta(old).get("finalizers"):
+            if not meta(old).get("deletionTimestamp"):
+                new = dict(old)
+                new["metadata"] = {**meta(old), "deletionTimestamp": _stamp(self.clock())}
+                self._write("claims", key, new)
+            return
+        self._write("claims", key, None)
+
+    def get_claim(self, namespace: str, name: str) -> Obj:
+        obj = self.claim(namespace, name)
+        if obj is None:
+            raise _not_found("gpuclaims", name)
+        return clone(obj)
+
+    def _patch_claim(
+        self, namespace: str, name: str, resource_version: str, change: Callable[[Obj], Obj]
+    ) -> Obj:
+        key = f"{namespace}/{name}"
+        old = self.objects["claims"].get(key)
+        if old is None:
+            raise _not_found("gpuclaims", name)
+        if resource_version and meta(old).get("resourceVersion") != resource_version:
+            raise _conflict(
+                "gpuclaims.gpu.scheduling",
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        new = change(old)
+        m = meta(new)
+        if m.get("deletionTimestamp") and not m.get("finalizers"):
+            return clone(self._write("claims", key, None))
+        return clone(self._write("claims", key, new))
+
+    def patch_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        """The status subresource: only ``status`` changes; anything else in the patch is ignored."""
+
+        def change(old: Obj) -> Obj:
+            new = dict(old)
+            if "status" in patch:
+                status = merge_patch(old.get("status"), patch["status"])
+                if status is None or status == {}:
+                    new.pop("status", None)
+                else:
+                    new["status"] = status
+            return new
+
+        return self._patch_claim(namespace, name, resource_version, change)
+
+    def patch_claim_metadata(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        """The main resource, metadata only: finalizers, labels, annotations."""
+
+        def change(old: Obj) -> Obj:
+            wanted = {k: v for k, v in (patch.get("metadata") or {}).items() if k in _WRITABLE_META}
+            m = merge_patch(meta(old), wanted)
+            if meta(old).get("deletionTimestamp"):
+                added = set(m.get("finalizers") or []) - set(meta(old).get("finalizers") or [])
+                if added:
+                    raise errors.Invalid(
+                        422,
+                        "Invalid",
+                        f"metadata.finalizers: Forbidden: no new finalizers can be added if the object "
+                        f"is being deleted, found new finalizers {sorted(added)}",
+                    )
+            if m.get("finalizers") == []:
+                m.pop("finalizers")
+            new = dict(old)
+            new["metadata"] = m
+            return new
+
+        return self._patch_claim(namespace, name, resource_version, change)
+
+    # ------------------------------------------------------------------ Leases
+
+    def lease(self, name: str) -> Obj | None:
+        return self.objects["leases"].get(f"{self.namespace}/{name}")
+
+    def create_lease(self, body: Mapping[str, Any]) -> Obj:
+        m = meta(body)
+        name = str(m.get("name", ""))
+        namespace = m.get("namespace") or self.namespace
+        if namespace != self.namespace:
+            raise errors.BadRequest(400, "BadRequest", f"lease namespace {namespace} is not {self.namespace}")
+        key = f"{namespace}/{name}"
+        if key in self.objects["leases"]:
+            raise errors.AlreadyExists(
+                409, "AlreadyExists", f'leases.coordination.k8s.io "{name}" already exists'
+            )
+        obj = self._created("leases", body, "lease")
+        obj["metadata"]["namespace"] = namespace
+        self.admin_vanished.discard((name, str((body.get("spec") or {}).get("holderIdentity") or "")))
+        return clone(self._write("leases", key, obj))
+
+    def get_lease(self, name: str) -> Obj:
+        obj = self.lease(name)
+        if obj is None:
+            raise _not_found("leases.coordination.k8s.io", name)
+        return clone(obj)
+
+    def _lease_with_uid(self, name: str, uid: str | None) -> Obj:
+        obj = self.lease(name)
+        if obj is None:
+            raise _not_found("leases.coordination.k8s.io", name)
+        if uid is not None and meta(obj).get("uid") != uid:
+            raise _conflict(
+                "leases.coordination.k8s.io",
+                name,
+                f"Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {meta(obj).get('uid')}",
+            )
+        return obj
+
+    def delete_lease(self, name: str, *, uid: str | None) -> Obj | None:
+        """Delete (uid precondition when given); a Lease with finalizers is only marked Terminating.
+
+        Returns the Lease as removed, or None while finalizers keep it."""
+        obj = self._lease_with_uid(name, uid)
+        key = f"{self.namespace}/{name}"
+        if meta(obj).get("finalizers"):
+            if not meta(obj).get("deletionTimestamp"):
+                new = dict(obj)
+                new["metadata"] = {**meta(obj), "deletionTimestamp": _stamp(self.clock())}
+                self._write("leases", key, new)
+            return None
+        return self._write("leases", key, None)
+
+    def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
+        obj = self._lease_with_uid(name, uid)
+        key = f"{self.namespace}/{name}"
+        if meta(obj).get("deletionTimestamp"):
+            self._write("leases", key, None)
+            return
+        if meta(obj).get("finalizers"):
+            new = dict(obj)
+            new["metadata"] = {k: v for k, v in meta(obj).items() if k != "finalizers"}
+            self._write("leases", key, new)
+
+    def admin_delete_lease(self, name: str) -> bool:
+        """``kubectl delete lease``: no precondition. True when the Lease vanished at once."""
+        obj = self.lease(name)
+        if obj is None:
+            return False
+        holder = str((obj.get("spec") or {}).get("holderIdentity") or "")
+        removed = self.delete_lease(name, uid=None) is not None
+        if removed:
+            self.admin_vanished.add((name, holder))
+        return removed
+
+    # ------------------------------------------------------------------ Pods
+
+    def create_pod(self, body: Mapping[str, Any], *, claim_uid: str) -> Obj:
+        m = meta(body)
+        key = f"{m['namespace']}/{m['name']}"
+        if key in self.objects["pods"]:
+            raise errors.AlreadyExists(409, "AlreadyExists", f'pods "{m["name"]}" already exists')
+        obj = self._created("pods", body, "pod")
+        obj.setdefault("status", {"phase": "Pending"})
+        self.pod_claim_uid[key] = claim_uid
+        return clone(self._write("pods", key, obj))
+
+    def set_pod_phase(self, key: str, phase: str) -> None:
+        old = self.objects["pods"][key]
+        new = dict(old)
+        new["status"] = {**(old.get("status") or {}), "phase": phase}
+        self._write("pods", key, new)
+
+    def delete_pod(self, key: str) -> None:
+        self._write("pods", key, None)
+
+    def list_pods(self, namespace: str) -> list[Obj]:
+        return [
+            clone(obj) for obj in self.objects["pods"].values() if meta(obj).get("namespace") == namespace
+        ]
+
+    def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
+        key = f"{namespace}/{name}"
+        old = self.objects["pods"].get(key)
+        if old is None:
+            raise _not_found("pods", name)
+        try:
+            new = jsonpatch.apply_patch(clone(old), [dict(op) for op in operations])
+        except jsonpatch.JsonPatchTestFailed as exc:
+            raise errors.Invalid(422, "Invalid", f"the server rejected our request: {exc}") from exc
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+            raise errors.Invalid(422, "Invalid", f"the patch does not apply: {exc}") from exc
+        new["metadata"] = {**meta(new), "uid": meta(old).get("uid"), "name": name, "namespace": namespace}
+        if is_gated(old) and not is_gated(new):
+            # A gated pod names its claim, not a uid: it is bound to the claim of that name now.
+            claim_name = (meta(new).get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+            claim = self.claim(namespace, str(claim_name))
+            self.pod_claim_uid[key] = str(meta(claim).get("uid")) if claim is not None else ""
+        return clone(self._write("pods", key, new))
+
+    # ------------------------------------------------------------------ nodes
+
+    def add_gpu_node(self, name: str, gpus: int) -> None:
+        node = self._created(
+            "nodes", {"metadata": {"name": name, "labels": {constants.HOSTNAME_LABEL: name}}}, "node"
+        )
+        self._write("nodes", name, node)
+        status = self._created(
+            "node_statuses", {"metadata": {"name": name}, "spec": {"nodeName": name}}, "gns"
+        )
+        status["status"] = inventory(name, gpus, now=self.clock())
+        self._write("node_statuses", name, status)
+
+    def set_node_status(self, name: str, *, ready: bool, unhealthy: Sequence[int]) -> None:
+        """The agent's next write: Ready or not, these device indices Unhealthy, a fresh heartbeat."""
+        old = self.objects["node_statuses"][name]
+        gpus = int(old["status"]["total"])
+        new = dict(old)
+        new["status"] = inventory(name, gpus, now=self.clock(), ready=ready, unhealthy=unhealthy)
+        self._write("node_statuses", name, new)
+
+    # ------------------------------------------------------------------ events
+
+    def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
+        self.events_emitted += 1
+
+
+def is_gated(pod: Mapping[str, Any]) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == constants.SCHEDULING_GATE for g in gates)
+
+
+_WRITABLE_META = frozenset({"finalizers", "labels", "annotations"})
+
+
+class SimFeed:
+    """A controller cache with the interface of ``watching.Reflector`` the controller uses."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.cache: dict[str, Obj] = {}
+        self.synced = asyncio.Event()
+        self.on_event: Callable[[str, Obj], None] | None = None
+
+    def get(self, key: str) -> Obj | None:
+        return self.cache.get(key)
+
+    def apply(self, type_: str, obj: Obj) -> None:
+        """One watch event, as ``Reflector.apply``: the cache first, then ``on_event``."""
+        key = watching.object_key(obj)
+        if type_ == watching.DELETED:
+            self.cache.pop(key, None)
+        else:
+            self.cache[key] = obj
+        self._notify(type_, obj)
+
+    def relist(self, objects: Mapping[str, Obj]) -> None:
+        """A fresh list, as ``Reflector.relist``: replace the cache, emit the differences."""
+        events = watching.diff(self.cache, objects)
+        self.cache = dict(objects)
+        for type_, obj in events:
+            self._notify(type_, obj)
+        self.synced.set()
+
+    def _notify(self, type_: str, obj: Obj) -> None:
+        # Unlike the Reflector, a handler's exception is not swallowed: it is a bug to report.
+        if self.on_event is not None:
+            self.on_event(type_, obj)
+
+    def __repr__(self) -> str:
+        return f"<SimFeed {self.kind} objects={len(self.cache)}>"

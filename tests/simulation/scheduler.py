@@ -1,0 +1,971 @@
+"""The seeded scheduler: N controllers and simulated users, interleaved at every await.
+
+Every actor is an asyncio task on one loop. Each call a controller makes to
+its ``Cluster`` (``SimCluster``) parks on a Future; the scheduler lets the loop
+run until every task is blocked, checks the invariants, and then picks, with
+its seeded ``random.Random``, one step:
+
+* apply a pending call (atomically, in the ``model.ApiServer``), and answer it
+  now or later (an answer delivered later lets others see the write first);
+* answer a call applied earlier; or fail a call with 503, applied or not;
+* deliver the next watch event of one kind to one controller (late, but in
+  order per kind), or make a controller re-list one kind;
+* start a reconcile of a claim key on a controller (never two of the same key
+  at once in one controller; any number across controllers), or a sweep;
+* a user action: create or delete a claim, create a pod for an Allocated claim
+  (as the webhook admits it, with the claim's devices) or a gated pod for a
+  Pending one, complete or delete a pod, delete a Lease as an admin would, or
+  flap a node (Ready toggles, a device turns Unhealthy or recovers);
+* rarely: crash a controller (its in-flight requests applied or not, their
+  answers lost; its tasks cancelled) and start a fresh one with fresh lists;
+  or move the virtual clock on.
+
+After the main phase the users stop and the cluster settles: every event is
+delivered, every controller reconciles every key and sweeps, until nothing
+changes (bounded); then invariant 4 is checked.
+
+Time is virtual: the controller's ``reconciling._now`` and ``reconciling.time``
+read ``VirtualClock`` while a schedule runs, so a schedule depends on its seed
+only, and the scheduler can let expectations and grace periods run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib
+import inspect
+import logging
+import random
+import time
+import traceback
+import types
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from controller import metrics as controller_metrics
+from controller import reconciling
+from gpualloc.api import constants
+from gpualloc.kube import errors, watching
+from tests.simulation import invariants, model
+
+Obj = dict[str, Any]
+
+# What the scheduler may do besides applying/answering calls, delivering events and reconciling;
+# ``without`` turns some off (to hunt one kind of bug).
+ACTIONS = frozenset(
+    {
+        "create-claim",
+        "delete-claim",
+        "create-pod",
+        "gated-pod",
+        "finish-pod",
+        "delete-pod",
+        "admin-delete-lease",
+        "flap-node",
+        "crash",
+        "fail-call",
+        "relist",
+        "tick",
+    }
+)
+SETTINGS = reconciling.Settings(namespace=model.NAMESPACE, node_stale_after=1e9)
+SWEEP = "sweep"
+QUIESCE_BOUND = 10_000  # loop iterations to wait for every task to block
+SETTLE_ROUNDS = 8
+DRAIN_BOUND = 20_000
+EPOCH = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+
+class _SharedMetrics(controller_metrics.Metrics):
+    """One registry for every simulated controller in this process (building one per controller
+    would cost more than a schedule); the scrape-time sources are not wired up (never scraped)."""
+
+    def set_device_source(self, source: Callable[[], controller_metrics.DeviceCounts]) -> None:
+        pass
+
+    def set_pending_source(self, source: Callable[[], int]) -> None:
+        pass
+
+
+_METRICS: _SharedMetrics | None = None
+
+
+def _metrics() -> controller_metrics.Metrics:
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = _SharedMetrics()
+    return _METRICS
+
+
+class VirtualClock:
+    """Wall time and monotonic time that move only when the scheduler says so."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> datetime.datetime:
+        return EPOCH + datetime.timedelta(seconds=self.offset)
+
+    def monotonic(self) -> float:
+        return 1_000_000.0 + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def _controller_modules() -> list[types.ModuleType]:
+    """The controller modules that read the clock (those of the layout at hand)."""
+    found = []
+    for name in ("reconciling", "gating", "running"):
+        with contextlib.suppress(ImportError):
+            found.append(importlib.import_module(f"controller.{name}"))
+    return found
+
+
+def _controller_class() -> Callable[..., Any]:
+    """``controller.running.Controller``, or where that does not exist (the controller before the
+    fix of issue 18, commit cf09560) ``controller.reconciling.Controller``: the same seam."""
+    try:
+        return importlib.import_module("controller.running").Controller  # type: ignore[no-any-return]
+    except ImportError:
+        return reconciling.Controller  # type: ignore[attr-defined,no-any-return]
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock) -> Iterator[None]:
+    """The controller's modules read ``clock`` for ``time.monotonic()`` (and a module-level
+    ``_now()``) meanwhile; a controller that takes ``now`` is given ``clock.now`` as well."""
+    shim = types.SimpleNamespace(monotonic=clock.monotonic, perf_counter=time.perf_counter, time=time.time)
+    saved = []
+    for module in _controller_modules():
+        for name, value in (("time", shim), ("_now", clock.now)):
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scenario:
+    """The shape of one schedule, drawn from its seed."""
+
+    nodes: tuple[str, ...]
+    gpus: int
+    claims: tuple[str, ...]  # the keys users create claims under (re-created with new uids)
+    controllers: int
+    steps: int
+
+    @classmethod
+    def draw(cls, rng: random.Random, steps: int | None = None) -> Scenario:
+        gpus = rng.choice((2, 2, 3, 4))
+        names = rng.choice((2, 3, 3, 4))
+        # Mostly one namespace; sometimes a second one (the Leases live in neither).
+        keys = tuple(f"{'ns-b' if rng.random() < 0.25 else 'ns-a'}/c{i}" for i in range(names))
+        return cls(
+            nodes=("n0", "n1"),
+            gpus=gpus,
+            claims=keys,
+            controllers=rng.choice((2, 2, 3)),
+            steps=steps if steps is not None else rng.randint(20, 50),
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class Process:
+    """One incarnation of a controller process in a slot (``c0``, ``c1``...)."""
+
+    name: str
+    controller: Any  # controller.running.Controller (reconciling.Controller before the fix)
+    cluster: SimCluster
+    feeds: dict[str, model.SimFeed]
+    tasks: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
+    alive: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """A request a controller sent: applied when the scheduler says, answered maybe later."""
+
+    seq: int
+    process: Process
+    describe: Callable[[], str]
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    applied: bool = False
+    outcome: Any = None
+    failed: bool = False  # outcome is an exception
+
+    @property
+    def op(self) -> str:
+        return self.describe()
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    seed: int
+    steps: int
+    violation: invariants.Violation | None
+    trace: list[str]
+    settled: bool
+    stats: dict[str, int]
+
+
+class SimCluster:
+    """The controller's ``Cluster``: each call waits for the scheduler, then is applied atomically.
+
+    Each call carries a description for the trace, formatted only when a trace is kept."""
+
+    def __init__(self, sim: Simulation, name: str) -> None:
+        self.sim = sim
+        self.server = sim.server
+        self.name = name
+        self.dead = False
+        self.process: Process | None = None
+
+    async def _call(
+        self, describe: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        if self.dead or self.process is None:  # a crashed process sends nothing more
+            raise asyncio.CancelledError
+        return await self.sim.submit(self.process, describe, functools.partial(fn, *args, **kwargs))
+
+    def _lease(self, name: str) -> str:
+        return self.sim.lease_label(name)
+
+    async def create_lease(self, body: Obj) -> Obj:
+        name = str(model.meta(body).get("name", ""))
+
+        def describe() -> str:
+            return f"create_lease {self._lease(name)} holder={(body.get('spec') or {}).get('holderIdentity')}"
+
+        result: Obj = await self._call(describe, self.server.create_lease, body)
+        return result
+
+    async def get_lease(self, name: str) -> Obj:
+        def describe() -> str:
+            return f"get_lease {self._lease(name)}"
+
+        result: Obj = await self._call(describe, self.server.get_lease, name)
+        return result
+
+    async def delete_lease(self, name: str, *, uid: str) -> None:
+        def describe() -> str:
+            return f"delete_lease {self._lease(name)} uid={uid}"
+
+        await self._call(describe, self.server.delete_lease, name, uid=uid)
+
+    async def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
+        def describe() -> str:
+            return f"drop_lease_finalizer {self._lease(name)} uid={uid}"
+
+        await self._call(describe, self.server.drop_lease_finalizer, name, uid=uid)
+
+    async def get_claim(self, namespace: str, name: str) -> Obj:
+        def describe() -> str:
+            return f"get_claim {namespace}/{name}"
+
+        result: Obj = await self._call(describe, self.server.get_claim, namespace, name)
+        return result
+
+    async def patch_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        def describe() -> str:
+            status = self.sim.describe_status(patch)
+            return f"patch_claim_status {namespace}/{name} rv={resource_version} {status}"
+
+        result: Obj = await self._call(
+            describe,
+            self.server.patch_claim_status,
+            namespace,
+            name,
+            patch,
+            resource_version=resource_version,
+        )
+        return result
+
+    async def patch_claim_metadata(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        def describe() -> str:
+            return f"patch_claim_metadata {namespace}/{name} rv={resource_version} {patch.get('metadata')}"
+
+        result: Obj = await self._call(
+            describe,
+            self.server.patch_claim_metadata,
+            namespace,
+            name,
+            patch,
+            resource_version=resource_version,
+        )
+        return result
+
+    async def list_pods(self, namespace: str) -> list[Obj]:
+        def describe() -> str:
+            return f"list_pods {namespace}"
+
+        result: list[Obj] = await self._call(describe, self.server.list_pods, namespace)
+        return result
+
+    async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
+        def describe() -> str:
+            paths = ",".join(f"{o.get('op')}:{o.get('path')}" for o in operations)
+            return f"patch_pod {namespace}/{name} [{paths}]"
+
+        result: Obj = await self._call(describe, self.server.patch_pod, namespace, name, operations)
+        return result
+
+    async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
+        # Best effort and invisible to the controller: no yield point, never raises.
+        self.server.emit_event(obj, reason, message, type_)
+
+
+def _short(outcome: Any) -> str:
+    if isinstance(outcome, BaseException):
+        return type(outcome).__name__
+    if isinstance(outcome, dict):
+        m = model.meta(outcome)
+        parts = [f"rv={m.get('resourceVersion')}"]
+        if outcome.get("kind") == "Lease":
+            parts.insert(0, f"uid={m.get('uid')} holder={(outcome.get('spec') or {}).get('holderIdentity')}")
+        if m.get("deletionTimestamp"):
+            parts.append("Terminating")
+        return "ok " + " ".join(parts)
+    if isinstance(outcome, list):
+        return f"ok {len(outcome)} items"
+    return "ok"
+
+
+class Simulation:
+    """One schedule: a seed, a scenario, the actors and the trace."""
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        steps: int | None = None,
+        keep_trace: bool = True,
+        without: frozenset[str] = frozenset(),
+    ) -> None:
+        unknown = without - ACTIONS
+        if unknown:
+            raise ValueError(f"unknown actions {sorted(unknown)}; known: {sorted(ACTIONS)}")
+        self.without = without
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.scenario = Scenario.draw(self.rng, steps)
+        self.clock = VirtualClock()
+        self.server = model.ApiServer(clock=self.clock.now)
+        self.calls: list[Call] = []
+        self.processes: dict[str, Process] = {}  # slot -> current incarnation
+        self.slots: list[str] = []
+        self.incarnations: dict[str, int] = {}
+        self.trace: list[str] = []
+        self.keep_trace = keep_trace
+        self.step = 0
+        self._seq = 0
+        self._pods = 0
+        self._labels: dict[str, str] = {}  # uuid and lease name -> "n0/1"
+        self._bug: invariants.Violation | None = None
+        self._checked_rv = -1
+        self.stats: dict[str, int] = {}
+        self.settled = False
+
+    # ------------------------------------------------------------------ trace
+
+    def log(self, actor: str, text: str) -> None:
+        if self.keep_trace:
+            self.trace.append(f"{self.step:4d} {actor:<6} {text}")
+
+    def count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+
+    def lease_label(self, name: str) -> str:
+        return self._labels.get(name, name)
+
+    def describe_status(self, patch: Mapping[str, Any]) -> str:
+        status = patch.get("status") or {}
+        parts = []
+        if "phase" in status:
+            parts.append(f"phase={status['phase']}")
+        if "allocations" in status:
+            devices = [
+                self._labels.get(str(d.get("uuid")), str(d.get("uuid")))
+                for a in status.get("allocations") or []
+                for d in a.get("devices") or []
+            ]
+            parts.append(f"devices={devices}")
+        conditions = [
+            f"{c.get('type')}={c.get('status')}"
+            for c in status.get("conditions") or []
+            if c.get("type") != constants.CONDITION_ALLOCATED
+        ]
+        if conditions:
+            parts.append(f"conditions={conditions}")
+        return " ".join(parts) or "{...}"
+
+    # ------------------------------------------------------------------ calls
+
+    async def submit(self, process: Process, op: Callable[[], str], fn: Callable[[], Any]) -> Any:
+        self._seq += 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.calls.append(Call(self._seq, process, op, fn, future))
+        return await future
+
+    def _apply(self, call: Call) -> None:
+        try:
+            call.outcome = call.fn()
+            call.failed = False
+        except errors.KubeError as exc:
+            call.outcome = exc
+            call.failed = True
+        call.applied = True
+
+    def _answer(self, call: Call) -> None:
+        self.calls.remove(call)
+        if call.future.done():
+            return
+        if call.failed:
+            call.future.set_exception(call.outcome)
+        else:
+            call.future.set_result(call.outcome)
+
+    # ------------------------------------------------------------------ processes
+
+    def _start(self, slot: str) -> Process:
+        n = self.incarnations.get(slot, 0) + 1
+        self.incarnations[slot] = n
+        name = slot if n == 1 else f"{slot}.{n}"
+        feeds = {kind: model.SimFeed(kind) for kind in model.KINDS}
+        cluster = SimCluster(self, name)
+        make = _controller_class()
+        extra: dict[str, Any] = {}
+        if "now" in inspect.signature(make).parameters:
+            extra["now"] = self.clock.now
+        controller = make(
+            cluster,
+            SETTINGS,
+            _metrics(),
+            rng=random.Random(self.rng.getrandbits(32)),
+            feeds=feeds,
+            **extra,
+        )
+        process = Process(name, controller, cluster, feeds)
+        cluster.process = process
+        self.processes[slot] = process
+        self.server.subscribe(name)
+        for kind in model.KINDS:
+            feeds[kind].relist(self.server.relist(name, kind))
+        return process
+
+    def _stop(self, process: Process) -> None:
+        process.alive = False
+        process.cluster.dead = True
+        process.controller.queue.shutdown()
+        for task in [*process.tasks.values(), *getattr(process.controller, "_background", ())]:
+            task.cancel()
+        self.server.unsubscribe(process.name)
+
+    async def _run(self, process: Process, what: str, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except errors.KubeError as exc:
+            if self.keep_trace:
+                self.log(process.name, f"{what} ended: {type(exc).__name__}: {exc.message[:80]}")
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc)).rstrip()
+            self.log(process.name, f"{what} raised {type(exc).__name__}: {exc}")
+            if self._bug is None:
+                self._bug = invariants.Violation(0, f"{process.name} {what} raised:\n{text}")
+        else:
+            if self.keep_trace:
+                self.log(process.name, f"{what} done")
+        finally:
+            if process.tasks.get(what.removeprefix("reconcile ")) is asyncio.current_task():
+                del process.tasks[what.removeprefix("reconcile ")]
+
+    def _spawn(self, process: Process, key: str) -> None:
+        if key == SWEEP:
+            what, coro = SWEEP, process.controller.sweep()
+        else:
+            what, coro = f"reconcile {key}", process.controller.reconcile(key)
+        if self.keep_trace:
+            self.log(process.name, f"starts {what}")
+        task = asyncio.get_running_loop().create_task(self._run(process, what, coro))
+        process.tasks[key] = task
+
+    # ------------------------------------------------------------------ running
+
+    async def quiesce(self) -> None:
+        """Let the loop run until every task waits for the scheduler."""
+        loop = asyncio.get_running_loop()
+        ready = loop._ready  # type: ignore[attr-defined]
+        for _ in range(QUIESCE_BOUND):
+            await asyncio.sleep(0)
+            if not ready:
+                return
+        raise RuntimeError("the actors never all blocked")
+
+    def check(self) -> None:
+        if self._bug is not None:
+            raise self._bug
+        if self.server.rv == self._checked_rv:
+            return  # every change to what the invariants read bumps the resourceVersion
+        invariants.check_step(self.server, self._labels)
+        self._checked_rv = self.server.rv
+
+    async def run(self) -> Result:
+        with virtual_time(self.clock):
+            try:
+                await self._main()
+            except invariants.Violation as violation:
+                self.log("sched", f"VIOLATION {violation}")
+                return Result(self.seed, self.step, violation, self.trace, self.settled, self.stats)
+            finally:
+                await self._teardown()
+        return Result(self.seed, self.step, None, self.trace, self.settled, self.stats)
+
+    async def _main(self) -> None:
+        sc = self.scenario
+        self.log(
+            "sched",
+            f"seed {self.seed}: nodes {list(sc.nodes)} x {sc.gpus} GPUs, claims {list(sc.claims)}, "
+            f"{sc.controllers} controllers, {sc.steps} steps",
+        )
+        for node in sc.nodes:
+            self.server.add_gpu_node(node, sc.gpus)
+            for i in range(sc.gpus):
+                uuid = model.gpu_uuid(node, i)
+                self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}"
+        self.slots = [f"c{i}" for i in range(sc.controllers)]
+        for slot in self.slots:
+            self._start(slot)
+        await self.quiesce()
+        self.check()
+        for self.step in range(1, sc.steps + 1):
+            await self._one_step(users=True)
+            await self.quiesce()
+            self.check()
+        await self._settle()
+
+    async def _teardown(self) -> None:
+        for process in self.processes.values():
+            self._stop(process)
+        for call in self.calls:
+            if not call.future.done():
+                call.future.cancel()
+        self.calls.clear()
+        tasks = [t for p in self.processes.values() for t in p.tasks.values()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.quiesce()
+
+    # ------------------------------------------------------------------ choosing a step
+
+    def _choices(self, *, users: bool, starts: bool) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
+        """The kinds of step possible now, each with its weight and a way to pick one of its kind."""
+        rng = self.rng
+        options: list[tuple[float, Callable[[], Awaitable[None]]]] = []
+        if self.calls:
+            applied = [c for c in self.calls if c.applied]
+            unapplied = [c for c in self.calls if not c.applied]
+            if unapplied:
+                options.append((4.0 * len(unapplied), lambda: self._do_apply(rng.choice(unapplied))))
+                if users and "fail-call" not in self.without:
+                    options.append((0.05 * len(unapplied), lambda: self._do_fail(rng.choice(unapplied))))
+            if applied:
+                options.append((3.0 * len(applied), lambda: self._do_answer(rng.choice(applied))))
+        processes = [self.processes[slot] for slot in self.slots]
+        queues = [
+            (process, kind)
+            for process in processes
+            for kind, queue in self.server.watches[process.name].queues.items()
+            if queue
+        ]
+        if queues:
+            options.append((2.0 * len(queues), lambda: self._do_deliver(*rng.choice(queues))))
+        if starts:
+            for process in processes:
+                tasks = process.tasks
+                if any(k not in tasks for k in process.feeds["claims"].cache):
+                    options.append((3.0, functools.partial(self._do_reconcile_one, process)))
+                if SWEEP not in tasks:
+                    options.append((0.4, functools.partial(self._do_reconcile, process, SWEEP)))
+        if users:
+            without = self.without
+            if "relist" not in without:
+                options.append(
+                    (
+                        0.1 * len(processes),
+                        lambda: self._do_relist(rng.choice(processes), rng.choice(model.KINDS)),
+                    )
+                )
+            if "crash" not in without:
+                options.append((0.06 * len(processes), lambda: self._do_crash(rng.choice(self.slots))))
+            options.append((3.0, self._do_user))
+            if "tick" not in without:
+                options.append((0.1, self._do_tick))
+        return options
+
+    async def _one_step(self, *, users: bool, starts: bool = True) -> bool:
+        options = self._choices(users=users, starts=starts)
+        if not options:
+            return False
+        total = sum(w for w, _ in options)
+        pick = self.rng.random() * total
+        action = options[-1][1]
+        for weight, candidate in options:
+            pick -= weight
+            if pick < 0:
+                action = candidate
+                break
+        await action()
+        return True
+
+    async def _do_reconcile_one(self, process: Process) -> None:
+        keys = [k for k in sorted(process.feeds["claims"].cache) if k not in process.tasks]
+        await self._do_reconcile(process, self.rng.choice(keys))
+
+    async def _do_apply(self, call: Call) -> None:
+        self._apply(call)
+        later = self.rng.random() < 0.25
+        if self.keep_trace:
+            self.log(
+                call.process.name,
+                f"{call.op} -> {_short(call.outcome)}" + (" (answer delayed)" if later else ""),
+            )
+        self.count("calls")
+        if not later:
+            self._answer(call)
+
+    async def _do_answer(self, call: Call) -> None:
+        if self.keep_trace:
+            self.log(call.process.name, f"gets the answer to: {call.op} -> {_short(call.outcome)}")
+        self._answer(call)
+
+    async def _do_fail(self, call: Call) -> None:
+        applied = self.rng.random() < 0.5
+        if applied:
+            self._apply(call)
+        if self.keep_trace:
+            outcome = "applied: " + _short(call.outcome) if applied else "not applied"
+            self.log(call.process.name, f"{call.op} -> 503 Unavailable ({outcome})")
+        call.outcome = errors.Unavailable(503, "ServiceUnavailable", "simulated")
+        call.failed = True
+        self._answer(call)
+        self.count("failed_calls")
+
+    async def _do_deliver(self, process: Process, kind: str) -> None:
+        """The next watch event of ``kind`` to ``process``; half the time every one queued (a burst:
+        the handlers only update indexes and the work queue, so nothing could run in between)."""
+        queue = self.server.watches[process.name].queues[kind]
+        for _ in range(1 if self.rng.random() < 0.5 else len(queue)):
+            type_, obj = queue.popleft()
+            if self.keep_trace:
+                self.log(process.name, self._describe_event(kind, type_, obj))
+            process.feeds[kind].apply(type_, obj)
+            self.count("events")
+
+    def _describe_event(self, kind: str, type_: str, obj: Obj) -> str:
+        m = model.meta(obj)
+        extra = ""
+        if kind == "claims":
+            status = obj.get("status") or {}
+            devices = [self._labels.get(u, u) for u, _, _ in invariants.listed_devices(obj)]
+            terminating = " Terminating" if m.get("deletionTimestamp") else ""
+            extra = f" {status.get('phase', '-')} {devices}{terminating}"
+        elif kind == "leases":
+            extra = f" holder={(obj.get('spec') or {}).get('holderIdentity')}"
+        name = self.lease_label(str(m.get("name"))) if kind == "leases" else watching.object_key(obj)
+        return f"sees {kind} {type_} {name} rv={m.get('resourceVersion')}{extra}"
+
+    async def _do_relist(self, process: Process, kind: str) -> None:
+        self.log(process.name, f"re-lists {kind}")
+        process.feeds[kind].relist(self.server.relist(process.name, kind))
+
+    async def _do_reconcile(self, process: Process, key: str) -> None:
+        self._spawn(process, key)
+        self.count("sweeps" if key == SWEEP else "reconciles")
+
+    async def _do_tick(self) -> None:
+        seconds = self.rng.choice((1.0, 5.0, 11.0, 61.0))
+        self.clock.advance(seconds)
+        self.log("clock", f"+{seconds:g}s")
+
+    async def _do_crash(self, slot: str) -> None:
+        process = self.processes[slot]
+        for call in [c for c in self.calls if c.process is process]:
+            if not call.applied and self.rng.random() < 0.5:
+                self._apply(call)
+                if self.keep_trace:
+                    self.log(
+                        process.name, f"{call.op} -> {_short(call.outcome)}, the answer lost in the crash"
+                    )
+            self.calls.remove(call)
+        self.log(process.name, "CRASHES")
+        self._stop(process)
+        await self.quiesce()
+        fresh = self._start(slot)
+        self.log(fresh.name, "starts with fresh lists")
+        self.count("crashes")
+
+    # ------------------------------------------------------------------ users
+
+    async def _do_user(self) -> None:
+        server = self.server
+        options: list[tuple[str, float, Callable[[], None]]] = []
+        claims = server.objects["claims"]
+        for key in self.scenario.claims:
+            claim = claims.get(key)
+            if claim is None:
+                options.append(("create-claim", 3.0, functools.partial(self._create_claim, key)))
+                continue
+            if model.meta(claim).get("deletionTimestamp"):
+                continue
+            options.append(("delete-claim", 1.2, functools.partial(self._delete_claim, key)))
+            phase = (claim.get("status") or {}).get("phase")
+            if phase == constants.PHASE_ALLOCATED:
+                options.append(("create-pod", 2.0, functools.partial(self._create_pod, claim, gated=False)))
+            elif phase != constants.PHASE_FAILED:
+                options.append(("gated-pod", 0.5, functools.partial(self._create_pod, claim, gated=True)))
+        for key, pod in sorted(server.objects["pods"].items()):
+            if (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES:
+                options.append(("finish-pod", 1.0, functools.partial(self._finish_pod, key)))
+            options.append(("delete-pod", 0.5, functools.partial(self._delete_pod, key)))
+        for key in sorted(server.objects["leases"]):
+            options.append(("admin-delete-lease", 0.3, functools.partial(self._admin_delete_lease, key)))
+        for node in self.scenario.nodes:
+            options.append(("flap-node", 0.4, functools.partial(self._flap, node)))
+        options = [o for o in options if o[0] not in self.without]
+        if not options:
+            return
+        total = sum(w for _, w, _ in options)
+        pick = self.rng.random() * total
+        action = options[-1][2]
+        for _, weight, candidate in options:
+            pick -= weight
+            if pick < 0:
+                action = candidate
+                break
+        action()
+        self.count("user_actions")
+
+    def _create_claim(self, key: str) -> None:
+        namespace, name = key.split("/")
+        spec = {
+            "devices": {"count": self.rng.randint(1, self.scenario.gpus)},
+            "strategy": self.rng.choice(("binpack", "spread")),
+            "retryPolicy": {"backoffSeconds": 1, "maxRetries": 0},
+        }
+        obj = self.server.create_claim(namespace, name, spec)
+        count = spec["devices"]["count"]  # type: ignore[index]
+        self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs")
+
+    def _delete_claim(self, key: str) -> None:
+        namespace, name = key.split("/")
+        self.server.delete_claim(namespace, name)
+        still = self.server.claim(namespace, name)
+        self.log("user", f"deletes claim {key}" + (" (Terminating)" if still is not None else " (gone)"))
+
+    def _create_pod(self, claim: Obj, *, gated: bool) -> None:
+        m = model.meta(claim)
+        self._pods += 1
+        name = f"p{self._pods}"
+        annotations = {constants.ANNOTATION_CLAIM: m["name"]}
+        labels: dict[str, str] = {}
+        spec: Obj = {"containers": [{"name": "main", "image": "cuda"}]}
+        devices: list[str] = []
+        if gated:
+            labels[constants.LABEL_GATED] = "true"
+            spec["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
+            phase = "Pending"
+        else:
+            alloc = claim["status"]["allocations"][0]
+            devices = [d["uuid"] for d in alloc["devices"]]
+            annotations[constants.ANNOTATION_DEVICES] = ",".join(devices)
+            spec["nodeSelector"] = {constants.HOSTNAME_LABEL: alloc["nodeName"]}
+            phase = "Running"
+        body = {
+            "metadata": {
+                "name": name,
+                "namespace": m["namespace"],
+                "labels": labels,
+                "annotations": annotations,
+            },
+            "spec": spec,
+            "status": {"phase": phase},
+        }
+        self.server.create_pod(body, claim_uid=m["uid"])
+        shown = [self._labels.get(u, u) for u in devices]
+        what = "a gated pod" if gated else f"pod using {shown}"
+        self.log("user", f"creates {what} {m['namespace']}/{name} for claim {m['name']} ({m['uid']})")
+
+    def _finish_pod(self, key: str) -> None:
+        self.server.set_pod_phase(key, "Succeeded")
+        self.log("user", f"pod {key} Succeeded")
+
+    def _delete_pod(self, key: str) -> None:
+        self.server.delete_pod(key)
+        self.log("user", f"deletes pod {key}")
+
+    def _admin_delete_lease(self, key: str) -> None:
+        name = key.split("/", 1)[1]
+        lease = self.server.objects["leases"][key]
+        holder = (lease.get("spec") or {}).get("holderIdentity")
+        gone = self.server.admin_delete_lease(name)
+        self.log(
+            "admin",
+            f"deletes Lease {self.lease_label(name)} held by {holder}"
+            + (" (gone)" if gone else " (Terminating)"),
+        )
+
+    def _flap(self, node: str) -> None:
+        status = self.server.objects["node_statuses"][node]["status"]
+        ready = any(
+            c["type"] == constants.CONDITION_READY and c["status"] == "True" for c in status["conditions"]
+        )
+        unhealthy = [d["index"] for d in status["devices"] if d["health"] != constants.HEALTHY]
+        if self.rng.random() < 0.5:
+            ready = not ready
+            self.log("node", f"{node} Ready={ready}")
+        else:
+            index = self.rng.randrange(self.scenario.gpus)
+            if index in unhealthy:
+                unhealthy.remove(index)
+                self.log("node", f"{node}/{index} Healthy")
+            else:
+                unhealthy.append(index)
+                self.log("node", f"{node}/{index} Unhealthy")
+        self.server.set_node_status(node, ready=ready, unhealthy=sorted(unhealthy))
+
+    # ------------------------------------------------------------------ settling
+
+    async def _drain(self) -> None:
+        """Apply and answer every call and deliver every event, in a seeded order, until none is left."""
+        for _ in range(DRAIN_BOUND):
+            self.step += 1
+            if not await self._one_step(users=False, starts=False):
+                self.step -= 1
+                return
+            await self.quiesce()
+            self.check()
+        raise invariants.Violation(0, f"the cluster never quietened ({DRAIN_BOUND} steps of draining)")
+
+    async def _settle(self) -> None:
+        """Users stop; every controller reconciles every key and sweeps until nothing changes."""
+        self.log("sched", "users stop; settling")
+        self.clock.advance(61.0)  # expectations, grace periods and backoffs run out
+        await self._drain()
+        for round_ in range(SETTLE_ROUNDS):
+            before = self.server.rv
+            together = round_ == 0  # the first round concurrently, then one process at a time
+            groups = [list(self.processes.values())] if together else [[p] for p in self.processes.values()]
+            for group in groups:
+                for process in group:
+                    for key in sorted(process.feeds["claims"].cache):
+                        if key not in process.tasks:
+                            self._spawn(process, key)
+                    if SWEEP not in process.tasks:
+                        self._spawn(process, SWEEP)
+                await self.quiesce()
+                await self._drain()
+            if self.server.rv == before:
+                self.settled = True
+                break
+        self.log("sched", "settled" if self.settled else f"still changing after {SETTLE_ROUNDS} rounds")
+        self.count("settled" if self.settled else "unsettled")
+        invariants.check_settled(self.server)
+
+
+async def run_schedule(
+    seed: int, *, steps: int | None = None, keep_trace: bool = True, without: frozenset[str] = frozenset()
+) -> Result:
+    return await Simulation(seed, steps=steps, keep_trace=keep_trace, without=without).run()
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    """The controller's logs off meanwhile (the trace says what happened), restored afterwards."""
+    loggers = [logging.getLogger(name) for name in ("controller", "gpualloc")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+class Runner:
+    """Runs schedules one after another on one event loop (a loop per schedule costs more)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(
+        self,
+        seed: int,
+        *,
+        steps: int | None = None,
+        keep_trace: bool = True,
+        without: frozenset[str] = frozenset(),
+    ) -> Result:
+        with quiet_logs():
+            return self.loop.run_until_complete(
+                run_schedule(seed, steps=steps, keep_trace=keep_trace, without=without)
+            )
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- exploring many seeds
+
+_RUNNER: Runner | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Batch:
+    """What exploring a range of seeds found: how many ran, the first violating seed, counters."""
+
+    schedules: int
+    violation: tuple[int, str] | None
+    stats: dict[str, int]
+
+
+def explore(first: int, count: int, steps: int | None = None, without: frozenset[str] = frozenset()) -> Batch:
+    """Run seeds ``first .. first+count-1`` without traces; stop at the first violation."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = Runner()
+    stats: dict[str, int] = {}
+    for seed in range(first, first + count):
+        result = _RUNNER.run(seed, steps=steps, keep_trace=False, without=without)
+        for what, n in result.stats.items():
+            stats[what] = stats.get(what, 0) + n
+        stats["steps"] = stats.get("steps", 0) + result.steps
+        if result.violation is not None:
+            return Batch(seed - first + 1, (seed, str(result.violation)), stats)
+    return Batch(count, None, stats)
+
+
+def explore_range(args: tuple[int, int, int | None, frozenset[str]]) -> Batch:
+    """``explore(*args)``, for ``Pool.imap_unordered`` (a worker finds it by this module's name)."""
+    return explore(*args)
