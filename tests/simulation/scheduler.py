@@ -24,9 +24,10 @@ After the main phase the users stop and the cluster settles: every event is
 delivered, every controller reconciles every key and sweeps, until nothing
 changes (bounded); then invariant 4 is checked.
 
-Time is virtual: the controller's ``reconciling._now`` and ``reconciling.time``
-read ``VirtualClock`` while a schedule runs, so a schedule depends on its seed
-only, and the scheduler can let expectations and grace periods run out.
+Time is virtual: the controller is given ``now=VirtualClock.now``, and its
+modules' ``time.monotonic()`` (and the old layout's module-level ``_now()``)
+read the clock while a schedule runs, so a schedule depends on its seed only,
+and the scheduler can let backoffs, expectations and grace periods run out.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class VirtualClock:
         self.offset += seconds
 
 
+@functools.cache
 def _controller_modules() -> list[types.ModuleType]:
     """The controller modules that read the clock (those of the layout at hand)."""
     found = []
@@ -126,13 +128,16 @@ def _controller_modules() -> list[types.ModuleType]:
     return found
 
 
-def _controller_class() -> Callable[..., Any]:
+@functools.cache
+def _controller_class() -> tuple[Callable[..., Any], bool]:
     """``controller.running.Controller``, or where that does not exist (the controller before the
-    fix of issue 18, commit cf09560) ``controller.reconciling.Controller``: the same seam."""
+    fix of issue 18, commit cf09560) ``controller.reconciling.Controller``: the same seam. And
+    whether it takes ``now``."""
     try:
-        return importlib.import_module("controller.running").Controller  # type: ignore[no-any-return]
+        make: Callable[..., Any] = importlib.import_module("controller.running").Controller
     except ImportError:
-        return reconciling.Controller  # type: ignore[attr-defined,no-any-return]
+        make = reconciling.Controller  # type: ignore[attr-defined]
+    return make, "now" in inspect.signature(make).parameters
 
 
 @contextlib.contextmanager
@@ -446,10 +451,8 @@ class Simulation:
         name = slot if n == 1 else f"{slot}.{n}"
         feeds = {kind: model.SimFeed(kind) for kind in model.KINDS}
         cluster = SimCluster(self, name)
-        make = _controller_class()
-        extra: dict[str, Any] = {}
-        if "now" in inspect.signature(make).parameters:
-            extra["now"] = self.clock.now
+        make, takes_now = _controller_class()
+        extra: dict[str, Any] = {"now": self.clock.now} if takes_now else {}
         controller = make(
             cluster,
             SETTINGS,
@@ -529,6 +532,11 @@ class Simulation:
             try:
                 await self._main()
             except invariants.Violation as violation:
+                self.log("sched", f"VIOLATION {violation}")
+                return Result(self.seed, self.step, violation, self.trace, self.settled, self.stats)
+            except Exception as exc:  # an event handler of the controller (or the simulation) failed
+                text = "".join(traceback.format_exception(exc)).rstrip()
+                violation = invariants.Violation(0, f"step {self.step} raised:\n{text}")
                 self.log("sched", f"VIOLATION {violation}")
                 return Result(self.seed, self.step, violation, self.trace, self.settled, self.stats)
             finally:
