@@ -544,6 +544,7 @@ async def churn(
     """Until ``CHAOS_S``: now and then delete an Allocated claim and create a new one, so that
     GPUs are released and taken again while the faults strike."""
     crs = resources.CustomResources(api)
+    gone: set[str] = set()
     end = time.monotonic() + CHAOS_S - 3
     await asyncio.sleep(3)
     while time.monotonic() < end:
@@ -554,9 +555,12 @@ async def churn(
         if allocated:
             key = allocated[int(pick * len(allocated))]
             name = key.split("/", 1)[1]
+            # NotFound: an earlier try landed and its answer was lost (the API server restarting),
+            # or the mirror had not seen an earlier delete yet. Either way the claim is gone.
             with contextlib.suppress(errors.NotFound):
                 await until_available(functools.partial(crs.delete_claim, namespace, name))
-                counts["deleted"] += 1
+            gone.add(name)
+            counts["deleted"] = len(gone)
         name = f"n{counts['created']:03d}"
         body = claim_body(name, size, run=tag)
         with contextlib.suppress(errors.AlreadyExists):  # a retried create that had landed
