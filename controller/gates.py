@@ -70,14 +70,20 @@ def kept_of_pod(pod: Obj) -> Obj:
 
 def pods_using(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The pods among ``candidates`` (one namespace's, read from the API server) that use the claim
-    ``claim_name``: annotated with it, not Succeeded or Failed, and not waiting at our scheduling
-    gate (such a pod has no devices yet). While there are any, the claim is in use."""
+    ``claim_name``: annotated with it and not Succeeded or Failed. While there are any, the claim
+    is in use and keeps its devices.
+
+    A pod still waiting at our scheduling gate counts too: another controller whose cache is
+    behind may be un-gating it onto the claim's devices at this very moment (the deterministic
+    simulation found that race, seed 9280). Such a pod of a claim being deleted is never
+    un-gated again; deleting it lets the claim go.
+    """
     using = []
     for pod in candidates:
         annotations = (pod.get("metadata") or {}).get("annotations") or {}
         if annotations.get(constants.ANNOTATION_CLAIM) != claim_name:
             continue
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or is_gated(pod):
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
         using.append(pod)
     return using

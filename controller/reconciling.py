@@ -3,8 +3,8 @@
 ``reconcile(key)`` looks at the cached claim and does one of:
 
 * **being deleted**: if pods still use it (an authoritative list of its
-  namespace's pods: annotated with its name, not Succeeded or Failed, not
-  waiting at our scheduling gate), it keeps its Leases and says why (condition
+  namespace's pods: annotated with its name, not Succeeded or Failed, gated
+  ones included), it keeps its Leases and says why (condition
   ``InUse``, a ``ReleaseBlocked`` Warning) and looks again every
   ``in_use_poll`` seconds; otherwise it deletes every Lease it holds, emits
   ``Released`` and removes the finalizer ``gpu.scheduling/release-devices``;

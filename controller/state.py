@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods")
+GONE_KEPT = 10_000  # deleted uids remembered, against late answers to our own writes
 
 
 class Feed(Protocol):
@@ -142,6 +143,7 @@ class State:
         self._held: dict[str, dict[str, leases.LeaseInfo]] = collections.defaultdict(dict)  # holder uid ->
         self.reserved: dict[str, str] = {}  # lease name -> claim uid, being acquired by this process
         self._muted = ""  # a claim key not to wake while its own write is remembered
+        self._gone: dict[str, None] = {}  # uids of claims and Leases seen DELETED, the newest GONE_KEPT
         # Gated pods.
         self._pod_claim: dict[str, str] = {}
         self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
@@ -250,10 +252,12 @@ class State:
 
         ``reconciling`` is the key of the claim whose reconcile made the write: it
         is not queued again for its own write (nor for the watch event that echoes it).
+        An answer that arrives after the object's DELETED event never brings it back
+        (the deterministic simulation found that one, seed 103609).
         """
         cache = self.feeds[feed].cache
         key = watching.object_key(obj)
-        if _newer(cache.get(key), obj):
+        if _newer(cache.get(key), obj) or str(_meta(obj).get("uid", "")) in self._gone:
             return
         type_ = watching.MODIFIED if key in cache else watching.ADDED
         cache[key] = obj
@@ -278,6 +282,12 @@ class State:
 
     # ------------------------------------------------------------------ event handlers
 
+    def _bury(self, uid: str) -> None:
+        if uid:
+            self._gone[uid] = None
+            if len(self._gone) > GONE_KEPT:
+                del self._gone[next(iter(self._gone))]
+
     def _wake_claim(self, key: str) -> None:
         if key != self._muted:
             self.wake(key)
@@ -300,6 +310,7 @@ class State:
             if self._listed.get(uuid) == old_uid:
                 del self._listed[uuid]
         if type_ == watching.DELETED:
+            self._bury(uid)
             self._parsed.pop(key, None)
             self.pending.discard(key)
             if self._uid_to_key.get(uid) == key:
@@ -339,6 +350,7 @@ class State:
                 if not held:
                     del self._held[old.holder]
         if type_ == watching.DELETED:
+            self._bury(info.uid)
             self._wake_pending()  # capacity freed
             key = self._uid_to_key.get(info.holder)
             if key is not None:

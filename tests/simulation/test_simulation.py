@@ -327,11 +327,11 @@ def test_a_schedule_that_broke_an_invariant_on_the_old_controller_holds_now(
     assert result.violation is None, f"{found}\n{_failure(runner, seed, without)}"
 
 
-# Found by this simulation on the fixed controller (commits 8ea2b11, a640028): a claim being deleted
-# counts the pods that use it from a list of its namespace's pods, in which a gated pod does not
-# count; another controller whose cache still shows the claim Allocated un-gates that pod (the
-# un-gate patch's test of the gates still holds) after the list was taken; the Leases are released
-# while the pod now runs on the devices. Strict: when the controller is fixed, drop the marker.
+# Found by this simulation on the first fixed controller (commits 8ea2b11, a640028): a claim being
+# deleted counted the pods that use it from a list of its namespace's pods, in which a gated pod did
+# not count; another controller whose cache still showed the claim Allocated un-gated that pod (the
+# un-gate patch's test of the gates still held) after the list was taken; the Leases were released
+# while the pod then ran on the devices. Fixed: gated pods count as using the claim (gates.pods_using).
 KNOWN = [
     pytest.param(
         9280,
@@ -348,7 +348,6 @@ KNOWN = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="the gate race: a pod un-gated while its claim is released")
 @pytest.mark.parametrize(("seed", "found"), KNOWN)
 def test_a_pod_ungated_while_its_claim_is_released_keeps_the_claim(
     runner: scheduler.Runner, seed: int, found: str
@@ -357,14 +356,12 @@ def test_a_pod_ungated_while_its_claim_is_released_keeps_the_claim(
     assert result.violation is None, f"{found}\n{_failure(runner, seed)}"
 
 
-# Found on the fixed controller: liveness, not safety. c1's finalizer patch of ns-a/c2 is applied
-# (rv 9) but answered only after c1 has seen the claim's DELETED event (rv 18); writing the answer
-# through into the cache (State.remember) brings the deleted claim back, and since no event will
-# ever remove it again, c1 allocates it for ever: create a Lease, the status write is NotFound,
-# release the Lease, over and over (the settle phase never ends). Strict: drop the marker once
-# fixed (for example: remember the resourceVersion of each DELETED and never write an older
-# version through; or forget the cached claim on NotFound).
-@pytest.mark.xfail(strict=True, reason="a late answer to our own write resurrects a deleted claim")
+# Found on the first fixed controller: liveness, not safety. c1's finalizer patch of ns-a/c2 was
+# applied (rv 9) but answered only after c1 had seen the claim's DELETED event (rv 18); writing the
+# answer through into the cache (State.remember) brought the deleted claim back, and since no event
+# would ever remove it again, c1 allocated it for ever: create a Lease, the status write is
+# NotFound, release the Lease, over and over. Fixed: State remembers the uids it saw DELETED and
+# never writes them through again.
 def test_a_late_answer_does_not_bring_a_deleted_claim_back(runner: scheduler.Runner) -> None:
     result = runner.run(103609)
     assert result.violation is None
