@@ -294,9 +294,9 @@ class Reconciler:
         key = claim.key
         policy = claim.spec.retry_policy
         mono = time.monotonic()
-        retry, counted = retries.record_failure(
-            self._retry[key], now=mono, policy=policy, jitter=self.rng.random()
-        )
+        # The claim may have been deleted (and forgotten) while this reconcile awaited.
+        before = self._retry.get(key) or retries.initial_retry_state(claim)
+        retry, counted = retries.record_failure(before, now=mono, policy=policy, jitter=self.rng.random())
         self._retry[key] = retry
         exhausted = retries.retries_exhausted(retry, policy)
         if exhausted:

@@ -316,6 +316,7 @@ class State:
             if self._uid_to_key.get(uid) == key:
                 del self._uid_to_key[uid]
             self._wake_pending()  # its devices are free for the others now
+            self.wake(key)  # gone: the controller forgets what it kept about it
             return
         self._uid_to_key[uid] = key
         status = raw.get("status") or {}
