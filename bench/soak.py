@@ -34,11 +34,16 @@ Meanwhile:
 * safety from a list + watch of GpuClaims and device Leases in ``soak``,
   checked after every event (``tests/integration/chaos_support.Mirror``): no
   GPU listed by two claims; every GPU an Allocated claim lists has a Lease
-  (Terminating or not) held by that claim's UID.
+  (Terminating or not) held by that claim's UID;
+* liveness: every ``--sample-interval`` the GPUs the controller counts as taken
+  (``gpualloc_devices{state="allocated"}`` on its /metrics) beside those the
+  API server holds (the mirror's device Leases and the GPUs its claims list),
+  and when each claim was first seen Allocated.
 
 At the end every pod and claim is deleted; once the controller has released
 everything (or ``--release-timeout`` passed), the device Leases left and the
-claims left with the controller's finalizer are counted as leaked.
+claims left with the controller's finalizer are counted as leaked, and so are
+GPUs the controller still counts as taken.
 
 Writes ``soak.json`` (every sample, the churn counts, the figures) and
 ``soak.png`` (RSS over time per component) in ``--out``:
@@ -73,6 +78,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio.client import ApiClient
 
 from agent import simulated
@@ -198,8 +204,11 @@ class Agents:
         return {f"agent-{node}": alive[name] for node, name in self.running.items() if name in alive}
 
 
-def start_controller_and_webhook(comps: Components, kubeconfig: str, run_id: str, workdir: Path) -> int:
-    """The controller (this run's claims only, Leases in ``soak``) and the webhook; the webhook's port."""
+def start_controller_and_webhook(
+    comps: Components, kubeconfig: str, run_id: str, workdir: Path
+) -> tuple[int, int]:
+    """The controller (this run's claims only, Leases in ``soak``) and the webhook; the webhook's port
+    and the controller's metrics port."""
     ports = cluster.free_ports(5)
     controller = ["controller", "--kubeconfig", kubeconfig, "--namespace", NAMESPACE, "--leader-elect=false"]
     controller += ["--claim-selector", f"{RUN_LABEL}={run_id}", "--identity", "soak"]
@@ -213,7 +222,7 @@ def start_controller_and_webhook(comps: Components, kubeconfig: str, run_id: str
     webhook += ["--tls-cert-file", str(certs_dir / "tls.crt"), "--tls-key-file", str(certs_dir / "tls.key")]
     webhook += ["--metrics-port", str(ports[3]), "--health-port", str(ports[4])]
     comps.start("webhook", webhook)
-    return ports[2]
+    return ports[2], ports[0]
 
 
 # ------------------------------------------------------------------ RSS
@@ -284,6 +293,50 @@ def rss_figures(series: list[tuple[float, int, int]], duration: float) -> dict[s
     return figures
 
 
+# ------------------------------------------------------------------ the controller's view
+
+
+async def controller_taken(session: aiohttp.ClientSession, port: int) -> int | None:
+    """GPUs the controller counts as taken (``gpualloc_devices{state="allocated"}``, summed)."""
+    try:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("gpualloc_devices{") and 'state="allocated"' in line
+    )
+
+
+def api_taken(books: Any) -> int:
+    """GPUs taken according to the mirror (the API server): device Leases, and GPUs claims list."""
+    recorded = chaos_support().recorded
+    listed = {constants.lease_name(u) for claim in books.claims.values() for u in recorded(claim)}
+    return len(set(books.leases) | listed)
+
+
+def view_figures(view: list[tuple[float, int, int]], duration: float) -> dict[str, Any]:
+    """How far the controller's count of taken GPUs drifted from the API server's."""
+    during = [c - a for at, c, a in view if at <= duration]
+    last = view[-1] if view else None
+    return {
+        "max_excess_during_churn": max(during) if during else None,
+        "excess_at_churn_end": during[-1] if during else None,
+        "controller_taken_after_release": last[1] if last else None,
+        "api_taken_after_release": last[2] if last else None,
+    }
+
+
+def allocations_by_tenth(first_allocated: list[float], duration: float) -> list[int]:
+    """Claims first seen Allocated in each tenth of the churn (from when each was first seen so)."""
+    counts = [0] * 10
+    for at in first_allocated:
+        counts[min(9, int(at / duration * 10))] += 1
+    return counts
+
+
 # ------------------------------------------------------------------ churn
 
 
@@ -344,7 +397,8 @@ class Churn:
         self.pods: dict[str, str] = {}  # live pod -> its claim
         self.counts: collections.Counter[str] = collections.Counter()
         self.denials: list[str] = []  # a few examples
-        self.allocated: set[str] = set()  # claims ever seen Allocated
+        self.allocated: dict[str, float] = {}  # claims ever seen Allocated -> when first (s since start)
+        self.started = time.monotonic()
         self.restarts: dict[str, asyncio.Task[None]] = {}  # node -> its pending restart
         self.seq = 0
         self.gpus = {n.name: len(simulated.load_profile(n.profile).devices) for n in NODES}
@@ -356,7 +410,7 @@ class Churn:
     def observe(self) -> None:
         for key, claim in self.mirror.books.claims.items():
             if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED:
-                self.allocated.add(key)
+                self.allocated.setdefault(key, round(time.monotonic() - self.started, 2))
 
     async def step(self) -> None:
         """One claim or pod action, weighted by how full the bounds are."""
@@ -563,21 +617,31 @@ async def soak(
     tasks: list[asyncio.Task[Any]] = []
     churn = Churn(api, rng, run_id, mirror, agents, args)
     crashed: list[str] = []
+    view: list[tuple[float, int, int]] = []
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
 
     def pids() -> dict[str, int]:
         running = plane.running()
         found = {name: pid for name, pid in comps.pids().items() if not name.startswith("agent-")}
         return {**{n: running[n] for n in PLANE if n in running}, **found, **agents.pids()}
 
+    async def look() -> None:
+        """RSS of every process; GPUs taken in the controller's eyes and in the API server's."""
+        sampler.take(pids())
+        taken = await controller_taken(session, metrics_port)
+        if taken is not None:
+            at = round(time.monotonic() - sampler.started, 2)
+            view.append((at, taken, api_taken(mirror.books)))
+
     async def sample() -> None:
         while True:
-            sampler.take(pids())
+            await look()
             await asyncio.sleep(args.sample_interval)
 
     try:
         for node in NODES:
             agents.start(node)
-        port = start_controller_and_webhook(comps, kubeconfig, run_id, workdir)
+        port, metrics_port = start_controller_and_webhook(comps, kubeconfig, run_id, workdir)
         await demo.register_webhook(api, port, (workdir / "webhook-certs" / "ca.crt").read_bytes())
         await wait_published(api, comps)
         await demo.wait_for_webhook(port, comps)
@@ -587,7 +651,7 @@ async def soak(
 
         sampler = Sampler()  # time 0: the churn's start
         tasks.append(asyncio.create_task(sample(), name="sampler"))
-        started = time.monotonic()
+        started = churn.started = time.monotonic()
         end = started + args.duration
         next_flap = started + rng.uniform(0.5, 1.5) * args.flap_interval
         next_xid = started + rng.uniform(0.5, 1.5) * args.xid_interval
@@ -624,7 +688,8 @@ async def soak(
         released = await release(api, run_id, args.release_timeout)
         churn.observe()
         mirror.check_now()
-        sampler.take(pids())
+        await asyncio.sleep(5.0)  # the controller's last watch events
+        await look()
         return {
             "run_id": run_id,
             "churn_seconds": round(churned, 1),
@@ -632,11 +697,13 @@ async def soak(
             "crashed": crashed,
             "churn": dict(sorted(churn.counts.items())),
             "claims_seen_allocated": len(churn.allocated),
+            "allocated_at": sorted(churn.allocated.values()),
             "webhook_denial_examples": churn.denials,
             "agent_incarnations": dict(agents.incarnation),
             "release": released,
             "violations": list(mirror.violations),
             "mirror": dict(mirror.stats),
+            "controller_view": [list(v) for v in view],
             "samples": {
                 component: [list(s) for s in series] for component, series in sorted(sampler.series.items())
             },
@@ -647,6 +714,7 @@ async def soak(
         await asyncio.gather(*tasks, return_exceptions=True)
         for task in churn.restarts.values():
             task.cancel()
+        await session.close()
         await api.close()
 
 
@@ -663,6 +731,8 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "violations": len(result["violations"]),
         "leaked_leases": len(result["release"]["leaked_leases"]),
         "leaked_finalizers": len(result["release"]["leaked_finalizers"]),
+        "controller_view": view_figures([tuple(v) for v in result["controller_view"]], duration),
+        "allocations_by_tenth": allocations_by_tenth(result["allocated_at"], duration),
     }
 
 
@@ -673,7 +743,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     duration = result["churn_seconds"]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 11), sharex=True, height_ratios=(3, 3, 2))
     for component, series in result["samples"].items():
         axis = axes[0] if component in PLANE else axes[1]
         # A restarted agent is one line per process, so a restart does not look like a drop.
@@ -685,14 +755,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xs, ys = zip(*points, strict=True)
             (line,) = axis.plot(xs, ys, color=colour, linewidth=1, label=component if i == 0 else None)
             colour = line.get_color()
-    for axis, title in zip(axes, ("control plane", "gpualloc components"), strict=True):
+    if result["controller_view"]:
+        ats, controller, api = zip(*result["controller_view"], strict=True)
+        minutes = [at / 60 for at in ats]
+        axes[2].plot(minutes, controller, linewidth=1, label="the controller (gpualloc_devices allocated)")
+        axes[2].plot(minutes, api, linewidth=1, label="the API server (device Leases, GPUs claims list)")
+    titles = ("control plane: RSS", "gpualloc components: RSS", "GPUs taken, as each sees it")
+    for axis, title in zip(axes, titles, strict=True):
         axis.axvline(WARMUP_FRACTION * duration / 60, color="grey", linestyle=":", label="warm-up end")
         axis.axvline(duration / 60, color="black", linestyle=":", label="churn end")
-        axis.set_ylabel("RSS (MiB)")
-        axis.set_title(f"{title}: RSS over the soak")
+        axis.set_title(title)
         axis.legend(fontsize=7, loc="upper left", ncol=2)
         axis.grid(alpha=0.3)
-    axes[1].set_xlabel("minutes since the churn began")
+    axes[0].set_ylabel("RSS (MiB)")
+    axes[1].set_ylabel("RSS (MiB)")
+    axes[2].set_ylabel("GPUs")
+    axes[2].set_xlabel("minutes since the churn began")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -717,6 +795,14 @@ def report(result: dict[str, Any]) -> str:
         f"leaked Leases: {f['leaked_leases']}, leaked claim finalizers: {f['leaked_finalizers']} "
         f"(goal 0 each); released in {result['release']['seconds']} s"
     )
+    view = f["controller_view"]
+    lines.append(
+        f"GPUs the controller counts as taken beyond what the API server holds: at most "
+        f"{view['max_excess_during_churn']} during the churn, {view['excess_at_churn_end']} at its end; "
+        f"after release the controller counts {view['controller_taken_after_release']} taken, "
+        f"the API server {view['api_taken_after_release']} (goal 0)"
+    )
+    lines.append(f"claims first Allocated in each tenth of the run: {f['allocations_by_tenth']}")
     lines.append(f"churn: {json.dumps(result['churn'])}")
     lines.append(f"claims seen Allocated: {result['claims_seen_allocated']}")
     if result["crashed"]:
@@ -724,14 +810,26 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+COMPACT = ("samples", "controller_view", "allocated_at")  # long series: one line each
+
+
 def to_json(result: dict[str, Any]) -> str:
-    """Indented, with the samples last and one line per component (thousands of them)."""
-    head = json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1)
-    series = ",\n".join(
-        f"  {json.dumps(component)}: {json.dumps(samples, separators=(',', ':'))}"
-        for component, samples in result["samples"].items()
-    )
-    return head[: -len("\n}")] + ',\n "samples": {\n' + series + "\n }\n}\n"
+    """Indented, with the long series last and compact (one line per component)."""
+    order = [k for k in result if k not in COMPACT] + [k for k in COMPACT if k in result]
+    parts = []
+    for key in order:
+        value = result[key]
+        if key not in COMPACT:
+            text = json.dumps(value, indent=1).replace("\n", "\n ")
+        elif isinstance(value, dict):
+            series = ",\n".join(
+                f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in value.items()
+            )
+            text = "{\n" + series + "\n }"
+        else:
+            text = json.dumps(value, separators=(",", ":"))
+        parts.append(f" {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -807,7 +905,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / 'soak.json'} and {args.out / 'soak.png'}")
     f = result["figures"]
     good = (
-        result["completed"] and not f["violations"] and not f["leaked_leases"] and not f["leaked_finalizers"]
+        result["completed"]
+        and not f["violations"]
+        and not f["leaked_leases"]
+        and not f["leaked_finalizers"]
+        and not f["controller_view"]["controller_taken_after_release"]
     )
     return 0 if good else 1
 
