@@ -259,8 +259,14 @@ class State:
         key = watching.object_key(obj)
         if _newer(cache.get(key), obj) or str(_meta(obj).get("uid", "")) in self._gone:
             return
-        type_ = watching.MODIFIED if key in cache else watching.ADDED
-        cache[key] = obj
+        meta = _meta(obj)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            # The write removed the last finalizer: the API server has deleted the object.
+            type_ = watching.DELETED
+            cache.pop(key, None)
+        else:
+            type_ = watching.MODIFIED if key in cache else watching.ADDED
+            cache[key] = obj
         handler = self.feeds[feed].on_event
         if handler is not None:
             self._muted = reconciling

@@ -615,3 +615,38 @@ def test_the_cached_part_of_a_gated_pod_drops_what_a_tenant_can_bloat_and_ungate
     long_claim: dict[str, Any] = gated_pod()
     long_claim["metadata"]["annotations"][constants.ANNOTATION_CLAIM] = "c" * 300
     assert gates.pod_claim(gates.kept_of_pod(long_claim)) is None
+
+
+def _claim_raw(rv: str, **meta: Any) -> dict[str, Any]:
+    raw = codecs.encode(claim())
+    raw["metadata"].update(resourceVersion=rv, **meta)
+    return raw
+
+
+@pytest.mark.parametrize("event_first", [True, False])
+def test_a_deleted_claim_never_comes_back_into_the_cache_through_a_late_answer(event_first: bool) -> None:
+    from controller import state as controller_state
+
+    feeds = {name: FakeFeed() for name in controller_state.FEEDS}
+    st = controller_state.State(
+        feeds,  # type: ignore[arg-type]
+        lease_namespace="gpualloc-system",
+        node_stale_after=120,
+        wake=lambda key: None,
+        now=lambda: NOW,
+    )
+    claims = feeds["claims"]
+    key = "ns/c"
+    live = _claim_raw("5", finalizers=[constants.FINALIZER], deletionTimestamp="2025-01-01T00:00:00Z")
+    claims.cache[key] = live
+    assert claims.on_event is not None
+    claims.on_event("ADDED", live)
+    # The answer to the patch that removed the last finalizer: the API server has deleted the claim.
+    answer = _claim_raw("9", finalizers=[], deletionTimestamp="2025-01-01T00:00:00Z")
+    if event_first:
+        del claims.cache[key]
+        claims.on_event("DELETED", _claim_raw("9", deletionTimestamp="2025-01-01T00:00:00Z"))
+    st.remember("claims", answer, reconciling=key)
+    assert st.raw_claim(key) is None and st.claim(key) is None
+    st.remember("claims", _claim_raw("7", finalizers=[constants.FINALIZER]), reconciling=key)
+    assert st.raw_claim(key) is None, "an older answer of the same claim stays out too"
