@@ -40,7 +40,7 @@ from typing import Any
 from controller import allocator, gates, locking, retries, statuses, views
 from controller import cluster as kube
 from controller import metrics as controller_metrics
-from controller.gating import PodGate
+from controller.gating import Emit, PodGate
 from controller.state import State
 from gpualloc.api import codecs, constants, leases, models, timestamps
 from gpualloc.kube import errors, watching
@@ -48,7 +48,6 @@ from gpualloc.kube import errors, watching
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-Emit = Callable[[Obj, str, str, str], None]
 
 LOCK_ATTEMPTS = 3  # plans tried per reconcile when another claim wins a device
 EVENT_INTERVAL = 60.0  # AllocationFailed at most this often per claim, unless the reason changes
