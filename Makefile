@@ -37,7 +37,7 @@ $(COMPILED_DIR)/.built: setup.py $(wildcard webhook/*.py) $(wildcard gpualloc/*/
 
 compiled: $(COMPILED_DIR)/.built
 
-# Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok and helm
+# Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok, helm and toxiproxy-server
 # from pinned Go modules into ~/.cache/gpualloc (once per machine; prints progress).
 build: setup
 	$(BIN)/gpualloc dev build
