@@ -29,11 +29,6 @@ CONDITION_IN_USE = "InUse"
 REASON_PODS_RUNNING = "PodsRunning"
 
 
-def recorded_leases(status: models.GpuClaimStatus) -> frozenset[str]:
-    """The Lease names of the devices a claim's status lists."""
-    return frozenset(constants.lease_name(d.uuid) for a in status.allocations for d in a.devices)
-
-
 def allocation_complete(claim: models.GpuClaim) -> bool:
     """Allocated, with one allocation per replica (0..replicas-1) and at least one device each."""
     if claim.status.phase != constants.PHASE_ALLOCATED:

@@ -561,13 +561,10 @@ class FakeFeed:
         self.on_event(type_, obj)
 
 
-@pytest.mark.parametrize("skew_hours", [-5.0, 0.0, 5.0])
-def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_whatever_the_agent_clock(
-    skew_hours: float,
-) -> None:
+def state_on_fake_feeds(monotonic: Callable[[], float] = lambda: 0.0) -> tuple[Any, dict[str, FakeFeed]]:
+    """A controller ``State`` over fake feeds (which it wires up), and the feeds."""
     from controller import state as controller_state
 
-    mono = [1000.0]
     feeds = {name: FakeFeed() for name in controller_state.FEEDS}
     st = controller_state.State(
         feeds,  # type: ignore[arg-type]
@@ -575,8 +572,17 @@ def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_what
         node_stale_after=120,
         wake=lambda key: None,
         now=lambda: NOW,
-        monotonic=lambda: mono[0],
+        monotonic=monotonic,
     )
+    return st, feeds
+
+
+@pytest.mark.parametrize("skew_hours", [-5.0, 0.0, 5.0])
+def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_whatever_the_agent_clock(
+    skew_hours: float,
+) -> None:
+    mono = [1000.0]
+    st, feeds = state_on_fake_feeds(monotonic=lambda: mono[0])
     agent_clock = NOW + datetime.timedelta(hours=skew_hours)
 
     def beat(at: datetime.datetime) -> None:
@@ -625,16 +631,7 @@ def _claim_raw(rv: str, **meta: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("event_first", [True, False])
 def test_a_deleted_claim_never_comes_back_into_the_cache_through_a_late_answer(event_first: bool) -> None:
-    from controller import state as controller_state
-
-    feeds = {name: FakeFeed() for name in controller_state.FEEDS}
-    st = controller_state.State(
-        feeds,  # type: ignore[arg-type]
-        lease_namespace="gpualloc-system",
-        node_stale_after=120,
-        wake=lambda key: None,
-        now=lambda: NOW,
-    )
+    st, feeds = state_on_fake_feeds()
     claims = feeds["claims"]
     key = "ns/c"
     live = _claim_raw("5", finalizers=[constants.FINALIZER], deletionTimestamp="2025-01-01T00:00:00Z")
