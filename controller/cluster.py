@@ -11,8 +11,13 @@ the same controller code runs against both:
 * ``delete_lease``: with a uid precondition, ``errors.Conflict`` when the
   Lease by that name has another uid, ``errors.NotFound`` when there is none;
   a Lease with finalizers only gets a ``deletionTimestamp``;
-* ``drop_lease_finalizer``: removes the finalizers of the Lease with that uid
-  (``errors.Conflict`` on another uid, ``errors.NotFound`` when gone);
+* ``replace_lease``: a PUT of the whole Lease, ``errors.Conflict`` when its
+  ``metadata.resourceVersion`` is stale. A PUT that empties the finalizers of
+  a Lease being deleted removes it, and that removal carries the body's uid
+  as a precondition. (A PATCH would not: the API server removes the object
+  in a second step without any precondition, which can delete a Lease that
+  another claim created meanwhile under the same name. That is how the
+  race test double-booked a GPU once; see ``locking.release``.)
 * ``patch_claim_status`` / ``patch_claim_metadata``: JSON merge patches with
   a resourceVersion precondition, ``errors.Conflict`` when the claim has
   moved on; the answer is the claim as written (an authoritative read);
@@ -46,7 +51,7 @@ class Cluster(Protocol):
 
     async def delete_lease(self, name: str, *, uid: str) -> None: ...
 
-    async def drop_lease_finalizer(self, name: str, *, uid: str) -> None: ...
+    async def replace_lease(self, body: Obj) -> Obj: ...
 
     async def get_claim(self, namespace: str, name: str) -> Obj: ...
 
@@ -82,8 +87,8 @@ class KubeCluster:
     async def delete_lease(self, name: str, *, uid: str) -> None:
         await leases.delete_lease(self.api, self.namespace, name, uid=uid)
 
-    async def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
-        await leases.drop_finalizers(self.api, self.namespace, name, uid=uid)
+    async def replace_lease(self, body: Obj) -> Obj:
+        return await leases.replace_lease(self.api, self.namespace, str(body["metadata"]["name"]), body)
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
         return await self._crs.get_claim(namespace, name)

@@ -36,8 +36,9 @@ Why no GPU is ever held by two claims
 5. **A Lease deleted by hand does not unlock the device**: device Leases carry
    the finalizer ``gpu.scheduling/device-lock``, so a deletion only marks them,
    and the create of another claim still meets ``AlreadyExists``. Releasing is
-   a delete with a uid precondition followed by removing the finalizer, also
-   with a uid precondition. And planning counts the devices every live
+   a delete with a uid precondition followed by removing the finalizer with a
+   PUT, whose removal of the Lease is conditional on the uid too (never a
+   PATCH: see ``_drop_finalizer``). And planning counts the devices every live
    claim's status lists as taken, whether or not their Leases exist.
 
 A controller killed anywhere therefore leaves at worst leftover Leases, which
@@ -142,12 +143,15 @@ async def acquire(
     return LockResult(created=created)
 
 
+FINALIZER_TRIES = 3  # reads and PUTs of a Lease that keeps changing under us, before leaving it
+
+
 async def release(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> list[leases.LeaseInfo]:
     """Delete these Leases and remove their finalizers; the ones now gone.
 
-    Both steps carry the Lease's uid as a precondition, so a Lease that was
-    released and created again by another claim meanwhile is never touched.
-    Errors other than NotFound / Conflict propagate after the rest were tried.
+    Both steps are conditional on the Lease's uid, so a Lease that was released
+    and created again by another claim meanwhile is never touched. Errors other
+    than NotFound / Conflict propagate after the rest were tried.
     """
     gone: list[leases.LeaseInfo] = []
     failure: errors.KubeError | None = None
@@ -158,8 +162,8 @@ async def release(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> li
             except errors.NotFound:
                 gone.append(info)
                 continue
-            await cluster.drop_lease_finalizer(info.name, uid=info.uid)
-            gone.append(info)
+            if await _drop_finalizer(cluster, info):
+                gone.append(info)
         except errors.NotFound:
             gone.append(info)
         except errors.Conflict:
@@ -169,6 +173,32 @@ async def release(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> li
     if failure is not None:
         raise failure
     return gone
+
+
+async def _drop_finalizer(cluster: kube.Cluster, info: leases.LeaseInfo) -> bool:
+    """Empty the finalizers of the Terminating Lease ``info``, which removes it; False when it kept
+    changing (a leftover for later).
+
+    This is a PUT of the Lease as just read, never a PATCH. When an update empties
+    the finalizers of an object being deleted, the API server removes the object
+    in a second storage operation, conditional on the uid the *request body*
+    carries. A PUT's body carries the uid; a PATCH has none, so a slow PATCH can
+    remove whatever Lease has the name by then: two releases of one Lease race,
+    the first one's removal lets another claim create the Lease again, and the
+    second one's removal deletes that new Lease, which no longer locks its GPU.
+    """
+    for _ in range(FINALIZER_TRIES):
+        lease = await cluster.get_lease(info.name)
+        meta = lease.get("metadata") or {}
+        if meta.get("uid") != info.uid:
+            return True  # ours is gone; this one is another claim's
+        try:
+            await cluster.replace_lease({**lease, "metadata": {**meta, "finalizers": []}})
+            return True
+        except errors.Conflict:
+            continue  # changed since read: read it again
+    log.warning("lease kept changing, finalizer left for a later release", extra={"lease": info.name})
+    return False
 
 
 async def release_quietly(cluster: kube.Cluster, held: Iterable[leases.LeaseInfo]) -> list[leases.LeaseInfo]:

@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 
 from gpualloc.api import leases as lease_format
-from gpualloc.kube import errors, transport
+from gpualloc.kube import transport
 
 Obj = dict[str, Any]
 
@@ -57,25 +57,6 @@ async def create(api: ApiClient, namespace: str, body: Mapping[str, Any]) -> Obj
     """Create the Lease ``body`` (``gpualloc.api.leases.body``); ``errors.AlreadyExists`` if taken."""
     result: Obj = await _call(api, "create_namespaced_lease", namespace, dict(body))
     return result
-
-
-async def drop_finalizers(api: ApiClient, namespace: str, name: str, *, uid: str) -> None:
-    """Empty the finalizers of the Lease, only if it still has this ``uid``.
-
-    A Lease that was being deleted is then removed. ``errors.Conflict`` when the
-    Lease by that name has another uid (the JSON Patch ``test`` fails), and
-    ``errors.NotFound`` when there is none.
-    """
-    operations = [
-        {"op": "test", "path": "/metadata/uid", "value": uid},
-        {"op": "replace", "path": "/metadata/finalizers", "value": []},
-    ]
-    try:
-        await _call(
-            api, "patch_namespaced_lease", name, namespace, operations, _content_type=transport.JSON_PATCH
-        )
-    except errors.Invalid as exc:  # a failed "test" operation is answered 422
-        raise errors.Conflict(409, "Conflict", f"lease {name} is not uid {uid}: {exc}") from exc
 
 
 async def get_lease(api: ApiClient, namespace: str, name: str) -> Obj:

@@ -15,8 +15,14 @@ them as the controller's ``Cluster``); the server decides *what* it does:
 * Leases: ``create`` is the lock (``errors.AlreadyExists`` while the name
   exists, Terminating included), ``delete`` takes a uid precondition
   (``errors.Conflict`` on another uid, ``errors.NotFound`` when none) and only
-  marks a Lease with finalizers Terminating; ``drop_lease_finalizer`` empties
-  them and removes a Terminating Lease;
+  marks a Lease with finalizers Terminating; ``replace_lease`` (PUT, a
+  resourceVersion precondition) and ``patch_lease_finalizers`` (the JSON
+  Patch the controller used before, a uid ``test``) empty them. Emptying the
+  finalizers of a Terminating Lease removes it **in a second step**, as the
+  real server does (``genericregistry.Store.Update`` then
+  ``deleteWithoutFinalizers``): the method returns ``Then(step)``, which the
+  scheduler applies later, other calls in between. That removal is
+  conditional on the uid of a PUT's body, and on nothing for a PATCH;
 * Pods: JSON Patch, a failed ``test`` answered 422 (``errors.Invalid``).
 
 Every write fans an event (a deep copy) out to every subscribed watch whose
@@ -135,6 +141,14 @@ def inventory(
             }
         ],
     }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Then:
+    """A call half done: the server applies ``step`` in a later scheduler step; its result or
+    exception is the call's answer."""
+
+    step: Callable[[], Any]
 
 
 def _not_found(kind: str, name: str) -> errors.NotFound:
@@ -421,16 +435,53 @@ class ApiServer:
             return None
         return self._write("leases", key, None)
 
-    def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
+    def replace_lease(self, body: Mapping[str, Any]) -> Obj | Then:
+        """PUT: the whole Lease, conditional on its ``metadata.resourceVersion``.
+
+        Emptying the finalizers of a Terminating Lease removes it, in a second step
+        conditional on the body's uid (its NotFound ignored, as the real server does)."""
+        m = meta(body)
+        name = str(m.get("name", ""))
+        obj = self.lease(name)
+        if obj is None:
+            raise _not_found("leases.coordination.k8s.io", name)
+        if m.get("resourceVersion") != meta(obj).get("resourceVersion"):
+            raise _conflict(
+                "leases.coordination.k8s.io",
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        if meta(obj).get("deletionTimestamp") and not m.get("finalizers"):
+            return Then(lambda: self._remove_emptied_lease(name, clone(body), uid=m.get("uid")))
+        new = clone(dict(body))
+        new["metadata"] = {**meta(new), "deletionTimestamp": meta(obj).get("deletionTimestamp")}
+        if not new["metadata"]["deletionTimestamp"]:
+            del new["metadata"]["deletionTimestamp"]
+        written = self._write("leases", f"{self.namespace}/{name}", new)
+        assert written is not None
+        return clone(written)
+
+    def patch_lease_finalizers(self, name: str, *, uid: str) -> Then | None:
+        """The JSON Patch ``[test /metadata/uid, replace /metadata/finalizers []]``: what the
+        controller did before. The removal of a Terminating Lease that follows is conditional on
+        nothing: it removes whatever Lease has the name by then."""
         obj = self._lease_with_uid(name, uid)
-        key = f"{self.namespace}/{name}"
         if meta(obj).get("deletionTimestamp"):
-            self._write("leases", key, None)
-            return
+            return Then(lambda: self._remove_emptied_lease(name, None, uid=None))
         if meta(obj).get("finalizers"):
             new = dict(obj)
             new["metadata"] = {k: v for k, v in meta(obj).items() if k != "finalizers"}
-            self._write("leases", key, new)
+            self._write("leases", f"{self.namespace}/{name}", new)
+        return None
+
+    def _remove_emptied_lease(self, name: str, answer: Obj | None, *, uid: str | None) -> Obj | None:
+        """``deleteWithoutFinalizers``: remove the Lease, if it has ``uid`` when given."""
+        try:
+            self._lease_with_uid(name, uid)
+        except errors.NotFound:
+            return answer
+        self._write("leases", f"{self.namespace}/{name}", None)
+        return answer
 
     def admin_delete_lease(self, name: str) -> bool:
         """``kubectl delete lease``: no precondition. True when the Lease vanished at once."""

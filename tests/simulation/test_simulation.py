@@ -144,11 +144,36 @@ def test_lease_create_is_the_lock_even_while_a_finalizer_keeps_it_terminating() 
     assert server.lease("gpu-a")["metadata"]["deletionTimestamp"]  # type: ignore[index]
     with pytest.raises(errors.AlreadyExists):
         server.create_lease(_lease_body("gpu-a", "claim-2"))
-    server.drop_lease_finalizer("gpu-a", uid=uid)
+    terminating = server.get_lease("gpu-a")
+    emptied = {**terminating, "metadata": {**terminating["metadata"], "finalizers": []}}
+    second = server.replace_lease(emptied)
+    assert isinstance(second, model.Then) and server.lease("gpu-a") is not None
+    assert second.step() == emptied
     assert server.lease("gpu-a") is None
     with pytest.raises(errors.NotFound):
         server.delete_lease("gpu-a", uid=uid)
     server.create_lease(_lease_body("gpu-a", "claim-2"))
+
+
+def test_emptying_a_terminating_lease_removes_it_later_guarded_by_a_puts_uid_not_a_patchs() -> None:
+    # As genericregistry.Store.Update: the update's check, then (deleteWithoutFinalizers) a
+    # removal conditional on the uid of the request's body: a PUT has one, a PATCH none.
+    server = _server()
+    first = server.create_lease(_lease_body("gpu-a", "claim-1", ["gpu.scheduling/keep"]))
+    uid = first["metadata"]["uid"]
+    server.delete_lease("gpu-a", uid=uid)
+    terminating = server.get_lease("gpu-a")
+    emptied = {**terminating, "metadata": {**terminating["metadata"], "finalizers": []}}
+    put, other_put = server.replace_lease(emptied), server.replace_lease(emptied)
+    patch = server.patch_lease_finalizers("gpu-a", uid=uid)
+    assert isinstance(put, model.Then) and isinstance(other_put, model.Then) and isinstance(patch, model.Then)
+    put.step()  # the first request removes the Lease; another claim takes the name
+    server.create_lease(_lease_body("gpu-a", "claim-2"))
+    with pytest.raises(errors.Conflict):
+        other_put.step()  # the other PUT's removal fails its uid precondition
+    assert server.lease("gpu-a")["spec"]["holderIdentity"] == "claim-2"  # type: ignore[index]
+    patch.step()  # the PATCH's removal, checked against nothing, removes claim-2's Lease
+    assert server.lease("gpu-a") is None
 
 
 def test_a_label_selector_watch_sees_an_object_leave_as_deleted() -> None:
@@ -315,6 +340,16 @@ REGRESSIONS = [
         "invariant 0: a claim's DELETED event during its reconcile dropped its retry state and the "
         "reconcile raised KeyError in _unfit",
         id="old-keyerror-in-unfit",
+    ),
+    pytest.param(
+        455,
+        frozenset[str](),
+        "(d) found on commit 5c95727, which emptied a Terminating Lease's finalizers with a JSON "
+        "Patch: c1.2 and c0 both release n1/1 (lease-9); both PATCHes pass their uid test; c0's "
+        "removes it; c0 creates n1/1 for claim-10; c1.2's removal, checked against nothing, deletes "
+        "claim-10's Lease; ns-a/c0 is Allocated [n1/0, n1/1] with no Lease on n1/1 (the race test's "
+        "seed 18)",
+        id="d-patch-removal-deletes-the-next-claims-lease",
     ),
 ]
 
