@@ -174,7 +174,7 @@ def test_chart_metadata_and_the_crds_ship_in_crds_dir() -> None:
     assert chart["appVersion"] == "0.1.0"
     assert chart["kubeVersion"] == ">=1.30.0-0"
     crds = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "crds").glob("*.yaml")}
-    assert crds == {"gpuclaims.gpu.scheduling", "gpunodestatuses.gpu.scheduling"}
+    assert crds == {"gpuclaims.gpu.scheduling", "gpunodestatuses.gpu.scheduling", "gpuquotas.gpu.scheduling"}
     # helm template leaves crds/ out unless asked: the CRDs are not templated objects.
     assert "CustomResourceDefinition" not in kinds(render())
 
@@ -520,6 +520,8 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     }
     expected |= {("*", "gpu.scheduling", "gpuclaims/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "gpu.scheduling", "gpunodestatuses", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", "gpu.scheduling", "gpuquotas", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", "gpu.scheduling", "gpuquotas/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
@@ -530,6 +532,36 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     assert granted == expected
     # Leases only in its own namespace: a lock elsewhere locks nothing.
     assert not any(r == "leases" and scope == "*" for scope, _, r, _, _ in granted)
+
+
+def _aggregated_into(objs: list[Obj], role: str) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the chart adds to one of Kubernetes' standard roles."""
+    label = f"rbac.authorization.k8s.io/aggregate-to-{role}"
+    return {
+        (group, resource, verb)
+        for o in objs
+        if o["kind"] == "ClusterRole" and o["metadata"]["labels"].get(label) == "true"
+        for rule in o["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_tenant_roles_write_claims_and_only_read_quotas() -> None:
+    objs = render()
+    read = {("gpu.scheduling", r, v) for r in ("gpuclaims", "gpuquotas") for v in ("get", "list", "watch")}
+    write = {
+        ("gpu.scheduling", "gpuclaims", v)
+        for v in ("create", "delete", "deletecollection", "patch", "update")
+    }
+    assert _aggregated_into(objs, "view") == read
+    assert _aggregated_into(objs, "edit") == read | write
+    assert _aggregated_into(objs, "admin") == read | write
+    # Quotas are the cluster admin's; statuses are the controller's; nothing else is granted.
+    assert not any(r.endswith("/status") for _, r, _ in _aggregated_into(objs, "admin"))
+    off = render(rbac__aggregateToTenantRoles="false")
+    assert not [o for o in off if "aggregate-to-view" in str(o["metadata"].get("labels"))]
 
 
 def test_controller_may_patch_pods_only_in_gate_mode() -> None:
@@ -696,6 +728,7 @@ NO_GPU = f"{FULLNAME}-no-gpu-without-claim"
 POD_DEVICES = f"{FULLNAME}-pod-devices"
 NODE_IDENTITY = f"{FULLNAME}-node-identity"
 GATED_LABEL = f"{FULLNAME}-pod-gated-label"
+QUOTA_PRIORITY = f"{FULLNAME}-quota-priority"
 
 
 def named(objs: list[Obj], name: str) -> list[str]:
@@ -876,6 +909,36 @@ def test_gated_label_policy_checks_creation_and_allows_only_removal() -> None:
     assert "g.name == 'gpu.scheduling/claim-allocated'" in checks
     assert "'gpu.scheduling/claim' in object.metadata" in checks
     assert named(render(gatedLabelPolicy__enabled="false"), GATED_LABEL) == []
+
+
+def test_quota_priority_policy_takes_every_quota_of_the_claims_namespace_as_a_param() -> None:
+    objs = render()
+    policy = one(objs, "ValidatingAdmissionPolicy", QUOTA_PRIORITY)["spec"]
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", QUOTA_PRIORITY)["spec"]
+    assert binding == {
+        "policyName": QUOTA_PRIORITY,
+        "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"},
+        "validationActions": ["Deny"],
+    }
+    assert policy["failurePolicy"] == "Fail"
+    assert policy["paramKind"] == {"apiVersion": "gpu.scheduling/v1", "kind": "GpuQuota"}
+    assert policy["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": ["gpu.scheduling"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["gpuclaims"],
+        }
+    ]
+    # An update that keeps the priority (a label, the controller's finalizer) is not checked.
+    (condition,) = policy["matchConditions"]
+    assert "oldObject.spec.?priority.orValue(0)" in condition["expression"]
+    (check,) = policy["validations"]
+    assert check["expression"] == (
+        "!has(params.spec.maxPriority) || variables.priority <= params.spec.maxPriority"
+    )
+    assert "the maximum of namespace" in check["messageExpression"]
+    assert named(render(quotaPriorityPolicy__enabled="false"), QUOTA_PRIORITY) == []
 
 
 def test_node_status_crd_requires_the_name_to_be_the_node_name() -> None:
