@@ -168,10 +168,12 @@ def _int_compare(label: str, bound: str, op: str) -> bool:
     return left > right if op == "Gt" else left < right
 
 
-def order_key(claim: models.GpuClaim) -> tuple[int, str, str, str]:
-    """Allocation order: priority (high first), then creationTimestamp, then namespace/name."""
+def order_key(claim: models.GpuClaim, *, priority_cap: int | None = None) -> tuple[int, str, str, str]:
+    """Allocation order: priority (high first, at most ``priority_cap``: its namespace's quota), then
+    creationTimestamp, then namespace/name."""
+    priority = claim.spec.priority if priority_cap is None else min(claim.spec.priority, priority_cap)
     return (
-        -claim.spec.priority,
+        -priority,
         claim.metadata.creation_timestamp,
         claim.metadata.namespace,
         claim.metadata.name,

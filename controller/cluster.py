@@ -21,6 +21,7 @@ the same controller code runs against both:
 * ``patch_claim_status`` / ``patch_claim_metadata``: JSON merge patches with
   a resourceVersion precondition, ``errors.Conflict`` when the claim has
   moved on; the answer is the claim as written (an authoritative read);
+* ``patch_quota_status``: the same on a GpuQuota's status (its ledger);
 * ``get_claim`` / ``get_lease``: authoritative reads (quorum), not the cache;
 * ``list_pods``: an authoritative read of one namespace's pods;
 * ``patch_pod``: a JSON Patch (list of operations) on a pod;
@@ -63,6 +64,10 @@ class Cluster(Protocol):
         self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
     ) -> Obj: ...
 
+    async def patch_quota_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj: ...
+
     async def list_pods(self, namespace: str) -> list[Obj]: ...
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj: ...
@@ -102,6 +107,11 @@ class KubeCluster:
         self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
     ) -> Obj:
         return await self._crs.patch_claim(namespace, name, patch, resource_version=resource_version)
+
+    async def patch_quota_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        return await self._crs.patch_quota_status(namespace, name, patch, resource_version=resource_version)
 
     async def list_pods(self, namespace: str) -> list[Obj]:
         items: list[Obj] = []

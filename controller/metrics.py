@@ -13,6 +13,9 @@ DeviceCounts = Iterable[tuple[str, str, int]]
 
 DEVICE_STATES = ("free", "allocated", "unhealthy")
 
+# namespace, quota name, used, hard
+QuotaFigures = Iterable[tuple[str, str, int, int]]
+
 
 class _DeviceCollector(Collector):
     """``gpualloc_devices{node,state}``, computed from the caches when scraped."""
@@ -29,6 +32,25 @@ class _DeviceCollector(Collector):
         for node, state, count in self.source():
             family.add_metric([node, state], count)
         yield family
+
+
+class _QuotaCollector(Collector):
+    """``gpualloc_quota_used_gpus`` and ``gpualloc_quota_hard_gpus`` per GpuQuota, from the caches."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], QuotaFigures] = lambda: ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["namespace", "quota"]
+        used = GaugeMetricFamily(
+            "gpualloc_quota_used_gpus", "GPUs of the claims a GpuQuota admitted", labels=labels
+        )
+        hard = GaugeMetricFamily("gpualloc_quota_hard_gpus", "A GpuQuota's limit (spec.gpus)", labels=labels)
+        for namespace, name, in_use, limit in self.source():
+            used.add_metric([namespace, name], in_use)
+            hard.add_metric([namespace, name], limit)
+        yield used
+        yield hard
 
 
 class Metrics:
@@ -63,9 +85,14 @@ class Metrics:
         self.leader = Gauge("gpualloc_leader", "1 while this controller is the leader", registry=r)
         self._devices = _DeviceCollector()
         r.register(self._devices)
+        self._quotas = _QuotaCollector()
+        r.register(self._quotas)
 
     def set_device_source(self, source: Callable[[], DeviceCounts]) -> None:
         self._devices.source = source
+
+    def set_quota_source(self, source: Callable[[], QuotaFigures]) -> None:
+        self._quotas.source = source
 
     def set_pending_source(self, source: Callable[[], int]) -> None:
         self.pending_claims.set_function(lambda: float(source()))

@@ -14,7 +14,9 @@
   the devices' state (reason ``DevicesTaken`` when another claim holds one of
   its Leases: the webhook then refuses its new pods), and un-gates its pods;
 * **Failed**: releases leftovers;
-* **Pending**: plans on the caches (``allocator.allocate``), locks the chosen
+* **Pending**: plans on the caches (``allocator.allocate``), has the plan
+  admitted by its namespace's quotas (``ledger``; over a quota it stays
+  Pending with reason ``QuotaExceeded`` and the quota's message), locks the chosen
   devices (``locking.acquire``; on a device taken meanwhile it plans again, up
   to ``LOCK_ATTEMPTS`` times), writes the status at the resourceVersion it
   planned from, then releases leftovers. When nothing fits: Pending with the
@@ -37,10 +39,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from controller import allocator, gates, locking, retries, statuses, views
+from controller import allocator, gates, locking, quotas, retries, statuses, views
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
+from controller.ledger import Ledger
 from controller.state import State
 from gpualloc.api import codecs, constants, leases, models, timestamps
 from gpualloc.kube import errors, watching
@@ -90,6 +93,10 @@ class Reconciler:
         self._retry: dict[str, retries.RetryState] = {}
         self._failed_event: dict[str, tuple[str, float]] = {}
         self._rr_cursor = 0
+        self.ledger = Ledger(cluster, state, retry_soon=self._retry_soon)
+
+    def _retry_soon(self, key: str) -> None:
+        self.requeue(key, 0.05 + 0.2 * self.rng.random())
 
     def forget(self, key: str) -> None:
         """The claim is gone: drop what was remembered about it."""
@@ -149,7 +156,7 @@ class Reconciler:
                 meta.namespace, meta.name, patch, resource_version=meta.resource_version
             )
         except errors.Conflict:
-            self.requeue(claim.key, 0.05 + 0.2 * self.rng.random())
+            self._retry_soon(claim.key)
             return None
         except errors.NotFound:
             return None
@@ -220,6 +227,10 @@ class Reconciler:
                 retry = retries.initial_retry_state(claim)
             self._retry[key] = retry
         leftovers = list(self.state.held_by(uid).values())  # seen before any write below
+        over_quota = self.ledger.check(claim)
+        if over_quota:
+            await self._unfit(claim, over_quota, leftovers, why=quotas.REASON)
+            return
         result: locking.LockResult | None = None
         decision: allocator.Decision | None = None
         for _ in range(LOCK_ATTEMPTS):
@@ -234,6 +245,15 @@ class Reconciler:
             if not decision.allocations:
                 await self._unfit(claim, decision.reason, leftovers)
                 return
+            product = quotas.products_of(decision.allocations, self.state.statuses)
+            if not self.ledger.holds(claim, product):
+                refused = await self.ledger.admit(claim, product)
+                if refused is None:
+                    return  # a ledger changed meanwhile: retried shortly
+                if refused:
+                    await self._unfit(claim, refused, leftovers, why=quotas.REASON)
+                    return
+                continue  # admitted: plan again, as the caches may have moved while it was written
             plan = locking.lock_plan(decision.allocations)
             names = [item.lease for item in plan]
             # Planned and reserved without an await in between: two workers of this process never
@@ -288,7 +308,12 @@ class Reconciler:
             self._rr_cursor = names.index(last) + 1
 
     async def _unfit(
-        self, claim: models.GpuClaim, reason: str, leftovers: Sequence[leases.LeaseInfo]
+        self,
+        claim: models.GpuClaim,
+        reason: str,
+        leftovers: Sequence[leases.LeaseInfo],
+        *,
+        why: str = statuses.REASON_INSUFFICIENT,
     ) -> None:
         key = claim.key
         policy = claim.spec.retry_policy
@@ -302,7 +327,7 @@ class Reconciler:
             phase, cond_reason = constants.PHASE_FAILED, statuses.REASON_RETRIES_EXHAUSTED
             message = f"{reason} (gave up after {retry.retry_count} retries)"
         else:
-            phase, cond_reason = constants.PHASE_PENDING, statuses.REASON_INSUFFICIENT
+            phase, cond_reason = constants.PHASE_PENDING, why
             message = reason
         now = self._now()
         patch = statuses.unallocated_status(
@@ -349,6 +374,7 @@ class Reconciler:
         recorded = locking.recorded(claim)
         held = self.state.held_by(uid)
         await self._release_leftovers(claim, held.values())
+        await self.ledger.enter_allocated(claim)
         taken: dict[str, str] = {}
         missing = sorted(recorded - held.keys())
         if missing:
@@ -428,6 +454,8 @@ class Reconciler:
                 f"released {count} GPU{'s' if count != 1 else ''}",
                 "Normal",
             )
+        if not await self.ledger.leave(claim):
+            return  # a quota's ledger changed meanwhile: retried shortly, the finalizer kept till then
         finalizers = [f for f in claim.metadata.finalizers if f != constants.FINALIZER]
         with contextlib.suppress(errors.NotFound):
             await self._patch_finalizers(claim, finalizers)

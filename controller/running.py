@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from controller import allocator
+from controller import allocator, quotas
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
@@ -88,11 +88,12 @@ class Controller:
             emit=self._emit,
             requeue=self.queue.add_after,
         )
-        self.sweeper = Sweeper(cluster, self.state, self.gate, wake=self.queue.add)
+        self.sweeper = Sweeper(cluster, self.state, self.gate, self.reconciler.ledger, wake=self.queue.add)
         self._errors: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.active = False
         self.metrics.set_device_source(self.state.device_counts)
+        self.metrics.set_quota_source(self.state.quota_figures)
         self.metrics.set_pending_source(lambda: len(self.state.pending))
 
     # ------------------------------------------------------------------ what the simulation drives
@@ -154,7 +155,8 @@ class Controller:
         if claim is None:
             return (0, 0, "", "", key)
         deleting = 0 if claim.metadata.deletion_timestamp else 1  # releasing first frees capacity first
-        return (deleting, *allocator.order_key(claim))
+        cap = quotas.max_priority(self.state.quotas(claim.metadata.namespace))
+        return (deleting, *allocator.order_key(claim, priority_cap=cap))
 
     async def _worker(self) -> None:
         while True:

@@ -1,8 +1,8 @@
 """What the controller knows of the cluster: its caches and the indexes kept from their events.
 
-Five feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
-device Leases (``managed-by=gpualloc`` in the controller's namespace) and the
-pods the webhook gated. On a real API server each is a
+Six feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
+device Leases (``managed-by=gpualloc`` in the controller's namespace), the
+pods the webhook gated and every GpuQuota. On a real API server each is a
 ``watching.Reflector``; in the deterministic simulation, an in-memory stand-in
 with the same ``cache`` / ``synced`` / ``on_event`` / ``get``. Each event
 updates the indexes here in O(what changed) and names the claims worth looking
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods")
+FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods", "quotas")
 GONE_KEPT = 10_000  # deleted uids remembered, against late answers to our own writes
 
 
@@ -73,6 +73,7 @@ def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, 
         "pods": watching.Reflector(
             api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", transform=gates.kept_of_pod
         ),
+        "quotas": watching.Reflector(api, watching.QUOTAS),
     }
 
 
@@ -120,6 +121,7 @@ class State:
             "nodes": self._on_node,
             "leases": self._on_lease,
             "pods": self._on_pod,
+            "quotas": self._on_quota,
         }
         for name, feed in self.feeds.items():
             feed.on_event = handlers[name]
@@ -147,6 +149,8 @@ class State:
         # Gated pods.
         self._pod_claim: dict[str, str] = {}
         self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
+        # Quotas.
+        self._quotas: dict[str, dict[str, models.GpuQuota]] = collections.defaultdict(dict)  # namespace ->
 
     # ------------------------------------------------------------------ reading
 
@@ -202,6 +206,19 @@ class State:
             pod = pods.get(pod_key)
             if pod is not None and gates.is_gated(pod):
                 yield pod_key, pod
+
+    def quotas(self, namespace: str) -> list[models.GpuQuota]:
+        """The namespace's GpuQuotas, by name."""
+        held = self._quotas.get(namespace, {})
+        return [held[key] for key in sorted(held)]
+
+    def all_quotas(self) -> list[models.GpuQuota]:
+        return [quota for namespace in sorted(self._quotas) for quota in self.quotas(namespace)]
+
+    def quota_figures(self) -> Iterable[tuple[str, str, int, int]]:
+        """(namespace, name, used, hard) of every quota, for the metrics."""
+        for quota in self.all_quotas():
+            yield quota.metadata.namespace, quota.metadata.name, quota.status.used, quota.spec.gpus
 
     def heartbeat_age(self, node: str) -> float | None:
         """Seconds since this process saw the node's heartbeat change (its own clock, not the agent's:
@@ -433,6 +450,32 @@ class State:
         self._pod_claim[key] = claim_key
         self._pods_by_claim[claim_key].add(key)
         self.wake(claim_key)
+
+    def _on_quota(self, type_: str, raw: Obj) -> None:
+        """Index the quota; when it may admit more than before, wake its namespace's pending claims."""
+        namespace = str(_meta(raw).get("namespace", ""))
+        key = watching.object_key(raw)
+        held = self._quotas[namespace]
+        old = held.pop(key, None)
+        quota: models.GpuQuota | None = None
+        if type_ != watching.DELETED:
+            try:
+                quota = codecs.parse_quota(raw)
+            except codecs.DecodeError as exc:
+                log.error("unreadable GpuQuota skipped", extra={"quota": key, "error": str(exc)})
+            else:
+                held[key] = quota
+        if not held:
+            del self._quotas[namespace]
+        more_room = (
+            old is None
+            or quota is None
+            or quota.spec != old.spec
+            or any(uid not in quota.status.claims for uid in old.status.claims)
+        )
+        if more_room:
+            for claim_key in [k for k in self.pending if k.startswith(f"{namespace}/")]:
+                self._wake_claim(claim_key)
 
     def _wake_pending(self) -> None:
         for key in self.pending:

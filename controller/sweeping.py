@@ -7,7 +7,8 @@ Every ``sweep_interval`` seconds, and once when this process starts leading:
   record them (``locking``, rule 3);
 * claims whose Leases do not match their status, or whose devices changed,
   are queued for a reconcile;
-* nodes whose heartbeat went stale or fresh wake the pending claims.
+* nodes whose heartbeat went stale or fresh wake the pending claims;
+* quota ledger entries of claims that are gone are taken out (``ledger``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from controller import cluster as kube
 from controller import locking, statuses
 from controller.gating import PodGate
+from controller.ledger import Ledger
 from controller.state import State
 from gpualloc.api import constants, leases
 from gpualloc.kube import errors
@@ -27,11 +29,18 @@ log = logging.getLogger(__name__)
 
 class Sweeper:
     def __init__(
-        self, cluster: kube.Cluster, state: State, gate: PodGate, *, wake: Callable[[str], None]
+        self,
+        cluster: kube.Cluster,
+        state: State,
+        gate: PodGate,
+        ledger: Ledger,
+        *,
+        wake: Callable[[str], None],
     ) -> None:
         self.cluster = cluster
         self.state = state
         self.gate = gate
+        self.ledger = ledger
         self.wake = wake
         self.sweeps = 0
 
@@ -49,6 +58,8 @@ class Sweeper:
             orphans += len(gone)
         if orphans:
             log.info("released leases of vanished claims", extra={"leases": orphans})
+        for quota in self.state.all_quotas():
+            await self.ledger.drop_gone(quota)
         for key in self.state.claim_keys():
             if self._needs_attention(key):
                 self.wake(key)

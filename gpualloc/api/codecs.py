@@ -64,7 +64,10 @@ def _decode_value(tp: Any, raw: Any, path: str) -> Any:
     if origin in (Mapping, dict, typing.Mapping) or tp is dict:
         if not isinstance(raw, dict):
             raise DecodeError(f"{path}: expected an object, got {type(raw).__name__}")
-        return {str(k): str(v) for k, v in raw.items()}
+        value_type = (typing.get_args(tp) or (str, str))[1]
+        if value_type is str:
+            return {str(k): str(v) for k, v in raw.items()}
+        return {str(k): _decode_value(value_type, v, f"{path}.{k}") for k, v in raw.items()}
     if tp is bool:
         if not isinstance(raw, bool):
             raise DecodeError(f"{path}: expected a boolean")
@@ -99,7 +102,7 @@ def _encode_value(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_encode_value(v) for v in value]
     if isinstance(value, Mapping):
-        return dict(value)
+        return {k: _encode_value(v) for k, v in value.items()}
     return value
 
 
@@ -137,6 +140,15 @@ def parse_node_status(raw: Mapping[str, Any]) -> models.GpuNodeStatus:
         metadata=decode_meta(raw),
         spec=decode(models.GpuNodeStatusSpec, raw.get("spec"), "spec"),
         status=decode(models.NodeInventory, raw.get("status") or {}, "status"),
+    )
+
+
+def parse_quota(raw: Mapping[str, Any]) -> models.GpuQuota:
+    """A GpuQuota from the API's JSON."""
+    return models.GpuQuota(
+        metadata=decode_meta(raw),
+        spec=decode(models.GpuQuotaSpec, raw.get("spec"), "spec"),
+        status=decode(models.GpuQuotaStatus, raw.get("status") or {}, "status"),
     )
 
 

@@ -16,6 +16,8 @@ CLAIM_KIND = "GpuClaim"
 CLAIM_PLURAL = "gpuclaims"
 NODE_STATUS_KIND = "GpuNodeStatus"
 NODE_STATUS_PLURAL = "gpunodestatuses"
+QUOTA_KIND = "GpuQuota"
+QUOTA_PLURAL = "gpuquotas"
 
 # Annotations and labels.
 ANNOTATION_CLAIM = f"{GROUP}/claim"

@@ -210,3 +210,46 @@ class GpuNodeStatus:
     metadata: ObjectMeta
     spec: GpuNodeStatusSpec
     status: NodeInventory = dataclasses.field(default_factory=NodeInventory)
+
+
+# ---------------------------------------------------------------- GpuQuota
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ProductLimit:
+    pattern: str  # fnmatch, case-sensitive: "*H100*"
+    gpus: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GpuQuotaSpec:
+    gpus: int
+    products: tuple[ProductLimit, ...] = ()
+    max_priority: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class QuotaEntry:
+    """One admitted claim in a quota's ledger."""
+
+    name: str
+    gpus: int
+    product: str = ""  # the product names of its devices, comma-separated; "" before a plan
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GpuQuotaStatus:
+    used: int = 0
+    used_by_product: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    claims: Mapping[str, QuotaEntry] = dataclasses.field(default_factory=dict)  # claim uid ->
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GpuQuota:
+    metadata: ObjectMeta
+    spec: GpuQuotaSpec
+    status: GpuQuotaStatus = dataclasses.field(default_factory=GpuQuotaStatus)
+
+    @property
+    def key(self) -> str:
+        return f"{self.metadata.namespace}/{self.metadata.name}"

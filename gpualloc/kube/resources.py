@@ -97,6 +97,19 @@ class CustomResources:
             _content_type=transport.MERGE_PATCH,
         )
 
+    async def patch_quota_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], resource_version: str | None = None
+    ) -> Obj:
+        """A JSON merge patch on a GpuQuota's status; with ``resource_version``, ``Conflict`` if stale."""
+        return await self._call(
+            "patch_namespaced_custom_object_status",
+            namespace,
+            constants.QUOTA_PLURAL,
+            name,
+            with_resource_version(patch, resource_version),
+            _content_type=transport.MERGE_PATCH,
+        )
+
     async def delete_claim(self, namespace: str, name: str) -> Obj:
         return await self._call("delete_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, name)
 

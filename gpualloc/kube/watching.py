@@ -83,6 +83,13 @@ NODE_STATUSES = ResourceKind(
     kind=constants.NODE_STATUS_KIND,
     namespaced=False,
 )
+QUOTAS = ResourceKind(
+    group=constants.GROUP,
+    version=constants.VERSION,
+    plural=constants.QUOTA_PLURAL,
+    kind=constants.QUOTA_KIND,
+    namespaced=True,
+)
 NODES = ResourceKind(group="", version="v1", plural="nodes", kind="Node", namespaced=False)
 LEASES = ResourceKind(
     group="coordination.k8s.io", version="v1", plural="leases", kind="Lease", namespaced=True

@@ -8,7 +8,12 @@
    Leases held by it exist for every device the claim lists and the pod uses.
    A pod is bound to the claim it was admitted for; a gated pod (which uses no
    device yet) to the claim of its name when it is un-gated.
-4. Once settled, no Lease is held by a claim that no longer exists.
+4. Once settled, no Lease is held by a claim that no longer exists, and no
+   quota ledger counts a claim that no longer exists.
+5. No quota is exceeded: the GPUs listed by the Allocated claims of a
+   namespace that hold GPUs (live, or being deleted but still holding a Lease)
+   are within every GpuQuota of the namespace (total and per product
+   pattern), and so is each quota's stored ledger.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -21,6 +26,7 @@ That another claim then takes the GPU is not exempt (1, or 2's "held by").
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,8 +66,46 @@ def _lease_problem(server: model.ApiServer, uuid: str, uid: str) -> str | None:
     return None
 
 
+def _quota_problem(server: model.ApiServer) -> str | None:
+    holders = {_holder(lease) for lease in server.objects["leases"].values()}
+    for key, quota in sorted(server.objects["quotas"].items()):
+        namespace = str(model.meta(quota).get("namespace"))
+        spec = quota.get("spec") or {}
+        limits = [("", int(spec["gpus"]))] + [
+            (p["pattern"], int(p["gpus"])) for p in spec.get("products") or []
+        ]
+        ledger = ((quota.get("status") or {}).get("claims") or {}).values()
+        for pattern, hard in limits:
+            in_use = 0
+            for claim in server.objects["claims"].values():
+                m = model.meta(claim)
+                holding = not m.get("deletionTimestamp") or str(m.get("uid")) in holders
+                if m.get("namespace") != namespace or not holding:
+                    continue
+                if (claim.get("status") or {}).get("phase") != constants.PHASE_ALLOCATED:
+                    continue
+                in_use += sum(1 for uuid, _, _ in listed_devices(claim) if _product_matches(uuid, pattern))
+            stored = sum(
+                int(e.get("gpus", 0))
+                for e in ledger
+                if not pattern
+                or any(fnmatch.fnmatchcase(p, pattern) for p in str(e.get("product", "")).split(","))
+            )
+            what = f"{pattern} GPUs" if pattern else "GPUs"
+            if in_use > hard:
+                return f"{namespace}'s Allocated claims hold {in_use} {what}, quota {key} allows {hard}"
+            if stored > hard:
+                return f"quota {key}'s ledger counts {stored} {what}, above its {hard}"
+    return None
+
+
+def _product_matches(uuid: str, pattern: str) -> bool:
+    """Every simulated GPU is a ``model.PRODUCT``."""
+    return not pattern or fnmatch.fnmatchcase(model.PRODUCT, pattern)
+
+
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
-    """Invariants 1-3; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
+    """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
     owners: dict[str, str] = {}
     for key, claim in sorted(server.objects["claims"].items()):
         if model.meta(claim).get("deletionTimestamp"):
@@ -106,13 +150,20 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
                     f"claim {claim_key} ({admitted_for}) is in use by pod {pod_key} ({phase}), "
                     f"but device {label.get(uuid, uuid)} {problem}",
                 )
+    problem = _quota_problem(server)
+    if problem is not None:
+        raise Violation(5, problem)
 
 
 def check_settled(server: model.ApiServer) -> None:
-    """Invariant 4; raises ``Violation``."""
+    """Invariant 4 (Leases and ledgers); raises ``Violation``."""
     uids = {str(model.meta(c).get("uid")) for c in server.objects["claims"].values()}
     for key, lease in sorted(server.objects["leases"].items()):
         holder = _holder(lease)
         if holder not in uids:
             state = " (Terminating)" if model.meta(lease).get("deletionTimestamp") else ""
             raise Violation(4, f"settled, yet Lease {key}{state} is held by {holder!r}, a claim that is gone")
+    for key, quota in sorted(server.objects["quotas"].items()):
+        for uid in (quota.get("status") or {}).get("claims") or {}:
+            if uid not in uids:
+                raise Violation(4, f"settled, yet quota {key}'s ledger counts {uid}, a claim that is gone")

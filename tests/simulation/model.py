@@ -23,7 +23,9 @@ them as the controller's ``Cluster``); the server decides *what* it does:
   ``deleteWithoutFinalizers``): the method returns ``Then(step)``, which the
   scheduler applies later, other calls in between. That removal is
   conditional on the uid of a PUT's body, and on nothing for a PATCH;
-* Pods: JSON Patch, a failed ``test`` answered 422 (``errors.Invalid``).
+* Pods: JSON Patch, a failed ``test`` answered 422 (``errors.Invalid``);
+* GpuQuotas: JSON merge patches on the status subresource with a
+  resourceVersion precondition, as claims.
 
 Every write fans an event (a deep copy) out to every subscribed watch whose
 filter the object passes, one FIFO queue per watch and kind: the scheduler
@@ -54,7 +56,7 @@ from gpualloc.kube import errors, watching
 
 Obj = dict[str, Any]
 
-KINDS = ("claims", "node_statuses", "nodes", "leases", "pods")
+KINDS = ("claims", "node_statuses", "nodes", "leases", "pods", "quotas")
 NAMESPACE = "gpualloc-system"  # where the device Leases live
 PRODUCT = "NVIDIA H100 80GB HBM3"
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -64,6 +66,7 @@ API_VERSIONS = {
     "nodes": ("v1", "Node"),
     "leases": ("coordination.k8s.io/v1", "Lease"),
     "pods": ("v1", "Pod"),
+    "quotas": (constants.API_VERSION, constants.QUOTA_KIND),
 }
 
 
@@ -299,6 +302,28 @@ class ApiServer:
         body = {"metadata": {"name": name, "namespace": namespace}, "spec": clone(dict(spec))}
         obj = self._created("claims", body, "claim")
         return clone(self._write("claims", key, obj))
+
+    def create_quota(self, namespace: str, name: str, spec: Mapping[str, Any]) -> Obj:
+        body = {"metadata": {"name": name, "namespace": namespace}, "spec": clone(dict(spec))}
+        obj = self._created("quotas", body, "quota")
+        return clone(self._write("quotas", f"{namespace}/{name}", obj))
+
+    def patch_quota_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        key = f"{namespace}/{name}"
+        old = self.objects["quotas"].get(key)
+        if old is None:
+            raise _not_found("gpuquotas", name)
+        if resource_version and meta(old).get("resourceVersion") != resource_version:
+            raise _conflict(
+                "gpuquotas.gpu.scheduling",
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        new = dict(old)
+        new["status"] = merge_patch(old.get("status"), patch.get("status"))
+        return clone(self._write("quotas", key, new))
 
     def delete_claim(self, namespace: str, name: str) -> None:
         """A user's delete: Terminating while finalizers remain, else removed."""

@@ -70,6 +70,7 @@ ACTIONS = frozenset(
         "crash",
         "fail-call",
         "relist",
+        "quota",
         "tick",
     }
 )
@@ -181,6 +182,17 @@ class Scenario:
             controllers=rng.choice((2, 2, 3)),
             steps=steps if steps is not None else rng.randint(20, 50),
         )
+
+
+def _draw_quota(rng: random.Random, scenario: Scenario) -> Obj | None:
+    """Half the schedules: a GpuQuota in ns-a below the cluster's GPUs, sometimes with a product limit."""
+    if rng.random() < 0.5:
+        return None
+    total = len(scenario.nodes) * scenario.gpus
+    spec: Obj = {"gpus": rng.randint(1, total - 1)}
+    if rng.random() < 0.3:
+        spec["products"] = [{"pattern": "*H100*", "gpus": rng.randint(1, spec["gpus"])}]
+    return spec
 
 
 @dataclasses.dataclass(eq=False)
@@ -329,6 +341,24 @@ class SimCluster:
         )
         return result
 
+    async def patch_quota_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        def describe() -> str:
+            claims = (patch.get("status") or {}).get("claims") or {}
+            entries = {uid: (e or {}).get("gpus") for uid, e in claims.items()}
+            return f"patch_quota_status {namespace}/{name} rv={resource_version} claims={entries}"
+
+        result: Obj = await self._call(
+            describe,
+            self.server.patch_quota_status,
+            namespace,
+            name,
+            patch,
+            resource_version=resource_version,
+        )
+        return result
+
     async def list_pods(self, namespace: str) -> list[Obj]:
         def describe() -> str:
             return f"list_pods {namespace}"
@@ -383,6 +413,9 @@ class Simulation:
         self.seed = seed
         self.rng = random.Random(seed)
         self.scenario = Scenario.draw(self.rng, steps)
+        # The quota of ns-a, from an RNG of its own so that the rest of a schedule is the same with
+        # or without it (seeds pinned before quotas existed run with ``without={"quota"}``).
+        self.quota = None if "quota" in without else _draw_quota(random.Random(seed ^ 0x5EED), self.scenario)
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -579,6 +612,9 @@ class Simulation:
             for i in range(sc.gpus):
                 uuid = model.gpu_uuid(node, i)
                 self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}"
+        if self.quota is not None:
+            self.server.create_quota("ns-a", "quota", self.quota)
+            self.log("sched", f"ns-a has GpuQuota {self.quota}")
         self.slots = [f"c{i}" for i in range(sc.controllers)]
         for slot in self.slots:
             self._start(slot)

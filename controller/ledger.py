@@ -1,0 +1,116 @@
+"""The quota ledgers' writes: entering a claim before it takes GPUs, taking it out after.
+
+The rules and why they hold are in ``quotas``. Every write here is a merge
+patch of a GpuQuota's status at the resourceVersion the decision was made
+from; a Conflict means someone changed that ledger since, and the claim is
+looked at again shortly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from controller import cluster as kube
+from controller import quotas
+from controller.state import State
+from gpualloc.api import codecs, models
+from gpualloc.kube import errors
+
+log = logging.getLogger(__name__)
+
+
+class Ledger:
+    def __init__(self, cluster: kube.Cluster, state: State, *, retry_soon: Callable[[str], None]) -> None:
+        self.cluster = cluster
+        self.state = state
+        self.retry_soon = retry_soon  # requeue a claim key shortly
+
+    def check(self, claim: models.GpuClaim) -> str:
+        """Why the claim cannot be admitted whatever its plan ("" when it may be)."""
+        gpus = quotas.claim_gpus(claim)
+        for quota in self.state.quotas(claim.metadata.namespace):
+            why = quotas.verdict(
+                quota, claim.metadata.uid, quotas.merged(quota, claim.metadata.uid, gpus, "")
+            )
+            if why:
+                return why
+        return ""
+
+    def holds(self, claim: models.GpuClaim, product: str) -> bool:
+        """Does every quota of the namespace hold the claim for ``product``?"""
+        gpus = quotas.claim_gpus(claim)
+        return all(
+            quotas.covers(q, claim.metadata.uid, gpus, product)
+            for q in self.state.quotas(claim.metadata.namespace)
+        )
+
+    async def admit(self, claim: models.GpuClaim, product: str) -> str | None:
+        """Enter the claim, counted for ``product``, in every quota of its namespace.
+
+        "" when every one holds it now; the quota's message when one cannot; None
+        when a ledger changed meanwhile (the claim is retried shortly)."""
+        gpus = quotas.claim_gpus(claim)
+        uid = claim.metadata.uid
+        for quota in self.state.quotas(claim.metadata.namespace):
+            if quotas.covers(quota, uid, gpus, product):
+                continue
+            entry = quotas.merged(quota, uid, gpus, product)
+            why = quotas.verdict(quota, uid, entry)
+            if why:
+                return why
+            if not await self._write(quota, quotas.entry_patch(quota, claim, entry), claim.key):
+                return None
+            log.info("admitted by quota", extra={"claim": claim.key, "quota": quota.key, "gpus": entry.gpus})
+        return ""
+
+    async def enter_allocated(self, claim: models.GpuClaim) -> None:
+        """An Allocated claim missing from a ledger (allocated before the quota existed) is entered
+        without a check: it holds its GPUs already."""
+        uid = claim.metadata.uid
+        gpus = quotas.claim_gpus(claim)
+        product = quotas.products_of(claim.status.allocations, self.state.statuses)
+        for quota in self.state.quotas(claim.metadata.namespace):
+            if not quotas.covers(quota, uid, gpus, product):
+                entry = quotas.merged(quota, uid, gpus, product)
+                await self._write(quota, quotas.entry_patch(quota, claim, entry), claim.key)
+
+    async def leave(self, claim: models.GpuClaim) -> bool:
+        """Take the claim (its GPUs released) out of every ledger; False when one changed meanwhile."""
+        uid = claim.metadata.uid
+        for quota in self.state.quotas(claim.metadata.namespace):
+            if uid in quota.status.claims and not await self._write(
+                quota, quotas.removal_patch(quota, [uid]), claim.key
+            ):
+                return False
+        return True
+
+    async def drop_gone(self, quota: models.GpuQuota) -> None:
+        """Take out the entries of claims that no longer exist (an authoritative read says so)."""
+        gone: list[str] = []
+        for uid, entry in sorted(quota.status.claims.items()):
+            if self.state.claim_key_of(uid) is not None:
+                continue  # in the cache: alive as far as we know, and its own reconcile takes it out
+            try:
+                raw = await self.cluster.get_claim(quota.metadata.namespace, entry.name)
+            except errors.NotFound:
+                gone.append(uid)
+                continue
+            if codecs.decode_meta(raw).uid != uid:
+                gone.append(uid)
+        if gone:
+            await self._write(quota, quotas.removal_patch(quota, gone), "")
+            log.info("dropped gone claims from a quota", extra={"quota": quota.key, "claims": ",".join(gone)})
+
+    async def _write(self, quota: models.GpuQuota, patch: dict[str, object], reconciling: str) -> bool:
+        meta = quota.metadata
+        try:
+            raw = await self.cluster.patch_quota_status(
+                meta.namespace, meta.name, patch, resource_version=meta.resource_version
+            )
+        except (errors.Conflict, errors.NotFound):
+            if reconciling:
+                self.retry_soon(reconciling)
+            return False
+        self.state.remember("quotas", raw, reconciling=reconciling)
+        return True
