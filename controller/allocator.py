@@ -168,6 +168,9 @@ def _int_compare(label: str, bound: str, op: str) -> bool:
     return left > right if op == "Gt" else left < right
 
 
+MIG_MODE = "in MIG mode (use a MIG claim)"
+
+
 def order_key(claim: models.GpuClaim, *, priority_cap: int | None = None) -> tuple[int, str, str, str]:
     """Allocation order: priority (high first, at most ``priority_cap``: its namespace's quota), then
     creationTimestamp, then namespace/name."""
@@ -325,7 +328,8 @@ class _Prepared:
     """What screening and set search need from an inventory, computed once per inventory object."""
 
     inventory: models.NodeInventory
-    healthy: tuple[models.Device, ...]  # sorted by index
+    healthy: tuple[models.Device, ...]  # healthy and not in MIG mode (whole GPUs to give), by index
+    in_mig: int  # GPUs in MIG mode: never given whole, a CUDA program would see no usable device
     by_index: Mapping[int, models.Device]
     max_bw: int  # the fastest link on the node: no set can have a higher least bandwidth
     # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
@@ -363,7 +367,8 @@ def _prepare(inv: models.NodeInventory, limit: int) -> _Prepared:
     ordered = sorted(by_index.values(), key=lambda d: d.index)
     prepared = _Prepared(
         inventory=inv,
-        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY),
+        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY and not in_mig_mode(d)),
+        in_mig=sum(1 for d in ordered if in_mig_mode(d)),
         by_index=by_index,
         max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
     )
@@ -371,6 +376,10 @@ def _prepare(inv: models.NodeInventory, limit: int) -> _Prepared:
         _PREPARED.clear()
     _PREPARED[id(inv)] = prepared
     return prepared
+
+
+def in_mig_mode(device: models.Device) -> bool:
+    return device.mig is not None and device.mig.enabled
 
 
 def _screen(
@@ -412,7 +421,8 @@ def _screen(
     if len(usable) < ask.count:
         counts = (
             (len(prep.healthy) - free, "taken"),
-            (total - len(prep.healthy), "unhealthy"),
+            (total - len(prep.healthy) - prep.in_mig, "unhealthy"),
+            (prep.in_mig, MIG_MODE),
             (free - len(usable), "not" + ask.filters if ask.filters else "not matching"),
         )
         parts = [f"{n} {what}" for n, what in counts if n]
@@ -442,11 +452,19 @@ def _screen_prefer_ids(
     pinned = [d for d in usable if d.index in wanted]
     if len(pinned) >= ask.count:
         return _Screened(view, prep, position, len(by_index), free, pinned)
-    problems: dict[str, list[int]] = {"missing": [], "unhealthy": [], "taken": [], "not matching": []}
+    problems: dict[str, list[int]] = {
+        "missing": [],
+        MIG_MODE: [],
+        "unhealthy": [],
+        "taken": [],
+        "not matching": [],
+    }
     for i in ask.prefer_ids:
         d = by_index.get(i)
         if d is None:
             problems["missing"].append(i)
+        elif in_mig_mode(d):
+            problems[MIG_MODE].append(i)
         elif d.health != constants.HEALTHY:
             problems["unhealthy"].append(i)
         elif d.uuid in view.taken or d.uuid in extra_taken:

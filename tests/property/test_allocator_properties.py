@@ -29,6 +29,7 @@ def inventories(draw: st.DrawFn, name: str) -> tuple[models.NodeInventory, froze
             compute_capability="9.0",
             numa_node=draw(st.integers(0, 1)),
             health=draw(st.sampled_from((constants.HEALTHY,) * 5 + (constants.UNHEALTHY,))),
+            mig=models.MigInfo(enabled=True) if draw(st.integers(0, 7)) == 0 else None,
         )
         for i in range(n)
     )
@@ -125,6 +126,7 @@ def _free(view: allocator.NodeView, claim: models.GpuClaim | None = None) -> lis
         d
         for d in view.inventory.devices
         if d.health == constants.HEALTHY
+        and not allocator.in_mig_mode(d)
         and d.uuid not in view.taken
         and (pinned is None or d.index in pinned)
     ]
@@ -177,6 +179,7 @@ def test_allocations_are_safe_exact_and_respect_required_topology(
             dev = own[ref.uuid]  # on the replica's node
             assert (dev.index, dev.minor) == (ref.index, ref.minor)
             assert dev.health == constants.HEALTHY  # never unhealthy
+            assert not allocator.in_mig_mode(dev)  # never a GPU in MIG mode, whole
             assert ref.uuid not in view.taken  # never taken
         assert not seen & set(uuids)  # never twice across replicas
         seen |= set(uuids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from controller import allocator
@@ -407,6 +408,20 @@ def test_unhealthy_and_taken_devices_are_never_given() -> None:
     assert picked(d) == ("n", (3, 4, 5, 6))
     d = allocator.allocate(claim(5), [node("n", inv, taken=[0, 7])])
     assert d.per_node["n"] == "4 of 8 GPUs usable (2 taken, 2 unhealthy); need 5"
+
+
+def test_a_gpu_in_mig_mode_is_never_given_whole_and_the_reason_says_so() -> None:
+    inv = nvswitch("n", 4)
+    mig = models.MigInfo(enabled=True)
+    inv = dataclasses.replace(
+        inv, devices=tuple(dataclasses.replace(d, mig=mig) if d.index in (1, 2) else d for d in inv.devices)
+    )
+    d = allocator.allocate(claim(2), [node("n", inv)])
+    assert picked(d) == ("n", (0, 3))
+    d = allocator.allocate(claim(3), [node("n", inv)])
+    assert d.per_node["n"] == "2 of 4 GPUs usable (2 in MIG mode (use a MIG claim)); need 3"
+    pinned = allocator.allocate(claim(1, policy="preferIds", prefer_ids=[2]), [node("n", inv)])
+    assert pinned.per_node["n"] == "preferIds 2: 2 in MIG mode (use a MIG claim); 0 usable, need 1"
 
 
 def test_prefer_ids_pins_the_indices() -> None:
