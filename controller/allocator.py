@@ -5,12 +5,14 @@ clock, no global randomness (``strategy: random`` draws from
 ``random.Random(seed)``). Equal inputs give equal decisions.
 
 Nodes
-    A node is a candidate when its Node object exists, is not cordoned, has a
+    A node is a candidate when its Node object exists, is not cordoned, has no
+    NoSchedule/NoExecute taint the claim's pods would not tolerate (its
+    ``tolerations`` and ``taints.DEFAULT_TOLERATIONS``), has a
     GpuNodeStatus, is ready (the caller judges heartbeat freshness), matches
     ``spec.nodeName`` when set and ``spec.selector`` (``matches_selector``).
 
 Devices
-    A device is a candidate when it is Healthy, its UUID is not in ``taken``,
+    A device is a candidate when it is Healthy, not in MIG mode, its UUID is not in ``taken``,
     and it matches ``product`` (``fnmatch.fnmatchcase``: shell glob,
     case-sensitive, as NVML reports the name, like label values),
     ``minMemoryMiB`` and ``minComputeCapability`` (compared as ``(major, minor)``
@@ -91,7 +93,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controller import topology
-from gpualloc.api import constants, models
+from gpualloc.api import constants, models, taints
 
 EXHAUSTIVE_LIMIT = 5000
 BEAM_WIDTH = 48
@@ -112,6 +114,7 @@ class NodeView:
     ready: bool
     inventory: models.NodeInventory | None
     taken: frozenset[str]
+    taints: tuple[models.Taint, ...] = ()  # the blocking ones (NoSchedule, NoExecute)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +208,7 @@ class _Ask:
     node_name: str | None
     selector: models.LabelSelector | None
     filters: str  # ' matching product "X", >=N MiB' or ""
+    tolerations: tuple[models.Toleration, ...]  # the claim's and the defaults
 
 
 def parse_compute_capability(text: str) -> tuple[int, int] | None:
@@ -264,6 +268,7 @@ def _parse(claim: models.GpuClaim) -> _Ask | str:
         node_name=spec.node_name or None,
         selector=spec.selector,
         filters=(" matching " + ", ".join(filters)) if filters else "",
+        tolerations=taints.claim_tolerations(spec),
     )
 
 
@@ -389,6 +394,10 @@ def _screen(
         return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
     if view.unschedulable:
         return _Miss(1, "is cordoned", "are cordoned", "cordoned (spec.unschedulable)")
+    taint = taints.untolerated(view.taints, ask.tolerations)
+    if taint is not None:
+        phrase = f"tainted {taint}"
+        return _Miss(1, f"is {phrase}", f"are {phrase}", f"{phrase}, which the claim does not tolerate")
     inv = view.inventory
     if inv is None:
         return _Miss(

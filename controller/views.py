@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from controller import allocator
-from gpualloc.api import constants, models, timestamps
+from gpualloc.api import constants, models, taints, timestamps
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,6 +23,7 @@ class NodeFacts:
     name: str
     labels: Mapping[str, str]
     unschedulable: bool
+    taints: tuple[models.Taint, ...] = ()
 
 
 def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
@@ -32,6 +33,7 @@ def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
         name=str(metadata.get("name", "")),
         labels={str(k): str(v) for k, v in (metadata.get("labels") or {}).items()},
         unschedulable=bool(spec.get("unschedulable", False)),
+        taints=taints.node_taints(raw),
     )
 
 
@@ -82,6 +84,7 @@ def build_node_views(
                 name=name,
                 labels=facts.labels if facts else {},
                 unschedulable=facts.unschedulable if facts else False,
+                taints=facts.taints if facts else (),
                 node_present=facts is not None,
                 ready=node_ready(inventory, heartbeat_age=heartbeat_ages.get(name), stale_after=stale_after),
                 inventory=inventory,

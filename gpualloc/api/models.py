@@ -60,6 +60,29 @@ class RetryPolicy:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Toleration:
+    """As core/v1 Toleration: the claim's pods get it, and the allocator honours it."""
+
+    key: str = ""
+    operator: str = "Equal"  # Equal | Exists
+    value: str = ""
+    effect: str = ""  # "" (any) | NoSchedule | PreferNoSchedule | NoExecute
+    toleration_seconds: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Taint:
+    """A core/v1 Node taint."""
+
+    key: str
+    effect: str
+    value: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value}:{self.effect}" if self.value else f"{self.key}:{self.effect}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuClaimSpec:
     devices: DeviceRequest
     selector: LabelSelector | None = None
@@ -69,6 +92,7 @@ class GpuClaimSpec:
     priority: int = 0
     replicas: int = 1
     retry_policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    tolerations: tuple[Toleration, ...] = ()
 
 
 # -------------------------------------------------------------- GpuClaim status

@@ -424,6 +424,32 @@ def test_a_gpu_in_mig_mode_is_never_given_whole_and_the_reason_says_so() -> None
     assert pinned.per_node["n"] == "preferIds 2: 2 in MIG mode (use a MIG claim); 0 usable, need 1"
 
 
+def test_a_node_tainted_against_the_claim_is_skipped_and_explained() -> None:
+    gpu_pool = models.Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule")
+    reserved = models.Taint(key="team", value="ml", effect="NoExecute")
+    soft = models.Taint(key="spot", value="true", effect="PreferNoSchedule")
+    views = [
+        dataclasses.replace(node("a", nvswitch("a")), taints=(reserved,)),
+        dataclasses.replace(node("b", nvswitch("b")), taints=(gpu_pool,)),
+    ]
+    # The GKE/AKS GPU pool taint is tolerated by default; another taint needs the claim's toleration.
+    assert picked(allocator.allocate(claim(8, node_name="b"), views)) == ("b", tuple(range(8)))
+    refused = allocator.allocate(claim(8, node_name="a"), views)
+    assert refused.per_node["a"] == "tainted team=ml:NoExecute, which the claim does not tolerate"
+    assert (
+        refused.reason == '0/2 nodes fit: 1 is tainted team=ml:NoExecute, 1 is not the requested nodeName "a"'
+    )
+    tolerant = dataclasses.replace(
+        claim(8, node_name="a"),
+        spec=dataclasses.replace(
+            claim(8, node_name="a").spec, tolerations=(models.Toleration(key="team", operator="Exists"),)
+        ),
+    )
+    assert picked(allocator.allocate(tolerant, views)) == ("a", tuple(range(8)))
+    soft_only = [dataclasses.replace(node("c", nvswitch("c")), taints=(soft,))]
+    assert picked(allocator.allocate(claim(1), soft_only))[0] == "c"  # PreferNoSchedule does not block
+
+
 def test_prefer_ids_pins_the_indices() -> None:
     d = allocator.allocate(claim(2, policy="preferIds", prefer_ids=[7, 3]), [node("n", bridged("n"))])
     assert picked(d) == ("n", (3, 7))
