@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "webhook": ("webhook.main", "main", "run the TLS mutating admission webhook"),
     "certs": ("certs.main", "main", "create or renew the webhook's serving certificate"),
     "dev": ("gpualloc.devcluster.cli", "main", "build, start and stop the local control plane"),
-    "get": ("gpualloc.views", "get_main", "list GPU nodes or claims"),
+    "get": ("gpualloc.views", "get_main", "list GPU nodes, claims or quotas"),
     "explain": ("controller.explaining", "main", "say why a claim is pending, node by node"),
     "topo": ("gpualloc.views", "topo_main", "print a node's GPU topology matrix"),
 }

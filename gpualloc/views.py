@@ -1,4 +1,4 @@
-"""`gpualloc get nodes|claims` and `gpualloc topo NODE`: what people look at.
+"""`gpualloc get nodes|claims|quotas` and `gpualloc topo NODE`: what people look at.
 
 The formatting functions are pure (models in, text out) and unit-tested; the
 ``*_main`` functions read the cluster through a kubeconfig the way kubectl does
@@ -92,6 +92,23 @@ def format_claims(claims: Sequence[models.GpuClaim], now: dt.datetime, *, all_na
     return table(["NAMESPACE", *headers] if all_namespaces else headers, rows)
 
 
+def format_quotas(quotas: Sequence[models.GpuQuota], *, all_namespaces: bool) -> str:
+    """One row per GpuQuota (GPUs its ledger holds, its hard limit, its priority cap), then an
+    indented row per product limit. USED comes from the quota's status, as the controller wrote
+    it; it may be above HARD (claims Allocated before the quota existed)."""
+    rows = []
+    for quota in sorted(quotas, key=lambda q: (q.metadata.namespace, q.metadata.name)):
+        cap = "-" if quota.spec.max_priority is None else str(quota.spec.max_priority)
+        row = [quota.metadata.name, str(quota.status.used), str(quota.spec.gpus), cap]
+        rows.append([quota.metadata.namespace, *row] if all_namespaces else row)
+        for limit in quota.spec.products:
+            used = quota.status.used_by_product.get(limit.pattern, 0)
+            row = [f"  {limit.pattern}", str(used), str(limit.gpus), ""]
+            rows.append(["", *row] if all_namespaces else row)
+    headers = ["NAME", "USED", "HARD", "MAX-PRIORITY"]
+    return table(["NAMESPACE", *headers] if all_namespaces else headers, rows)
+
+
 def format_topology(node: models.GpuNodeStatus) -> str:
     """A matrix like ``nvidia-smi topo -m``, from the published links."""
     inv = node.status
@@ -142,7 +159,7 @@ def kubeconfig_path(explicit: str | None) -> str | None:
 
 
 async def _fetch(kubeconfig: str | None, what: str, namespace: str | None) -> dict[str, Any]:
-    from gpualloc.kube import client, resources
+    from gpualloc.kube import client, resources, transport, watching
 
     api = await client.connect(kubeconfig_path(kubeconfig))
     try:
@@ -152,6 +169,8 @@ async def _fetch(kubeconfig: str | None, what: str, namespace: str | None) -> di
             out["nodes"] = (await crs.list_node_statuses())["items"]
         if what in ("nodes", "claims"):
             out["claims"] = (await crs.list_claims(namespace))["items"]
+        if what == "quotas":
+            out["quotas"] = (await transport.request(api, "GET", watching.QUOTAS.path(namespace)))["items"]
         return out
     finally:
         await api.close()
@@ -179,26 +198,41 @@ def run_or_exit(coro: Any) -> dict[str, Any]:
         raise SystemExit(1) from exc
 
 
+# What `gpualloc get` lists, singular or plural as kubectl takes them.
+KINDS = {
+    "node": "nodes",
+    "nodes": "nodes",
+    "claim": "claims",
+    "claims": "claims",
+    "quota": "quotas",
+    "quotas": "quotas",
+}
+
+
 def get_main(argv: Sequence[str]) -> int:
     parser = _parser("gpualloc get")
-    parser.add_argument("what", choices=["nodes", "claims"], help="what to list")
-    parser.add_argument("-n", "--namespace", default="default", help="namespace of the claims")
-    parser.add_argument("-A", "--all-namespaces", action="store_true", help="claims in every namespace")
+    parser.add_argument("what", choices=list(KINDS), help="what to list")
+    parser.add_argument("-n", "--namespace", default="default", help="namespace of the claims or quotas")
+    parser.add_argument("-A", "--all-namespaces", action="store_true", help="in every namespace")
     args = parser.parse_args(argv)
-    if args.what == "nodes":
+    what = KINDS[args.what]
+    if what == "nodes":
         raw = run_or_exit(_fetch(args.kubeconfig, "nodes", None))
         nodes = [codecs.parse_node_status(n) for n in raw["nodes"]]
         claims = [codecs.parse_claim(c) for c in raw["claims"]]
         print(format_nodes(nodes, allocated_uuids(claims), _now()) if nodes else "No GPU nodes found.")
         return 0
     namespace = None if args.all_namespaces else args.namespace
-    raw = run_or_exit(_fetch(args.kubeconfig, "claims", namespace))
-    claims = [codecs.parse_claim(c) for c in raw["claims"]]
-    if not claims:
-        where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"
-        print(f"No GpuClaims found in {where}.")
+    where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"
+    raw = run_or_exit(_fetch(args.kubeconfig, what, namespace))
+    if what == "quotas":
+        quotas = [codecs.parse_quota(q) for q in raw["quotas"]]
+        listed = format_quotas(quotas, all_namespaces=args.all_namespaces) if quotas else ""
+        print(listed or f"No GpuQuotas found in {where}.")
         return 0
-    print(format_claims(claims, _now(), all_namespaces=args.all_namespaces))
+    claims = [codecs.parse_claim(c) for c in raw["claims"]]
+    listed = format_claims(claims, _now(), all_namespaces=args.all_namespaces) if claims else ""
+    print(listed or f"No GpuClaims found in {where}.")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 from controller import explaining, views
@@ -100,3 +101,14 @@ def test_explain_counts_devices_other_claims_hold() -> None:
     assert "would fit" not in out and "0/1 nodes fit" in out
     free = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
     assert "would fit" in free
+
+
+def test_explain_shows_the_quota_message_of_a_claim_held_back_by_its_quota() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    message = "namespace ml would use 10 of 8 GPUs (quota ml/default)"
+    claim = dataclasses.replace(
+        _claim("quad", "u1"), status=models.GpuClaimStatus(phase="Pending", message=message)
+    )
+    out = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
+    assert f"  status:  {message}" in out.splitlines()

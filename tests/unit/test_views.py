@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
+
+import pytest
 
 from gpualloc import views
-from gpualloc.api import models
+from gpualloc.api import codecs, models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -93,3 +96,77 @@ def test_topology_matrix_is_symmetric_with_self_on_the_diagonal() -> None:
     assert out[2].split() == ["GPU1", "NV18", "X", "SYS", "0"]
     assert out[3].split() == ["GPU2", "SYS", "SYS", "X", "0"]
     assert "  [0,1]: 900" in out
+
+
+# A GpuQuota as the API server returns it (the controller has written its status).
+QUOTA = {
+    "apiVersion": "gpu.scheduling/v1",
+    "kind": "GpuQuota",
+    "metadata": {"name": "default", "namespace": "ml", "uid": "q1", "resourceVersion": "7"},
+    "spec": {"gpus": 8, "maxPriority": 100, "products": [{"pattern": "*H100*", "gpus": 4}]},
+    "status": {
+        "used": 6,
+        "usedByProduct": {"*H100*": 4},
+        "claims": {
+            "c1": {"name": "train", "gpus": 4, "product": "NVIDIA H100 80GB HBM3"},
+            "c2": {"name": "eval", "gpus": 2, "product": "NVIDIA A100-SXM4-80GB"},
+        },
+    },
+}
+
+
+def test_quotas_table_shows_used_hard_and_cap_then_a_row_per_product_limit() -> None:
+    new = {"metadata": {"name": "burst", "namespace": "ml"}, "spec": {"gpus": 2}}  # no status yet
+    quotas = [codecs.parse_quota(new), codecs.parse_quota(QUOTA)]
+    out = views.format_quotas(quotas, all_namespaces=True).splitlines()
+    assert out[0].split() == ["NAMESPACE", "NAME", "USED", "HARD", "MAX-PRIORITY"]
+    assert out[1].split() == ["ml", "burst", "0", "2", "-"]
+    assert out[2].split() == ["ml", "default", "6", "8", "100"]
+    assert out[3].split() == ["*H100*", "4", "4"]
+    assert out[3].index("*H100*") > out[2].index("default")  # indented under its quota
+    one_namespace = views.format_quotas(quotas, all_namespaces=False).splitlines()
+    assert one_namespace[0].split() == ["NAME", "USED", "HARD", "MAX-PRIORITY"]
+    assert one_namespace[2].split() == ["default", "6", "8", "100"]
+
+
+def test_quotas_table_shows_used_above_hard_as_it_is() -> None:
+    # Claims Allocated before the quota existed are entered without a check.
+    over = codecs.parse_quota({**QUOTA, "status": {"used": 10}})
+    (_, row, product) = views.format_quotas([over], all_namespaces=False).splitlines()
+    assert row.split() == ["default", "10", "8", "100"]
+    assert product.split() == ["*H100*", "0", "4"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "namespace"),
+    [(["quota", "-n", "ml"], "ml"), (["quotas", "-A"], None), (["quota"], "default")],
+)
+def test_get_quota_lists_the_quotas_of_a_namespace_or_all(
+    argv: list[str],
+    namespace: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    asked: list[tuple[str, str | None]] = []
+
+    async def fetch(kubeconfig: str | None, what: str, ns: str | None) -> dict[str, Any]:
+        asked.append((what, ns))
+        return {"quotas": [QUOTA]}
+
+    monkeypatch.setattr(views, "_fetch", fetch)
+    assert views.get_main(argv) == 0
+    assert asked == [("quotas", namespace)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == ("NAMESPACE" if namespace is None else "NAME")
+    assert "default" in lines[1].split() and "*H100*" in lines[2]
+
+
+def test_get_quota_says_so_when_there_is_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def fetch(kubeconfig: str | None, what: str, ns: str | None) -> dict[str, Any]:
+        return {"quotas": []}
+
+    monkeypatch.setattr(views, "_fetch", fetch)
+    assert views.get_main(["quota", "-n", "ml"]) == 0
+    assert capsys.readouterr().out == "No GpuQuotas found in namespace ml.\n"
