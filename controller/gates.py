@@ -89,6 +89,17 @@ def pods_using(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list
     return using
 
 
+def pods_done(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods among ``candidates`` annotated with the claim that are Succeeded or Failed."""
+    return [
+        pod
+        for pod in candidates
+        if ((pod.get("metadata") or {}).get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+        == claim_name
+        and (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    ]
+
+
 def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[models.Allocation | None, str]:
     """The allocation a gated pod gets, or None and the reason it cannot get one."""
     metadata = pod.get("metadata") or {}

@@ -9,6 +9,12 @@
   ``in_use_poll`` seconds; otherwise it deletes every Lease it holds, emits
   ``Released`` and removes the finalizer ``gpu.scheduling/release-devices``;
 * otherwise it first adds that finalizer (before any Lease is taken);
+* **Allocated** with ``release: OnPodsCompleted``: lists the namespace's pods;
+  while some use it, records them (condition ``InUse``); once pods were seen
+  and every one has completed (or is gone), writes phase ``Released`` (no
+  devices, ``releasedTime``), releases its Leases and leaves its quotas, and
+  emits ``Released``;
+* **Released**: releases leftovers and leaves its quotas; its pods stay gated;
 * **Allocated**: releases leftovers, re-creates a recorded Lease that vanished
   (if nobody took it meanwhile), keeps the ``DevicesLost`` condition true to
   the devices' state (reason ``DevicesTaken`` when another claim holds one of
@@ -121,8 +127,20 @@ class Reconciler:
                 return
             claim = added
         if statuses.allocation_complete(claim):
-            if await self._maintain(claim):
+            if claim.spec.release == constants.RELEASE_ON_PODS_COMPLETED and await self._release_if_done(
+                claim
+            ):
+                return
+            if await self._maintain(claim) and not statuses.releasing(claim):
                 await self.gate.ungate(claim)
+            return
+        if claim.status.phase == constants.PHASE_RELEASED:
+            await self._release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
+            if not await self.ledger.leave(claim):
+                return
+            self.gate.warn_gated(
+                claim, f"claim {claim.metadata.name} is Released (its pods completed): create a new claim"
+            )
             return
         if claim.status.phase == constants.PHASE_FAILED and (
             claim.status.observed_generation >= claim.metadata.generation
@@ -430,6 +448,51 @@ class Reconciler:
     @staticmethod
     def _minor(claim: models.GpuClaim, uuid: str) -> int:
         return next(d.minor for a in claim.status.allocations for d in a.devices if d.uuid == uuid)
+
+    # ------------------------------------------------------------------ work done
+
+    async def _release_if_done(self, claim: models.GpuClaim) -> bool:
+        """``release: OnPodsCompleted``: release the claim once every pod that used it has completed;
+        True when it was released now (or its status moved on meanwhile).
+
+        The pods come from an authoritative list. A pod at our scheduling gate counts as using the
+        claim (``gates.pods_using``), and a claim nobody has used yet is kept. A pod admitted after
+        that list would be missed, so the list that decides is made after a fence: the condition
+        ``Releasing``, written first, for which the webhook admits no pod (the deterministic
+        simulation found a pod admitted between the list and the release)."""
+        pods = await self.cluster.list_pods(claim.metadata.namespace)
+        using = gates.pods_using(claim.metadata.name, pods)
+        fenced = statuses.releasing(claim)
+        now = self._now()
+        if using:
+            names = sorted(str((p.get("metadata") or {}).get("name", "")) for p in using)
+            condition = statuses.in_use_condition(claim, names, now=now, deleting=False)
+            conditions: Sequence[models.Condition] = claim.status.conditions
+            if condition is not None:
+                conditions = statuses.set_condition(conditions, condition)
+            if fenced:
+                conditions = statuses.set_condition(
+                    conditions, statuses.releasing_condition(claim, on=False, now=now)
+                )
+            if condition is not None or fenced:
+                await self._write_status(claim, statuses.conditions_patch(conditions))
+            return False
+        done = gates.pods_done(claim.metadata.name, pods)
+        if not done and not statuses.was_used(claim):
+            return False  # not used yet
+        if not fenced:
+            fence = statuses.releasing_condition(claim, on=True, now=now)
+            written = await self._write_status(claim, statuses.condition_patch(claim, fence))
+            return True if written is None else await self._release_if_done(written)  # look again
+        written = await self._write_status(claim, statuses.released_status(claim, done=len(done), now=now))
+        if written is None:
+            return True
+        await self._release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
+        if not await self.ledger.leave(written):
+            return True  # retried shortly, as a Released claim
+        log.info("released: its pods completed", extra={"claim": claim.key, "pods": len(done)})
+        self.emit(self.state.raw_claim(claim.key) or {}, "Released", written.status.message, "Normal")
+        return True
 
     # ------------------------------------------------------------------ deleted claims
 

@@ -5,7 +5,10 @@ Nothing here does I/O or reads a clock: the reconciler passes ``now`` in.
 * ``allocated_status`` / ``unallocated_status``: the status merge patches;
 * ``allocation_problems`` / ``devices_lost_condition``: what became of the
   devices of an Allocated claim;
-* ``in_use_status``: a claim being deleted that pods still use.
+* ``in_use_condition``: the pods that use a claim (being deleted, or to be
+  released when they complete);
+* ``released_status``: a claim whose pods have all completed (``release:
+  OnPodsCompleted``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ REASON_DEVICES_MISSING = "DevicesMissing"
 REASON_DEVICES_HEALTHY = "DevicesHealthy"
 CONDITION_IN_USE = "InUse"
 REASON_PODS_RUNNING = "PodsRunning"
+REASON_PODS_COMPLETED = "PodsCompleted"
+REASON_RELEASED = "Released"
+# The fence of ``release: OnPodsCompleted``: written before the last look at the pods; the webhook
+# admits no pod of a claim that has it (True), so that look sees every pod that can use the claim.
+CONDITION_RELEASING = "Releasing"
 
 
 def allocation_complete(claim: models.GpuClaim) -> bool:
@@ -287,15 +295,22 @@ def devices_lost_condition(
 
 
 def in_use_condition(
-    claim: models.GpuClaim, pods: Sequence[str], *, now: datetime.datetime
+    claim: models.GpuClaim, pods: Sequence[str], *, now: datetime.datetime, deleting: bool = True
 ) -> models.Condition | None:
-    """The ``InUse`` condition of a claim being deleted while ``pods`` (names) use it, or None when
-    the recorded one says that already. The claim keeps its devices until they are gone."""
+    """The ``InUse`` condition of a claim that ``pods`` (names) use, or None when the recorded one
+    says that already. A claim being deleted keeps its devices until they are gone; a claim with
+    ``release: OnPodsCompleted`` gives them back once they have all completed."""
     shown = join_capped(list(pods), limit=1024)
-    message = (
-        f"being deleted, but {len(pods)} pod{'s' if len(pods) != 1 else ''} still use its devices "
-        f"({shown}); the devices are released when they finish or are deleted"
-    )
+    count = f"{len(pods)} pod{'s' if len(pods) != 1 else ''}"
+    if deleting:
+        message = (
+            f"being deleted, but {count} still use its devices ({shown}); "
+            "the devices are released when they finish or are deleted"
+        )
+    else:
+        message = (
+            f"used by {count} ({shown}); released when they have all completed (release: OnPodsCompleted)"
+        )
     current = next((c for c in claim.status.conditions if c.type == CONDITION_IN_USE), None)
     if current and current.status == "True" and current.message == message:
         return None
@@ -303,4 +318,54 @@ def in_use_condition(
 
 
 def condition_patch(claim: models.GpuClaim, condition: models.Condition) -> Obj:
-    return {"status": {"conditions": _conditions_json(set_condition(claim.status.conditions, condition))}}
+    return conditions_patch(set_condition(claim.status.conditions, condition))
+
+
+def conditions_patch(conditions: Iterable[models.Condition]) -> Obj:
+    return {"status": {"conditions": _conditions_json(conditions)}}
+
+
+def released_status(claim: models.GpuClaim, *, done: int, now: datetime.datetime) -> Obj:
+    """The merge patch of a claim whose ``done`` pods have all completed: phase Released, no devices."""
+    count = sum(len(a.devices) for a in claim.status.allocations)
+    message = (
+        f"released {count} GPU{'s' if count != 1 else ''}: every pod that used the claim has completed "
+        f"({done} seen); create a new claim for more work"
+    )
+    conditions = set_condition(
+        set_condition(
+            claim.status.conditions,
+            _condition(claim, constants.CONDITION_ALLOCATED, "False", REASON_RELEASED, message, now=now),
+        ),
+        _condition(claim, CONDITION_IN_USE, "False", REASON_PODS_COMPLETED, message, now=now),
+    )
+    return {
+        "status": {
+            "phase": constants.PHASE_RELEASED,
+            "allocations": None,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "releasedTime": timestamps.format_time(now),
+            "observedGeneration": claim.metadata.generation,
+            "nodes": "",
+            "devices": "",
+        }
+    }
+
+
+def releasing(claim: models.GpuClaim) -> bool:
+    return any(c.type == CONDITION_RELEASING and c.status == "True" for c in claim.status.conditions)
+
+
+def releasing_condition(claim: models.GpuClaim, *, on: bool, now: datetime.datetime) -> models.Condition:
+    """The fence (on), or its removal when pods turned up after all (off)."""
+    if on:
+        message = "every pod that used the claim has completed; its GPUs are being released"
+        return _condition(claim, CONDITION_RELEASING, "True", REASON_PODS_COMPLETED, message, now=now)
+    message = "pods use the claim again; it keeps its GPUs"
+    return _condition(claim, CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
+
+
+def was_used(claim: models.GpuClaim) -> bool:
+    """Has the controller recorded pods using the claim (an ``InUse`` condition)?"""
+    return any(c.type == CONDITION_IN_USE for c in claim.status.conditions)

@@ -93,6 +93,7 @@ class GpuClaimSpec:
     replicas: int = 1
     retry_policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     tolerations: tuple[Toleration, ...] = ()
+    release: str = constants.RELEASE_ON_DELETE
 
 
 # -------------------------------------------------------------- GpuClaim status
@@ -131,6 +132,7 @@ class GpuClaimStatus:
     message: str = ""
     retry_count: int = 0
     last_schedule_time: str | None = None
+    released_time: str | None = None
     observed_generation: int = 0
     # Display fields for printer columns: "node-a,node-b" and "0,1,2,3".
     nodes: str = ""

@@ -71,6 +71,7 @@ ACTIONS = frozenset(
         "fail-call",
         "relist",
         "quota",
+        "release",
         "tick",
     }
 )
@@ -182,6 +183,11 @@ class Scenario:
             controllers=rng.choice((2, 2, 3)),
             steps=steps if steps is not None else rng.randint(20, 50),
         )
+
+
+def _releasing(claim: Obj) -> bool:
+    conditions = (claim.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Releasing" and c.get("status") == "True" for c in conditions)
 
 
 def _draw_quota(rng: random.Random, scenario: Scenario) -> Obj | None:
@@ -416,6 +422,9 @@ class Simulation:
         # The quota of ns-a, from an RNG of its own so that the rest of a schedule is the same with
         # or without it (seeds pinned before quotas existed run with ``without={"quota"}``).
         self.quota = None if "quota" in without else _draw_quota(random.Random(seed ^ 0x5EED), self.scenario)
+        # Which claims give their GPUs back when their pods complete (release: OnPodsCompleted), from
+        # an RNG of its own for the same reason; ``without={"release"}`` leaves them all OnDelete.
+        self._release_rng = None if "release" in without else random.Random(seed ^ 0x2E1EA5E)
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -807,9 +816,11 @@ class Simulation:
                 continue
             options.append(("delete-claim", 1.2, functools.partial(self._delete_claim, key)))
             phase = (claim.get("status") or {}).get("phase")
+            if _releasing(claim):
+                continue  # the webhook admits no pod of a claim being released
             if phase == constants.PHASE_ALLOCATED:
                 options.append(("create-pod", 2.0, functools.partial(self._create_pod, claim, gated=False)))
-            elif phase != constants.PHASE_FAILED:
+            elif phase not in (constants.PHASE_FAILED, constants.PHASE_RELEASED):  # the webhook refuses those
                 options.append(("gated-pod", 0.5, functools.partial(self._create_pod, claim, gated=True)))
         for key, pod in sorted(server.objects["pods"].items()):
             if (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES:
@@ -840,9 +851,12 @@ class Simulation:
             "strategy": self.rng.choice(("binpack", "spread")),
             "retryPolicy": {"backoffSeconds": 1, "maxRetries": 0},
         }
+        if self._release_rng is not None and self._release_rng.random() < 0.4:
+            spec["release"] = constants.RELEASE_ON_PODS_COMPLETED
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
-        self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs")
+        release = f", release {spec['release']}" if "release" in spec else ""
+        self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs{release}")
 
     def _delete_claim(self, key: str) -> None:
         namespace, name = key.split("/")

@@ -49,7 +49,7 @@ def test_api_doc_has_a_row_for_every_crd_field_with_its_enum_values_and_default(
 
 def test_api_doc_states_spec_immutability_once_allocated() -> None:
     doc = API_DOC.read_text()
-    assert "spec is immutable once the claim is Allocated" in doc
+    assert "spec is immutable once the claim is Allocated or Released" in doc
     rules = yaml.safe_load((CRDS[0].parent / "gpuclaims.yaml").read_text())["spec"]["versions"][0]["schema"][
         "openAPIV3Schema"
     ]["x-kubernetes-validations"]
