@@ -1,0 +1,187 @@
+"""``release: OnPodsCompleted`` on the real API server, with kube-controller-manager running Jobs:
+an Indexed Job's claim is Released once its pods complete, another claim then gets the GPUs, and
+the claim goes away with the Job it names as owner (issue 21).
+
+There is no kubelet: the test marks the Job's pods Succeeded through the status subresource, as a
+kubelet would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.api import constants
+from gpualloc.kube import resources, transport
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    device_leases,
+    get_claim,
+    running_controller,
+    status_uuids,
+    wait_for,
+    wait_phase,
+)
+
+SWEEP = 2.0  # the controller's --sweep-interval in these tests
+
+
+@pytest.fixture
+async def node(api: ApiClient, control_plane: Any) -> AsyncIterator[tuple[str, str]]:
+    control_plane.ensure_controller_manager()  # the Job controller and the garbage collector
+    run = uuid.uuid4().hex[:8]
+    name = f"release-{run}"
+    await create_gpu_node(api, name, labels={RUN_LABEL: run})
+    yield name, run
+    await delete_gpu_node(api, name)
+
+
+def indexed_job(name: str, claim: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            "template": {
+                "metadata": {"annotations": {constants.ANNOTATION_CLAIM: claim}},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "train", "image": "cuda"}]},
+            },
+        },
+    }
+
+
+async def job_pods(api: ApiClient, namespace: str, job: str) -> list[dict[str, Any]]:
+    listing = await transport.request(
+        api,
+        "GET",
+        f"/api/v1/namespaces/{namespace}/pods",
+        query=[("labelSelector", f"batch.kubernetes.io/job-name={job}")],
+    )
+    return list(listing.get("items") or [])
+
+
+async def succeed(api: ApiClient, pod: dict[str, Any]) -> None:
+    """What the kubelet would write when the pod's containers exited 0."""
+    meta = pod["metadata"]
+    now = "2026-11-25T00:00:00Z"
+    status = {
+        "phase": "Succeeded",
+        "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted"}],
+        "containerStatuses": [
+            {
+                "name": "train",
+                "image": "cuda",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {
+                    "terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}
+                },
+            }
+        ],
+    }
+    await transport.request(
+        api,
+        "PATCH",
+        f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+        body={"status": status},
+        content_type=transport.MERGE_PATCH,
+    )
+
+
+def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return {}
+
+
+async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes_with_the_job(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with running_controller(kubeconfig, argv):
+        job = await transport.request(
+            api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("train", "train")
+        )
+        body = claim_body("train", 4, run=run, replicas=2)
+        body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
+        body["metadata"]["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "train", "uid": job["metadata"]["uid"]}
+        ]
+        claim = await crs.create_claim(namespace, body)
+        allocated = await wait_phase(api, namespace, "train", "Allocated")
+        pods = await wait_for(
+            lambda: _two(job_pods(api, namespace, "train")), what="the Job's two pods", within=60
+        )
+
+        async def recorded() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "train")
+            return got if condition(got, "InUse").get("status") == "True" else None
+
+        used = await wait_for(recorded, within=4 * SWEEP + 10, what="the claim to record its pods")
+        assert "used by 2 pods" in condition(used, "InUse")["message"]
+        assert used["status"]["phase"] == "Allocated"
+
+        # Another claim waits for the same GPUs.
+        await crs.create_claim(namespace, claim_body("next", 8, run=run))
+        for pod in pods:
+            await succeed(api, pod)
+
+        released = await wait_phase(api, namespace, "train", "Released", within=4 * SWEEP + 15)
+        status = released["status"]
+        assert status.get("allocations") is None and status["releasedTime"]
+        assert condition(released, "InUse")["reason"] == "PodsCompleted"
+        assert status["message"].startswith("released 8 GPUs: every pod that used the claim has completed")
+        following = await wait_phase(api, namespace, "next", "Allocated", within=30)
+        assert set(status_uuids(following)) == set(status_uuids(allocated))
+        holders = {lease["spec"]["holderIdentity"] for lease in await device_leases(api, namespace)}
+        assert claim["metadata"]["uid"] not in holders
+
+        # The Job completes; deleting it takes the claim with it (ownerReferences, garbage collector).
+        await transport.request(
+            api,
+            "DELETE",
+            f"/apis/batch/v1/namespaces/{namespace}/jobs/train",
+            body={"propagationPolicy": "Background"},
+        )
+
+        async def gone() -> bool:
+            return await get_claim(api, namespace, "train") is None
+
+        await wait_for(gone, within=60, what="the claim to go with its Job")
+
+
+async def test_a_claim_whose_pods_never_ran_is_kept(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with running_controller(kubeconfig, argv):
+        body = claim_body("idle", 2, run=run)
+        body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
+        await crs.create_claim(namespace, body)
+        await wait_phase(api, namespace, "idle", "Allocated")
+        await asyncio.sleep(3 * SWEEP)  # three sweeps with no pod at all
+        got = await get_claim(api, namespace, "idle")
+        assert got is not None and got["status"]["phase"] == "Allocated"
+
+
+async def _two(pending: Any) -> list[dict[str, Any]] | None:
+    pods: list[dict[str, Any]] = await pending
+    return pods if len(pods) == 2 else None
