@@ -1,0 +1,74 @@
+"""Taints on the real API server: a node tainted against a claim is skipped and explained, the
+GKE/AKS GPU-pool taint is tolerated by default, and a claim's toleration opens a tainted node
+(issue 21)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import resources, transport
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    get_claim,
+    running_controller,
+    wait_for,
+    wait_phase,
+)
+
+GPU_POOL = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+TEAM = {"key": "team", "value": "ml", "effect": "NoExecute"}
+
+
+@pytest.fixture
+async def nodes(api: ApiClient) -> AsyncIterator[tuple[str, str, str]]:
+    """Two 8-GPU nodes of a fresh run: a GPU pool tainted as on GKE/AKS, and one reserved for a team."""
+    run = uuid.uuid4().hex[:8]
+    pool, team = f"pool-{run}", f"team-{run}"
+    for name, taint in ((pool, GPU_POOL), (team, TEAM)):
+        await create_gpu_node(api, name, labels={RUN_LABEL: run})
+        await transport.request(
+            api,
+            "PATCH",
+            f"/api/v1/nodes/{name}",
+            body={"spec": {"taints": [taint]}},
+            content_type=transport.MERGE_PATCH,
+        )
+    yield pool, team, run
+    for name in (pool, team):
+        await delete_gpu_node(api, name)
+
+
+async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
+    api: ApiClient, kubeconfig: str, namespace: str, nodes: tuple[str, str, str]
+) -> None:
+    pool, team, run = nodes
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, claim_body("first", 8, run=run))
+        first = await wait_phase(api, namespace, "first", "Allocated")
+        assert first["status"]["nodes"] == pool  # the GPU-pool taint is tolerated by default
+
+        await crs.create_claim(namespace, claim_body("second", 8, run=run))
+
+        async def explained() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "second")
+            return got if "tainted" in ((got or {}).get("status") or {}).get("message", "") else None
+
+        second = await wait_for(explained, what="the second claim to name the taint")
+        assert second["status"]["phase"] == "Pending"
+        assert "1 is tainted team=ml:NoExecute" in second["status"]["message"], second["status"]["message"]
+
+        # Pending claims may be edited: with the team's toleration it gets the team's node.
+        toleration = {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute"}
+        await crs.patch_claim(namespace, "second", {"spec": {"tolerations": [toleration]}})
+        second = await wait_phase(api, namespace, "second", "Allocated")
+        assert second["status"]["nodes"] == team
