@@ -116,6 +116,14 @@ async def create_node(api: ApiClient, name: str, gpus: int) -> None:
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
     }
     await retrying(lambda: transport.request(api, "POST", "/api/v1/nodes", body=body))
+    # No kubelet: lift the not-ready taint the API server puts on new Nodes, as the node lifecycle
+    # controller would once the kubelet reports Ready (tests/integration/controller_support.py).
+    untaint = {"spec": {"taints": None}}
+    await retrying(
+        lambda: transport.request(
+            api, "PATCH", f"/api/v1/nodes/{name}", body=untaint, content_type=transport.MERGE_PATCH
+        )
+    )
     await retrying(
         lambda: crs.create_node_status(
             {

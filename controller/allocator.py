@@ -89,7 +89,7 @@ import fnmatch
 import itertools
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from controller import topology
@@ -655,6 +655,130 @@ def allocate(
     explain: bool = False,
 ) -> Decision:
     """Place every replica of ``claim`` on ``nodes`` or none; see the module docstring."""
+
+    def place(c: models.GpuClaim, views: Sequence[NodeView]) -> Decision:
+        return _allocate(
+            c,
+            views,
+            seed=seed,
+            round_robin_cursor=round_robin_cursor,
+            cost_label=cost_label,
+            cost_preference=cost_preference,
+            explain=explain,
+        )
+
+    if claim.spec.topology.same_node_label and claim.spec.replicas > 1:
+        return _allocate_in_domains(claim, nodes, place)
+    return place(claim, nodes)
+
+
+# ------------------------------------------------------------------ gangs across nodes
+
+
+def _free_gpus(views: Iterable[NodeView]) -> int:
+    return sum(
+        1
+        for v in views
+        if v.inventory is not None
+        for d in v.inventory.devices
+        if d.health == constants.HEALTHY and not in_mig_mode(d) and d.uuid not in v.taken
+    )
+
+
+def _with_replicas(claim: models.GpuClaim, replicas: int) -> models.GpuClaim:
+    return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, replicas=replicas))
+
+
+def _allocate_in_domains(
+    claim: models.GpuClaim,
+    nodes: Sequence[NodeView],
+    place: Callable[[models.GpuClaim, Sequence[NodeView]], Decision],
+) -> Decision:
+    """A gang whose replicas should share a node label's value (``topology.sameNodeLabel``: an
+    NVLink clique such as ``nvidia.com/gpu.clique``, a rack, an InfiniBand leaf).
+
+    Domains (the label's values) are tried fullest first, so that the emptier ones stay whole
+    for larger gangs; the first that takes every replica wins. ``Required``: no such domain, no
+    allocation, and the reason gives each domain's. ``Preferred``: the domain that takes the most
+    replicas gets them, and the rest go wherever they fit.
+    """
+    key, replicas = claim.spec.topology.same_node_label, claim.spec.replicas
+    domains: dict[str, list[NodeView]] = {}
+    outside: list[NodeView] = []
+    for view in nodes:
+        value = view.labels.get(key)
+        (domains.setdefault(value, []) if value is not None else outside).append(view)
+    order = sorted(domains, key=lambda value: (_free_gpus(domains[value]), value))
+    per_node = {v.name: f"has no label {key}" for v in outside}
+    tried: list[tuple[str, Decision]] = []
+    for value in order:
+        decision = place(claim, domains[value])
+        if decision.ok:
+            return Decision(
+                allocations=decision.allocations, reason="", per_node={**per_node, **decision.per_node}
+            )
+        tried.append((value, decision))
+        per_node.update({name: f"{key}={value}: {line}" for name, line in decision.per_node.items()})
+    if claim.spec.topology.same_node_label_mode == "Preferred" and domains:
+        return _place_most_in_one_domain(claim, nodes, domains, order, place, per_node)
+    parts = [f"{key}={value}: {decision.reason}" for value, decision in tried]
+    if outside:
+        parts.append(f"{len(outside)} node{'s' if len(outside) != 1 else ''} without {key}")
+    reason = f"no {key} domain takes all {replicas} replicas ({'; '.join(parts) or 'no nodes'})"
+    return Decision(allocations=(), reason=reason, per_node=per_node)
+
+
+def _place_most_in_one_domain(
+    claim: models.GpuClaim,
+    nodes: Sequence[NodeView],
+    domains: Mapping[str, Sequence[NodeView]],
+    order: Sequence[str],
+    place: Callable[[models.GpuClaim, Sequence[NodeView]], Decision],
+    per_node: dict[str, str],
+) -> Decision:
+    replicas, key = claim.spec.replicas, claim.spec.topology.same_node_label
+    best: tuple[int, Decision] | None = None
+    for value in order:
+        low, high, found = 1, replicas - 1, None  # how many replicas fit here (a monotone question)
+        while low <= high:
+            middle = (low + high) // 2
+            decision = place(_with_replicas(claim, middle), domains[value])
+            if decision.ok:
+                low, found = middle + 1, (middle, decision)
+            else:
+                high = middle - 1
+        if found is not None and (best is None or found[0] > best[0]):
+            best = found
+    if best is None:
+        return Decision(
+            allocations=(),
+            reason=f"no replica fits in any {key} domain",
+            per_node=per_node,
+        )
+    held, first = best
+    used = {d.uuid for a in first.allocations for d in a.devices}
+    rest_views = [dataclasses.replace(v, taken=v.taken | used) for v in nodes]
+    rest = place(_with_replicas(claim, replicas - held), rest_views)
+    if not rest.ok:
+        reason = f"{held} of {replicas} replicas fit in one {key} domain; the rest: {rest.reason}"
+        return Decision(allocations=(), reason=reason, per_node=per_node)
+    moved = tuple(dataclasses.replace(a, replica=a.replica + held) for a in rest.allocations)
+    return Decision(
+        allocations=(*first.allocations, *moved), reason="", per_node={**per_node, **rest.per_node}
+    )
+
+
+def _allocate(
+    claim: models.GpuClaim,
+    nodes: Sequence[NodeView],
+    *,
+    seed: int,
+    round_robin_cursor: int,
+    cost_label: str,
+    cost_preference: Sequence[str],
+    explain: bool,
+) -> Decision:
+    """``allocate`` on one set of nodes."""
     ask = _parse(claim)
     if isinstance(ask, str):
         return Decision(allocations=(), reason=ask, per_node={})

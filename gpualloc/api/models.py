@@ -51,6 +51,8 @@ class LabelSelector:
 class Topology:
     mode: str = "Preferred"
     min_bandwidth_gbps: int = dataclasses.field(default=0, metadata=json_name("minBandwidthGBps"))
+    same_node_label: str = ""  # a gang's replicas on nodes sharing this label's value (a clique, a rack)
+    same_node_label_mode: str = "Required"  # Required | Preferred
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

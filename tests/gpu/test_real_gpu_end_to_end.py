@@ -29,12 +29,13 @@ from kubernetes_asyncio.client import ApiClient
 from agent import inventory, publishing
 from gpualloc.api import codecs, constants
 from gpualloc.kube import errors, resources, transport
-from tests import reviews
+from tests import admitting, reviews
 from tests.gpu import smi
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
+    create_ready_node,
     running_controller,
     wait_for,
     wait_phase,
@@ -97,12 +98,7 @@ async def gpu_node(
     run = uuid.uuid4().hex[:8]
     node = f"real-gpu-{run}"
     labels = {constants.HOSTNAME_LABEL: node, RUN_LABEL: run}
-    await transport.request(
-        api,
-        "POST",
-        "/api/v1/nodes",
-        body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}},
-    )
+    await create_ready_node(api, node, labels)
     flags = ["--source", "nvml", "--lease-namespace", namespace, "--node-labels"]
     async with running_agent(control_plane, kubeconfig, node, *flags):  # deletes the Node afterwards
         yield node, run
@@ -173,9 +169,9 @@ async def test_allocated_gpu_is_the_one_cuda_sees_in_the_claim_pod(
 
     # --device-ids index: the host index with CUDA_DEVICE_ORDER=PCI_BUS_ID names the same GPU.
     review = reviews.pod_review(pod("cuda-index", "real", init=False), namespace=namespace, uid="index-mode")
-    answer = admission.admit(
+    answer = admitting.admit(
         review,
-        admission.lookup_from({f"{namespace}/real": codecs.parse_claim(claim)}),
+        admitting.lookup_from({f"{namespace}/real": codecs.parse_claim(claim)}),
         admission.Options(device_ids="index"),
     )["response"]
     assert answer["allowed"] is True and answer["patchType"] == "JSONPatch", answer

@@ -132,12 +132,7 @@ async def _create_gpu_node(
     unhealthy: Iterable[int],
 ) -> None:
     with contextlib.suppress(errors.AlreadyExists):
-        await transport.request(
-            api,
-            "POST",
-            "/api/v1/nodes",
-            body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}},
-        )
+        await create_ready_node(api, name, node_labels)
     crs = resources.CustomResources(api)
     with contextlib.suppress(errors.AlreadyExists):
         await crs.create_node_status(
@@ -151,6 +146,26 @@ async def _create_gpu_node(
     await crs.patch_node_status_status(
         name, {"status": inventory(name, kind=kind, gpus=gpus, unhealthy=unhealthy)}
     )
+
+
+async def create_ready_node(api: ApiClient, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """A core/v1 Node as it is once its kubelet reported Ready.
+
+    The API server's TaintNodesByCondition taints a new Node not-ready:NoSchedule until its kubelet
+    reports Ready and the node lifecycle controller lifts the taint; there is no kubelet here, so
+    the taint is lifted as that controller would (the allocator skips nodes tainted against a claim,
+    as kube-scheduler does).
+    """
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+    await transport.request(api, "POST", "/api/v1/nodes", body=body)
+    node: dict[str, Any] = await transport.request(
+        api,
+        "PATCH",
+        f"/api/v1/nodes/{name}",
+        body={"spec": {"taints": None}},
+        content_type=transport.MERGE_PATCH,
+    )
+    return node
 
 
 async def delete_gpu_node(api: ApiClient, name: str) -> None:

@@ -566,3 +566,56 @@ def test_order_pending_is_priority_then_age_then_name() -> None:
     ]
     order = [c.key for c in allocator.order_pending(cs)]
     assert order == ["default/urgent", "default/a", "default/b", "z/a", "default/late"]
+
+
+# ------------------------------------------------------------------ gangs across nodes
+
+CLIQUE = "nvidia.com/gpu.clique"
+
+
+def gang(replicas: int, count: int, mode: str = "Required") -> models.GpuClaim:
+    c = claim(count, replicas=replicas)
+    topology = dataclasses.replace(c.spec.topology, same_node_label=CLIQUE, same_node_label_mode=mode)
+    return dataclasses.replace(c, spec=dataclasses.replace(c.spec, topology=topology))
+
+
+def cliques(layout: Mapping[str, Sequence[int]]) -> list[allocator.NodeView]:
+    """Nodes per clique value, each entry the number of GPUs taken on an 8-GPU node."""
+    views = []
+    for value, taken_counts in layout.items():
+        for i, taken in enumerate(taken_counts):
+            name = f"{value}-{i}"
+            views.append(node(name, nvswitch(name), taken=range(taken), labels={CLIQUE: value}))
+    return views
+
+
+def test_a_required_gang_lands_inside_one_clique_the_fullest_that_takes_it() -> None:
+    views = [*cliques({"a": [6, 6], "b": [4, 4], "c": [0, 0]}), node("loose", nvswitch("loose"))]
+    d = allocator.allocate(gang(4, 2), views)
+    assert {a.node_name for a in d.allocations} == {"b-0", "b-1"}  # a is too full, c is kept whole
+    d = allocator.allocate(gang(4, 4), views)  # 16 GPUs: only c has them
+    assert {a.node_name for a in d.allocations} == {"c-0", "c-1"} and len(d.allocations) == 4
+
+
+def test_a_required_gang_that_no_clique_takes_stays_unplaced_with_a_reason_per_clique() -> None:
+    views = [*cliques({"a": [4], "b": [0]}), node("loose", nvswitch("loose"))]
+    d = allocator.allocate(gang(3, 4), views)
+    assert d.allocations == ()
+    assert d.reason.startswith(
+        f"no {CLIQUE} domain takes all 3 replicas ({CLIQUE}=a: only 1 of 3 replicas fit"
+    )
+    assert f"; {CLIQUE}=b: only 2 of 3 replicas fit" in d.reason and d.reason.endswith(
+        f"; 1 node without {CLIQUE})"
+    )
+    assert d.per_node["loose"] == f"has no label {CLIQUE}"
+    assert d.per_node["a-0"].startswith(f"{CLIQUE}=a: ")
+
+
+def test_a_preferred_gang_puts_the_most_replicas_in_one_clique_and_the_rest_anywhere() -> None:
+    views = [*cliques({"a": [0], "b": [0, 0]}), node("loose", nvswitch("loose"))]
+    d = allocator.allocate(gang(3, 8, mode="Preferred"), views)
+    assert [a.replica for a in d.allocations] == [0, 1, 2]
+    assert {a.node_name for a in d.allocations[:2]} == {"b-0", "b-1"}
+    assert d.allocations[2].node_name in {"a-0", "loose"}
+    uuids = [dev.uuid for a in d.allocations for dev in a.devices]
+    assert len(set(uuids)) == len(uuids) == 24

@@ -1,0 +1,77 @@
+"""A gang across nodes on the real API server: with ``topology.sameNodeLabel`` Required, a
+4-replica gang lands inside one NVLink clique, or stays Pending with a reason per clique
+(issue 21)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import resources
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    claim_body,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    get_claim,
+    running_controller,
+    wait_for,
+    wait_phase,
+)
+
+CLIQUE = "nvidia.com/gpu.clique"
+
+
+@pytest.fixture
+async def pools(api: ApiClient) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """Five 8-GPU nodes of a fresh run: clique a has three, clique b two. (run id, node -> clique)"""
+    run = uuid.uuid4().hex[:8]
+    layout = {f"a{i}-{run}": "a" for i in range(3)} | {f"b{i}-{run}": "b" for i in range(2)}
+    for name, clique in layout.items():
+        await create_gpu_node(api, name, labels={RUN_LABEL: run, CLIQUE: clique})
+    yield run, layout
+    for name in layout:
+        await delete_gpu_node(api, name)
+
+
+def gang(name: str, run: str, replicas: int, count: int) -> dict[str, Any]:
+    body = claim_body(name, count, run=run, replicas=replicas)
+    body["spec"]["topology"] = {"sameNodeLabel": CLIQUE, "sameNodeLabelMode": "Required"}
+    return body
+
+
+async def test_a_required_gang_lands_in_one_clique_or_waits_with_a_reason_per_clique(
+    api: ApiClient, kubeconfig: str, namespace: str, pools: tuple[str, dict[str, str]]
+) -> None:
+    run, layout = pools
+    crs = resources.CustomResources(api)
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        # 4 x 4 GPUs: both cliques could hold it; b, the fuller after a first claim there, is chosen.
+        await crs.create_claim(namespace, claim_body("filler", 8, run=run, match_labels={CLIQUE: "b"}))
+        await wait_phase(api, namespace, "filler", "Allocated")
+        await crs.create_claim(namespace, gang("small", run, 2, 4))
+        small = await wait_phase(api, namespace, "small", "Allocated")
+        assert {layout[a["nodeName"]] for a in small["status"]["allocations"]} == {"b"}
+
+        await crs.create_claim(namespace, gang("big", run, 4, 4))
+        big = await wait_phase(api, namespace, "big", "Allocated")
+        nodes = [a["nodeName"] for a in big["status"]["allocations"]]
+        assert len(nodes) == 4 and {layout[n] for n in nodes} == {"a"}
+
+        # Three 8-GPU replicas: a has 2 nodes' worth left, b none: Pending, each clique's reason.
+        await crs.create_claim(namespace, gang("huge", run, 3, 8))
+
+        async def explained() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "huge")
+            return got if ((got or {}).get("status") or {}).get("message") else None
+
+        huge = await wait_for(explained, what="the third gang to be explained")
+        message = huge["status"]["message"]
+        assert huge["status"]["phase"] == "Pending"
+        assert message.startswith(f"no {CLIQUE} domain takes all 3 replicas ("), message
+        assert f"{CLIQUE}=a: only 1 of 3 replicas fit" in message and f"{CLIQUE}=b: " in message, message
