@@ -47,9 +47,11 @@ import types
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from controller import metrics as controller_metrics
 from controller import reconciling
-from gpualloc.api import constants
+from gpualloc.api import codecs, constants
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model
 
@@ -158,6 +160,39 @@ def virtual_time(clock: VirtualClock) -> Iterator[None]:
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def shared_parses() -> Iterator[None]:
+    """``codecs`` parses each distinct GpuClaim and GpuNodeStatus once meanwhile.
+
+    Every controller parses each version of each object it sees (and again after a crash); the
+    same raw object always makes the same frozen model, which the controllers never change, so
+    they may share it. Raw objects here are the simulated server's msgpack round trips (dicts,
+    lists, scalars): equal msgpack bytes, equal objects. A raw object that does not parse is
+    not remembered (it raises every time)."""
+    encode = msgspec.msgpack.Encoder().encode
+
+    def once(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
+        parsed: dict[bytes, Any] = {}
+
+        def parse_once(raw: Mapping[str, Any]) -> Any:
+            key = encode(raw)
+            found = parsed.get(key)
+            if found is None:
+                found = parsed[key] = parse(raw)
+            return found
+
+        return parse_once
+
+    saved = {name: getattr(codecs, name) for name in ("parse_claim", "parse_node_status")}
+    for name, parse in saved.items():
+        setattr(codecs, name, once(parse))
+    try:
+        yield
+    finally:
+        for name, parse in saved.items():
+            setattr(codecs, name, parse)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -594,7 +629,7 @@ class Simulation:
         self._checked_rv = self.server.rv
 
     async def run(self) -> Result:
-        with virtual_time(self.clock):
+        with virtual_time(self.clock), shared_parses():
             try:
                 await self._main()
             except invariants.Violation as violation:
