@@ -611,13 +611,14 @@ class Simulation:
     # ------------------------------------------------------------------ running
 
     async def quiesce(self) -> None:
-        """Let the loop run until every task waits for the scheduler."""
+        """Let the loop run until every task waits for the scheduler (no turn of the loop when none
+        has anything to do: a step that woke no task, as most deliveries and user actions)."""
         loop = asyncio.get_running_loop()
         ready = loop._ready  # type: ignore[attr-defined]
         for _ in range(QUIESCE_BOUND):
-            await asyncio.sleep(0)
             if not ready:
                 return
+            await asyncio.sleep(0)
         raise RuntimeError("the actors never all blocked")
 
     def check(self) -> None:
