@@ -162,32 +162,37 @@ def virtual_time(clock: VirtualClock) -> Iterator[None]:
             setattr(module, name, value)
 
 
+PARSES_KEPT = 2048  # parsed objects kept from one schedule to the next (then all forgotten at once)
+_PARSED: dict[tuple[str, bytes], Any] = {}
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
 @contextlib.contextmanager
 def shared_parses() -> Iterator[None]:
     """``codecs`` parses each distinct GpuClaim and GpuNodeStatus once meanwhile.
 
-    Every controller parses each version of each object it sees (and again after a crash); the
-    same raw object always makes the same frozen model, which the controllers never change, so
-    they may share it. Raw objects here are the simulated server's msgpack round trips (dicts,
-    lists, scalars): equal msgpack bytes, equal objects. A raw object that does not parse is
-    not remembered (it raises every time)."""
-    encode = msgspec.msgpack.Encoder().encode
+    Every controller parses each version of each object it sees (and again after a crash), and
+    schedules start alike (the same nodes, uids and resourceVersions). The same raw object always
+    makes the same frozen model, which the controllers never change, so they may share it, in
+    this schedule and the next. Raw objects here are the simulated server's msgpack round trips
+    (dicts, lists, scalars): equal msgpack bytes, equal objects. A raw object that does not
+    parse is not remembered (it raises every time)."""
 
-    def once(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
-        parsed: dict[bytes, Any] = {}
-
+    def once(name: str, parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
         def parse_once(raw: Mapping[str, Any]) -> Any:
-            key = encode(raw)
-            found = parsed.get(key)
+            key = (name, _ENCODE(raw))
+            found = _PARSED.get(key)
             if found is None:
-                found = parsed[key] = parse(raw)
+                if len(_PARSED) >= PARSES_KEPT:
+                    _PARSED.clear()
+                found = _PARSED[key] = parse(raw)
             return found
 
         return parse_once
 
     saved = {name: getattr(codecs, name) for name in ("parse_claim", "parse_node_status")}
     for name, parse in saved.items():
-        setattr(codecs, name, once(parse))
+        setattr(codecs, name, once(name, parse))
     try:
         yield
     finally:
