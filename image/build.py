@@ -52,9 +52,10 @@ MIRRORS = (
 PYTHON = "python3.11"
 # The roots of the package closure whose files the image holds.
 ROOTS = (PYTHON, "netbase", "base-files")
-# Dependencies that are only needed to install packages, never to run Python.
+# Dependencies that are only needed to install packages, never to run Python (base-passwd: the
+# image's /etc/passwd and /etc/group are written below).
 NOT_SHIPPED = frozenset(
-    {"dpkg", "tar", "debconf", "perl-base", "mawk", "bash", "dash", "coreutils", "debianutils"}
+    {"dpkg", "tar", "debconf", "perl-base", "mawk", "bash", "dash", "coreutils", "debianutils", "base-passwd"}
 )
 # Paths never copied (prefixes).
 STRIPPED = (
@@ -355,7 +356,7 @@ def install_venv(rootfs: Path, wheels: Path, wheel: Path) -> list[str]:
             "freeze",
             "--disable-pip-version-check",
             capture_output=True,
-        ).stdout.split()
+        ).stdout.splitlines()
         run("chroot", rootfs, f"{VENV}/bin/gpualloc", "--help", capture_output=True)
     finally:
         shutil.rmtree(inside)
