@@ -2,8 +2,9 @@
 
 No published package ships kube-apiserver, so it is compiled from the Kubernetes
 Go modules pinned in ``hack/controlplane``; etcd comes from ``hack/etcd``, kwok, helm
-and toxiproxy-server (the race test's faulty network) from ``hack/tools/kwok``,
-``hack/tools/helm`` and ``hack/tools/toxiproxy``. Each module's binaries land
+toxiproxy-server (the race test's faulty network) and vegeta (the webhook
+benchmark's load generator) from ``hack/tools/kwok``, ``hack/tools/helm``,
+``hack/tools/toxiproxy`` and ``hack/tools/vegeta``. Each module's binaries land
 in ``${GPUALLOC_CACHE_DIR:-~/.cache/gpualloc}/bin/<name>-<version>-<hash>/``, where
 the hash covers the module's go.mod and go.sum and the build flags, so a change to
 a pin builds again and everything else is reused. Go's own module and build caches
@@ -33,6 +34,7 @@ ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.21.4"
 TOXIPROXY_VERSION = "v2.5.0"
+VEGETA_VERSION = "v12.13.0"
 
 HEARTBEAT_SECONDS = 30.0
 
@@ -107,6 +109,14 @@ MODULES: tuple[Module, ...] = (
         directory="tools/toxiproxy",
         packages=(("toxiproxy-server", "github.com/Shopify/toxiproxy/v2/cmd/server"),),
         ldflags=f"-s -w -X github.com/Shopify/toxiproxy/v2.Version={TOXIPROXY_VERSION}",
+    ),
+    # The load generator of bench/webhook_vegeta.py.
+    Module(
+        name="vegeta",
+        version=VEGETA_VERSION,
+        directory="tools/vegeta",
+        packages=(("vegeta", "github.com/tsenart/vegeta/v12"),),
+        ldflags=f"-s -w -X main.Version={VEGETA_VERSION}",
     ),
 )
 

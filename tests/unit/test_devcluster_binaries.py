@@ -145,3 +145,14 @@ def test_missing_go_toolchain_is_a_build_error(tmp_path: Path, monkeypatch: pyte
 def test_unknown_binary_name_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown binary"):
         binaries.locate(["kubelet"])
+
+
+def test_vegeta_is_built_from_its_pinned_module_with_its_version() -> None:
+    (module,) = [m for m in binaries.MODULES if m.name == "vegeta"]
+
+    assert dict(module.packages) == {"vegeta": "github.com/tsenart/vegeta/v12"}
+    assert f"-X main.Version={binaries.VEGETA_VERSION}" in module.ldflags
+    go_mod = (binaries.HACK_DIR / module.directory / "go.mod").read_text()
+    assert f"github.com/tsenart/vegeta/v12 {binaries.VEGETA_VERSION}" in go_mod
+    assert (binaries.HACK_DIR / module.directory / "go.sum").is_file()
+    assert "vegeta" in binaries.NAMES
