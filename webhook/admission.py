@@ -1,9 +1,11 @@
 """The admission decision: an ``admission.k8s.io/v1`` AdmissionReview in, its response out. Pure.
 
-``admit(review, claims, options)`` looks at a Pod CREATE carrying the
-``gpu.scheduling/claim`` annotation, finds the claim in the pod's own namespace
-through ``claims`` (a synchronous lookup; the server warms it with one GET on a
-cache miss before calling), and answers:
+Three steps, which the server runs in order: ``decode(body)`` reads the review
+and answers everything that is not a Pod CREATE carrying the
+``gpu.scheduling/claim`` annotation; for such a pod, ``decide(request, claims,
+options)`` finds the claim in the pod's own namespace through ``claims`` (a
+synchronous lookup; the server warms it with one GET on a cache miss before
+calling) and answers; ``encode(answer)`` writes the answer as JSON:
 
 * claim Allocated: allow, with a JSON Patch that pins the pod to the node
   (``nodeSelector kubernetes.io/hostname``), sets ``CUDA_VISIBLE_DEVICES`` and
@@ -36,24 +38,24 @@ Input is the request body, decoded by ``objects.decode_review`` into typed
 Structs holding only what is read here. A body that is not JSON raises
 ``NotJSON``, and a review with no uid to answer raises ``BadReview`` (the
 server answers HTTP 400 to both); any other malformed review is denied with a
-message saying what is wrong. The patch is built operation by operation
-(``mutations``), see ``patches`` for why not ``jsonpatch.make_patch``.
+message saying what is wrong. The patch is a list of operations made by
+``mutations``, json-encoded into the answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
 
 from gpualloc.api import codecs, constants, models, pods
-from webhook import mutations, objects, patches, plans
+from webhook import mutations, objects
 
 PendingMode = Literal["deny", "gate"]
-DeviceIdMode = plans.DeviceIdMode
+DeviceIdMode = Literal["uuid", "index"]
 
 # Outcomes, also the label values of the admissions counter.
 ALLOWED = "allowed"  # allowed, nothing to change
@@ -75,8 +77,7 @@ def _valid_name(name: str) -> bool:
 
     That is dot-separated labels of ``[a-z0-9-]`` that start and end with a
     letter or digit: the characters are those, the first and last are
-    alphanumeric, and no ``..``, ``.-`` or ``-.`` occurs. Written with string
-    methods, as a regex costs over a microsecond in the server (BENCHMARKS.md).
+    alphanumeric, and no ``..``, ``.-`` or ``-.`` occurs.
     """
     return (
         0 < len(name) <= 253
@@ -123,12 +124,6 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     answer: objects.Answer
     outcome: str
 
-    @property
-    def response(self) -> dict[str, Any]:
-        """The answer as the JSON value sent (the patch in base64): for tests and tools."""
-        value: dict[str, Any] = msgspec.to_builtins(self.answer)
-        return value
-
 
 class PodCreate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A Pod CREATE with a claim annotation: the case that needs a claim to decide."""
@@ -149,16 +144,19 @@ class PodCreate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return f"GpuClaim {self.namespace}/{self.claim_name}"
 
 
-def lookup_from(claims: Mapping[str, models.GpuClaim]) -> ClaimLookup:
-    """A ClaimLookup over a mapping keyed ``namespace/name`` (tests, the benchmark)."""
-
-    def lookup(namespace: str, name: str, /) -> models.GpuClaim | None:
-        return claims.get(f"{namespace}/{name}")
-
-    return lookup
+# ------------------------------------------------------------------ decode, encode
 
 
-# ------------------------------------------------------------------ JSON
+def decode(body: bytes) -> PodCreate | Decision:
+    """The Pod CREATE with a claim annotation in a request body, or the answer for any other review.
+
+    Raises NotJSON, or BadReview when there is no request uid to answer.
+    """
+    review = read_review(body)
+    return prepare(review, request_uid(review))
+
+
+encode = objects.encode  # compact JSON of an Answer
 
 
 def read_review(body: bytes) -> objects.AnyReview:
@@ -171,21 +169,18 @@ def read_review(body: bytes) -> objects.AnyReview:
         raise NotJSON(f"the body is not JSON: {str(error)[:200]}") from None
 
 
-dump_json = objects.encode
-
-
 # ------------------------------------------------------------------ responses
 
 
 def allow(
-    uid: str, *, patch: list[patches.Op] | None = None, warnings: list[str] | None = None
+    uid: str, *, patch: list[mutations.Op] | None = None, warnings: list[str] | None = None
 ) -> objects.Answer:
     """An allowing answer; ``patch`` and ``patchType`` only when the patch is not empty."""
     response = objects.Response(
         uid=uid,
         allowed=True,
         patch_type="JSONPatch" if patch else None,
-        patch=patches.document(patch) if patch else None,
+        patch=objects.encode(patch) if patch else None,
         warnings=warnings or None,
     )
     return objects.Answer(response=response)
@@ -226,15 +221,8 @@ def request_uid(review: objects.AnyReview) -> str:
     return uid
 
 
-def prepare(review: objects.AnyReview, uid: str | None = None) -> PodCreate | Decision:
-    """The Pod CREATE with a claim annotation to decide on, or the answer for everything else.
-
-    Raises BadReview when there is no uid to answer; ``uid`` is the review's
-    ``request_uid`` when the caller has read it already. The server calls this
-    once, looks the claim up (``PodCreate.claim_ref``), then ``decide_prepared``.
-    """
-    if uid is None:
-        uid = request_uid(review)
+def prepare(review: objects.AnyReview, uid: str) -> PodCreate | Decision:
+    """The Pod CREATE with a claim annotation to decide on, or the answer for everything else."""
     if review.api_version != objects.API_VERSION or review.kind != objects.KIND:
         got = f"apiVersion {review.api_version!r} kind {review.kind!r}"
         expected = f"expected apiVersion {objects.API_VERSION} kind {objects.KIND}"
@@ -283,40 +271,11 @@ def prepare(review: objects.AnyReview, uid: str | None = None) -> PodCreate | De
     return PodCreate(uid=uid, namespace=namespace, pod=pod, claim_name=claim_name, gpu_free=gpu_free)
 
 
-def _as_review(review: bytes | Any) -> objects.AnyReview:
-    """A review from a body, or from a JSON value (tests and tools hold reviews as dicts)."""
-    return read_review(review if isinstance(review, bytes) else dump_json(review))
-
-
-def claim_ref(review: bytes | Any) -> tuple[str, str] | None:
-    """``(namespace, name)`` of the claim ``admit`` would look up for this review, else None. Never raises."""
-    try:
-        prepared = prepare(_as_review(review))
-    except (BadReview, NotJSON):
-        return None
-    return prepared.claim_ref if isinstance(prepared, PodCreate) else None
-
-
 # ------------------------------------------------------------------ deciding
 
 
-def admit(review: bytes | Any, claims: ClaimLookup, options: Options = Options()) -> dict[str, Any]:
-    """The AdmissionReview answering ``review`` (a body, or a JSON value).
-
-    Raises BadReview or NotJSON only when there is no uid to answer.
-    """
-    return decide(review, claims, options).response
-
-
-def decide(review: bytes | Any, claims: ClaimLookup, options: Options = Options()) -> Decision:
-    """``admit`` with the outcome (for metrics and logs)."""
-    return decide_prepared(prepare(_as_review(review)), claims, options)
-
-
-def decide_prepared(
-    parsed: PodCreate | Decision, claims: ClaimLookup, options: Options = Options()
-) -> Decision:
-    """The decision for what ``prepare`` returned."""
+def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options = Options()) -> Decision:
+    """The decision for what ``decode`` returned."""
     if isinstance(parsed, Decision):
         return parsed
     uid, pod = parsed.uid, parsed.pod
@@ -339,17 +298,17 @@ def decide_prepared(
             code=503,
             reason="ServiceUnavailable",
         )
-    except codecs.DecodeError as error:  # a name of its own: mypyc gives a name one type per function
+    except codecs.DecodeError as error:
         return _denied(uid, f"{parsed.claim_words} could not be read: {error}")
 
     if claim is not None:
         if claim.metadata.deletion_timestamp:
             return _denied(uid, f"{parsed.claim_words} is being deleted")
-        plan = plans.plan_of(claim)  # made once per claim change; says whether devices were taken
-        if plan.taken is not None:
-            return _denied(uid, _taken_message(parsed, plan.taken))
+        taken = _taken(claim)
+        if taken is not None:
+            return _denied(uid, _taken_message(parsed, taken))
         if claim.status.phase == constants.PHASE_ALLOCATED:
-            return _allocated(parsed, plan, options)
+            return _allocated(parsed, claim, options)
 
     if claim is None:
         why = f"{parsed.claim_words} does not exist"
@@ -359,6 +318,22 @@ def decide_prepared(
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
     return _gated(parsed, claim, why)
+
+
+def _taken(claim: models.GpuClaim) -> str | None:
+    """The message of the claim's DevicesLost condition if True with reason DevicesTaken, else None.
+
+    Other reasons (DeviceUnhealthy, DevicesMissing) give None: those pods are admitted as before.
+    """
+    for condition in claim.status.conditions:
+        if condition.type == constants.CONDITION_DEVICES_LOST:
+            if condition.status != "True" or condition.reason != constants.REASON_DEVICES_TAKEN:
+                return None
+            message = " ".join(condition.message.split())
+            if len(message) > _MESSAGE_LIMIT:
+                message = message[: _MESSAGE_LIMIT - 1] + "…"
+            return message
+    return None
 
 
 def _taken_message(req: PodCreate, taken: str) -> str:
@@ -399,15 +374,23 @@ def _replica(req: PodCreate, claim: models.GpuClaim) -> int | str:
     return replica.index
 
 
-def _allocated(req: PodCreate, plan: plans.Plan, options: Options) -> Decision:
+def _allocation(claim: models.GpuClaim, replica: int) -> models.Allocation | None:
+    """The replica's allocation if it holds devices (a replica's first allocation is the one that counts)."""
+    for allocation in claim.status.allocations:
+        if allocation.replica == replica:
+            return allocation if allocation.devices else None
+    return None
+
+
+def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Decision:
     uid, pod = req.uid, req.pod
-    replica = _replica(req, plan.claim)
+    replica = _replica(req, claim)
     if isinstance(replica, str):
         return _denied(uid, replica)
-    target = plan.targets.get(replica)
-    if target is None:
+    allocation = _allocation(claim, replica)
+    if allocation is None:
         return _denied(uid, f"{req.claim_words} is Allocated but holds no devices for replica {replica}")
-    node = target.node
+    node = allocation.node_name
     pin = mutations.node_pin(pod)
     if pin is not None and pin[1] != node:
         how, pinned = pin
@@ -424,7 +407,7 @@ def _allocated(req: PodCreate, plan: plans.Plan, options: Options) -> Decision:
             f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
             "remove the pin or use another claim",
         )
-    ops, replaced = edit_allocated(pod, target, options.device_ids)
+    ops, replaced = edit_allocated(pod, allocation, options.device_ids)
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
@@ -433,7 +416,7 @@ def _allocated(req: PodCreate, plan: plans.Plan, options: Options) -> Decision:
     return Decision(answer=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
 
 
-_GATED_ENV = mutations.env([mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES])
+_GATED_ENV = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
 
 
 def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
@@ -451,21 +434,38 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
     return Decision(answer=allow(uid, patch=edit_gated(pod)), outcome=GATED)
 
 
+def device_env(
+    devices: Sequence[models.DeviceRef], device_ids: DeviceIdMode = "uuid"
+) -> list[dict[str, Any]]:
+    """The env entries that give a container ``devices``, as UUIDs or as host indices."""
+    if device_ids == "index":
+        return [
+            mutations.value_env(mutations.ENV_CUDA_VISIBLE_DEVICES, ",".join(str(d.index) for d in devices)),
+            mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),
+            mutations.value_env(mutations.ENV_CUDA_DEVICE_ORDER, "PCI_BUS_ID"),
+        ]
+    uuids = ",".join(d.uuid for d in devices)
+    return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
+
+
 def edit_allocated(
-    pod: objects.Pod[Any], target: plans.Target, device_ids: DeviceIdMode = "uuid"
-) -> tuple[list[patches.Op], list[str]]:
+    pod: objects.Pod[Any],
+    allocation: models.Allocation,
+    device_ids: DeviceIdMode = "uuid",
+) -> tuple[list[mutations.Op], list[str]]:
     """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
-    ops: list[patches.Op] = []
+    ops: list[mutations.Op] = []
     mutations.remove_scheduling_gate(pod, ops)
-    mutations.pin_to_node(pod, target.node, ops, target.selector_ops)
-    replaced = mutations.set_env_everywhere(pod, target.env[device_ids], ops)
-    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, target.uuids, ops, target.annotation_ops)
+    mutations.pin_to_node(pod, allocation.node_name, ops)
+    replaced = mutations.set_env_everywhere(pod, device_env(allocation.devices, device_ids), ops)
+    uuids = ",".join(d.uuid for d in allocation.devices)
+    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
     return ops, replaced
 
 
-def edit_gated(pod: objects.Pod[Any]) -> list[patches.Op]:
+def edit_gated(pod: objects.Pod[Any]) -> list[mutations.Op]:
     """The patch for a claim not allocated yet, in gate mode."""
-    ops: list[patches.Op] = []
+    ops: list[mutations.Op] = []
     # Only the controller may say which devices the pod gets: drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
     mutations.add_scheduling_gate(pod, ops)

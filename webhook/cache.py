@@ -111,7 +111,7 @@ class ClaimCache:
         else:
             try:
                 fetched = codecs.parse_claim(raw)
-            except codecs.DecodeError as error:  # a name of its own: mypyc gives a name one type
+            except codecs.DecodeError as error:
                 return _failing(error)
 
         def lookup(ns: str, n: str, /) -> models.GpuClaim | None:

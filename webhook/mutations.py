@@ -1,32 +1,26 @@
 """Questions asked of a Pod, and the JSON Patch operations that edit it. Pure: no I/O, no clock.
 
 The pod is the typed view ``objects.Pod[Any]`` of the object in the review. The
-edits do not change it: each appends RFC 6902 operations to a list, computed
-against the pod as it came. ``admission`` decides which edits to make; the
-operations of one decision touch disjoint parts of the pod (scheduling gates,
-the node selector, each container's env, one annotation, one label), so their
-order between edits does not matter. Within the env edit it does: a container
-after the first may get the entries by ``copy`` operations from an earlier
-container, which follow the operations that put them there.
+edits do not change it: each appends RFC 6902 operations (plain dicts) to a
+list, computed against the pod as it came; the answer carries the list
+json-encoded. ``admission`` decides which edits to make; the operations of one
+decision touch disjoint parts of the pod (scheduling gates, the node selector,
+each container's env, one annotation, one label), so their order between edits
+does not matter. Within the env edit it does: a container after the first may
+get the entries by ``copy`` operations from an earlier container, which follow
+the operations that put them there.
 
 All edits are idempotent: on a pod the patch was already applied to, they add
 no operation, which is what makes the webhook's reinvocation (and the API
 server's ``reinvocationPolicy: IfNeeded``) yield an empty second patch.
 
-The two traps of hand-made paths: keys with ``/`` or ``~`` are escaped
-(``patches.escape``: ``gpu.scheduling/devices`` is ``gpu.scheduling~1devices``),
-and a missing map or ``env`` list is added whole, never appended to. The
-property tests apply every patch with ``jsonpatch`` and compare the result
-with what a plain dict editor makes of the pod.
-
-Why the common case is written out as it is: in the server every line of
-Python an admission runs costs several times what it does in a warm loop
-(BENCHMARKS.md), and editing the env of every container is the largest part
-of the decision. So the entries come encoded once per claim (an ``Env``, kept
-in the claim's ``plans.Target``), a container that has none of their names
-gets its operations from one ``str.join`` of pieces made with the ``Env``,
-and only a container whose user set one of the names goes through the
-general ``set_env``.
+Why not ``jsonpatch.make_patch`` of an edited copy: it costs about half a
+millisecond for a three-container pod, more than the rest of an admission
+together. The two traps of hand-made paths are handled here: keys with ``/``
+or ``~`` are escaped (``gpu.scheduling/devices`` is
+``gpu.scheduling~1devices``), and a missing map or ``env`` list is added whole,
+never appended to. The property tests apply every patch with ``jsonpatch`` and
+compare the result with what a plain dict editor makes of the pod.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from typing import Any
 import msgspec
 
 from gpualloc.api import constants
-from webhook import objects, patches
+from webhook import objects
 
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -49,8 +43,32 @@ DEVICES_FIELD_PATH = f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
 _EMPTY: Mapping[str, str] = {}
 
-# Env entries by name, each with its JSON text (encoded once per claim: ``Env``).
-Wanted = dict[str, tuple[dict[str, Any], str]]
+Op = dict[str, Any]  # one RFC 6902 operation
+
+
+# ------------------------------------------------------------------ operations
+
+
+def escape(key: str) -> str:
+    """One JSON Pointer reference token (RFC 6901): ``~`` -> ``~0``, ``/`` -> ``~1``."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def add(path: str, value: Any) -> Op:
+    """Add ``value`` at ``path`` (replacing an existing object member); ``.../-`` appends to an array."""
+    return {"op": "add", "path": path, "value": value}
+
+
+def replace(path: str, value: Any) -> Op:
+    return {"op": "replace", "path": path, "value": value}
+
+
+def remove(path: str) -> Op:
+    return {"op": "remove", "path": path}
+
+
+def copy(source: str, path: str) -> Op:
+    return {"op": "copy", "from": source, "path": path}
 
 
 # ------------------------------------------------------------------ reading
@@ -131,25 +149,6 @@ def value_env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
-class Env(msgspec.Struct, frozen=True, gc=False):
-    """Env entries to write into every container, encoded once (per claim: ``plans.Target``)."""
-
-    entries: Wanted  # name -> (the entry, its JSON text), in order
-    create: tuple[str, ...]  # ``container_path.join(create)``: the op adding an env list of them all
-    append: tuple[str, ...]  # ``container_path.join(append)``: the ops appending each to an env list
-
-
-def env(entries: list[dict[str, Any]]) -> Env:
-    """An Env of entries such as ``value_env(...)`` or ``annotation_env(...)``."""
-    by_name = {entry["name"]: (entry, patches.text(entry)) for entry in entries}
-    texts = [text for _, text in by_name.values()]
-    return Env(
-        entries=by_name,
-        create=patches.adds("/env", ["[" + ",".join(texts) + "]"]),
-        append=patches.adds("/env/-", texts),
-    )
-
-
 def annotation_env(name: str) -> dict[str, Any]:
     """An env var the kubelet fills from the ``gpu.scheduling/devices`` annotation when the container starts.
 
@@ -181,164 +180,130 @@ def _ours(item: objects.EnvVar) -> bool:
 
 
 def set_env(
-    path: str,
-    env: Sequence[objects.EnvVar],
-    ops: list[patches.Op],
-    wanted: Wanted,
-    start: int = 0,
+    path: str, env: Sequence[objects.EnvVar], wanted: Mapping[str, dict[str, Any]], ops: list[Op]
 ) -> list[str]:
-    """Operations making the entries in ``wanted`` the definitions of their names in the env list at ``path``.
+    """Operations making the entries in ``wanted`` (by name) the definitions of their names in ``path``'s env.
 
     A user's entry of the same name (``value`` or ``valueFrom``) is replaced in
     place, so later entries referring to it with ``$(NAME)`` still see it;
     later duplicates are removed; names not present are appended. Returns the
     names whose user-set definition differed (an entry gate mode wrote is not the
     user's: a gated pod reinvoked once its claim is Allocated gets its devices
-    without a warning). ``wanted`` maps each name to its
-    entry and the entry's JSON text; ``path`` is made of fixed keys and
-    indices, written into the operations as it is. ``start`` is the index of the
-    first entry that may have one of the names (those before it have none).
+    without a warning).
     """
     placed: set[str] = set()
     replaced: list[str] = []
     duplicates: list[int] = []
-    for i in range(start, len(env)):
-        item = env[i]
-        name = item.name
-        if name not in wanted:
+    for i, item in enumerate(env):
+        entry = wanted.get(item.name)
+        if entry is None:
             continue
-        if name in placed:
+        if item.name in placed:
             duplicates.append(i)
             continue
-        placed.add(name)
-        entry, text = wanted[name]
+        placed.add(item.name)
         if not _defines(item, entry):
             if not _ours(item):
-                replaced.append(name)
-            ops.append(patches.replace_json(f"{path}/env/{i}", text))
+                replaced.append(item.name)
+            ops.append(replace(f"{path}/env/{i}", entry))
     # Replacements first (indices as they came), removals from the end, then appends.
-    for i in reversed(duplicates):
-        ops.append(patches.remove(f"{path}/env/{i}"))
-    for name, (_, text) in wanted.items():
-        if name not in placed:
-            ops.append(patches.add_json(f"{path}/env/-", text))
+    ops.extend(remove(f"{path}/env/{i}") for i in reversed(duplicates))
+    ops.extend(add(f"{path}/env/-", entry) for name, entry in wanted.items() if name not in placed)
     return replaced
 
 
-def set_env_everywhere(pod: objects.Pod[Any], env: Env, ops: list[patches.Op]) -> list[str]:
+def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops: list[Op]) -> list[str]:
     """``set_env`` on every init container and container; returns ``container/NAME`` for each replacement.
 
-    Most containers have none of the names. The first of them gets the entries
-    with operations that come whole from ``env`` (the paths are fixed keys and
-    indices, nothing to escape); each later one with an env list gets them by
-    JSON Patch ``copy`` operations from it, about 90 bytes each instead of the
-    whole entry (the benchmark's patch is a third smaller: less to encode,
-    send and apply). ``set_env`` takes a container whose user set one of them.
+    A container without an env list gets one holding the entries. The first
+    container whose list has none of the names gets them appended; each later
+    one gets them by JSON Patch ``copy`` from it, about 90 bytes an operation
+    instead of the whole entry.
     """
     spec = pod.spec
     if spec is None:
         return []
-    wanted = env.entries
+    wanted = {entry["name"]: entry for entry in entries}
     replaced: list[str] = []
-    source: tuple[str, int] | None = None  # where the first container's new entries are: (list path, index)
-    copies: tuple[str, ...] = ()  # the pieces copying them, made when a second container needs them
+    source: tuple[str, int] | None = None  # where an earlier container's new entries are: (env path, index)
     for prefix, containers in (
         ("/spec/initContainers/", spec.init_containers),
         ("/spec/containers/", spec.containers),
     ):
         for i, container in enumerate(containers or ()):
             path = f"{prefix}{i}"
-            current = container.env
-            if current is None:
-                ops.append(path.join(env.create))
-                source = source or (f"{path}/env/", 0)  # the entries are the whole new list
-                continue
-            for item in current:
-                if item.name in wanted:  # the user set one of ours: replace it in place
-                    for name in set_env(path, current, ops, wanted, current.index(item)):
-                        replaced.append(f"{container.name or '<unnamed>'}/{name}")
-                    break
+            env = container.env
+            if env is None:
+                ops.append(add(f"{path}/env", entries))
+                source = source or (f"{path}/env", 0)
+            elif any(item.name in wanted for item in env):
+                name = container.name or "<unnamed>"
+                replaced.extend(f"{name}/{var}" for var in set_env(path, env, wanted, ops))
+            elif source is None:
+                ops.extend(add(f"{path}/env/-", entry) for entry in entries)
+                source = (f"{path}/env", len(env))
             else:
-                if source is None:  # the entries are appended after the user's
-                    ops.append(path.join(env.append))
-                    source = (f"{path}/env/", len(current))
-                    continue
-                copies = copies or patches.copies(*source, len(wanted), "/env/-")
-                ops.append(path.join(copies))
+                at, first = source
+                ops.extend(copy(f"{at}/{first + k}", f"{path}/env/-") for k in range(len(entries)))
     return replaced
 
 
-MemberOps = tuple[patches.Op, patches.Op]  # setting a key: (when its map is missing, when it is there)
-
-
-def member_ops(path: str, key: str, value: str) -> MemberOps:
-    """The two operations that set ``key`` to ``value`` in the string map at ``path``."""
-    return (patches.add(path, {key: value}), patches.add(f"{path}/{patches.escape(key)}", value))
-
-
 def _put(
-    ops: list[patches.Op],
+    ops: list[Op],
     parent: str,
     parent_present: bool,
     member: str,
     mapping: Mapping[str, str] | None,
     key: str,
     value: str,
-    prepared: MemberOps | None = None,
 ) -> None:
-    """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing.
-
-    ``prepared`` is ``member_ops(f"{parent}/{member}", key, value)``, made once for many pods.
-    """
+    """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing."""
     if mapping is None and not parent_present:
-        ops.append(patches.add(parent, {member: {key: value}}))
-    elif mapping is None or mapping.get(key) != value:  # add replaces a member
-        missing, present = prepared or member_ops(f"{parent}/{member}", key, value)
-        ops.append(missing if mapping is None else present)
+        ops.append(add(parent, {member: {key: value}}))
+    elif mapping is None:
+        ops.append(add(f"{parent}/{member}", {key: value}))
+    elif mapping.get(key) != value:  # add replaces a member
+        ops.append(add(f"{parent}/{member}/{escape(key)}", value))
 
 
-def set_annotation(
-    pod: objects.Pod[Any], key: str, value: str, ops: list[patches.Op], prepared: MemberOps | None = None
-) -> None:
+def set_annotation(pod: objects.Pod[Any], key: str, value: str, ops: list[Op]) -> None:
     meta = pod.metadata
     current = meta.annotations if meta is not None else None
-    _put(ops, "/metadata", meta is not None, "annotations", current, key, value, prepared)
+    _put(ops, "/metadata", meta is not None, "annotations", current, key, value)
 
 
-def set_label(pod: objects.Pod[Any], key: str, value: str, ops: list[patches.Op]) -> None:
+def set_label(pod: objects.Pod[Any], key: str, value: str, ops: list[Op]) -> None:
     meta = pod.metadata
     current = meta.labels if meta is not None else None
     _put(ops, "/metadata", meta is not None, "labels", current, key, value)
 
 
-def remove_annotation(pod: objects.Pod[Any], key: str, ops: list[patches.Op]) -> None:
+def remove_annotation(pod: objects.Pod[Any], key: str, ops: list[Op]) -> None:
     if key in pod_annotations(pod):
-        ops.append(patches.remove(f"/metadata/annotations/{patches.escape(key)}"))
+        ops.append(remove(f"/metadata/annotations/{escape(key)}"))
 
 
-def pin_to_node(
-    pod: objects.Pod[Any], node: str, ops: list[patches.Op], prepared: MemberOps | None = None
-) -> None:
+def pin_to_node(pod: objects.Pod[Any], node: str, ops: list[Op]) -> None:
     """Add ``nodeSelector kubernetes.io/hostname=<node>`` (other selector keys are kept)."""
     spec = pod.spec
     selector = spec.node_selector if spec is not None else None
-    _put(ops, "/spec", spec is not None, "nodeSelector", selector, constants.HOSTNAME_LABEL, node, prepared)
+    _put(ops, "/spec", spec is not None, "nodeSelector", selector, constants.HOSTNAME_LABEL, node)
 
 
-def add_scheduling_gate(pod: objects.Pod[Any], ops: list[patches.Op]) -> None:
+def add_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
     """Add the gate ``gpu.scheduling/claim-allocated`` unless the pod has it."""
     name = constants.SCHEDULING_GATE
     spec = pod.spec
     gate = {"name": name}
     if spec is None:
-        ops.append(patches.add("/spec", {"schedulingGates": [gate]}))
+        ops.append(add("/spec", {"schedulingGates": [gate]}))
     elif spec.scheduling_gates is None:
-        ops.append(patches.add("/spec/schedulingGates", [gate]))
+        ops.append(add("/spec/schedulingGates", [gate]))
     elif not any(g.name == name for g in spec.scheduling_gates):
-        ops.append(patches.add("/spec/schedulingGates/-", gate))
+        ops.append(add("/spec/schedulingGates/-", gate))
 
 
-def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[patches.Op]) -> None:
+def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
     """Remove the gate ``gpu.scheduling/claim-allocated``; the whole list when no other gate is left."""
     name = constants.SCHEDULING_GATE
     gates = pod.spec.scheduling_gates if pod.spec is not None else None
@@ -346,6 +311,6 @@ def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[patches.Op]) -> None
         return
     ours = [i for i, g in enumerate(gates) if g.name == name]
     if len(ours) == len(gates):
-        ops.append(patches.remove("/spec/schedulingGates"))
+        ops.append(remove("/spec/schedulingGates"))
     else:
-        ops.extend(patches.remove(f"/spec/schedulingGates/{i}") for i in reversed(ours))
+        ops.extend(remove(f"/spec/schedulingGates/{i}") for i in reversed(ours))

@@ -36,7 +36,6 @@ from typing import Protocol
 from aiohttp import web
 from cryptography import x509
 
-from gpualloc.api import models
 from gpualloc.runtime import serving
 from webhook import admission
 from webhook import metrics as metrics_
@@ -52,10 +51,6 @@ class ClaimSource(Protocol):
     """What the app needs from the claim cache (``cache.ClaimCache``)."""
 
     def synced(self) -> bool: ...
-
-    def contains(self, namespace: str, name: str) -> bool: ...
-
-    def get(self, namespace: str, name: str, /) -> models.GpuClaim | None: ...
 
     async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup: ...
 
@@ -85,6 +80,7 @@ def _bad_request(state: State, started: float, message: str) -> web.Response:
 
 
 async def mutate(state: State, request: web.Request) -> web.Response:
+    """Decode the review, decide, encode the answer."""
     started = time.perf_counter()
     try:
         body = await request.read()  # raises 413 past client_max_size
@@ -92,30 +88,37 @@ async def mutate(state: State, request: web.Request) -> web.Response:
         state.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
         raise
     try:
-        review = admission.read_review(body)
-        uid = admission.request_uid(review)
+        prepared = admission.decode(body)
     except (admission.NotJSON, admission.BadReview) as invalid:
         return _bad_request(state, started, str(invalid))
-    try:
-        prepared = admission.prepare(review, uid)
-        claims = state.claims
-        lookup: admission.ClaimLookup = claims.get  # the steady state: the watch cache has the claim
-        if isinstance(prepared, admission.PodCreate) and not claims.contains(
-            prepared.namespace, prepared.claim_name
-        ):
-            lookup = await claims.lookup_for(prepared.claim_ref)  # one GET
-        decision = admission.decide_prepared(prepared, lookup, state.options)
-        answer, outcome = decision.answer, decision.outcome
-    except Exception as failure:  # never a 500: the API server shows the denial to the user
-        log.exception("admission failed", extra={"uid": uid})
-        answer = admission.deny(
-            uid, f"the gpualloc webhook failed: {type(failure).__name__}", code=500, reason="InternalError"
+    if isinstance(prepared, admission.PodCreate):
+        uid = prepared.uid
+        try:
+            lookup = await state.claims.lookup_for(prepared.claim_ref)  # the watch cache, or one GET
+            decision = admission.decide(prepared, lookup, state.options)
+        except Exception as failure:  # never a 500: the API server shows the denial to the user
+            log.exception("admission failed", extra={"uid": uid})
+            answer = admission.deny(
+                uid,
+                f"the gpualloc webhook failed: {type(failure).__name__}",
+                code=500,
+                reason="InternalError",
+            )
+            decision = admission.Decision(answer=answer, outcome=admission.ERROR)
+    else:
+        decision = prepared  # not a claim pod: answered by decode
+    text = admission.encode(decision.answer)
+    state.metrics.admissions.record(decision.outcome, time.perf_counter() - started)
+    status = decision.answer.response.status
+    if decision.outcome in (admission.DENIED, admission.INVALID) and status is not None:
+        log.info(
+            "denied",
+            extra={
+                "uid": decision.answer.response.uid,
+                "outcome": decision.outcome,
+                "reason": status.message,
+            },
         )
-        outcome = admission.ERROR
-    text = admission.dump_json(answer)
-    state.metrics.admissions.record(outcome, time.perf_counter() - started)
-    if outcome in (admission.DENIED, admission.INVALID) and answer.response.status is not None:
-        log.info("denied", extra={"uid": uid, "outcome": outcome, "reason": answer.response.status.message})
     return web.Response(body=text, content_type="application/json")  # JSON is UTF-8 (RFC 8259: no charset)
 
 

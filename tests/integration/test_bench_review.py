@@ -1,6 +1,6 @@
 """The webhook benchmark's AdmissionReview has the shape the real API server sends.
 
-bench/webhook_latency.py builds its request by hand; its figures mean something
+bench/webhook_request.py builds the benchmark's request by hand; the figures mean something
 only if that request is what a webhook gets in a cluster. Here a recording TLS
 webhook is registered with the local kube-apiserver, the benchmark's pod is
 created the way the Job controller would (its template, field manager
@@ -32,7 +32,7 @@ from tests.integration.test_webhook_cluster import MWC_PATH, webhook_configurati
 from tests.integration.tls_support import write_serving_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import webhook_latency as bench
+import webhook_request as bench
 
 ALLOWED = (
     b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"%s","allowed":true}}'

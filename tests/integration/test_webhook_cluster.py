@@ -26,7 +26,7 @@ from kubernetes_asyncio.client import ApiClient
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.runtime import serving
-from tests import reviews
+from tests import admitting, reviews
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
@@ -271,7 +271,7 @@ async def test_containers_after_the_first_get_the_entries_by_copy_and_the_api_se
     # The patch the webhook sends for it copies the first container's entries into the others.
     claim = webhook.reflector.get(f"{namespace}/train")
     assert claim is not None
-    answer = admission.admit(
+    answer = admitting.admit(
         reviews.pod_review(body, namespace=namespace),
         cache.ClaimCache(cache.StaticStore([claim]), _absent).get,
     )

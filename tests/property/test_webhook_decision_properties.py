@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gpualloc.api import constants, models
 from gpualloc.api import pods as pod_rules
-from tests import reviews
+from tests import admitting, reviews
 from webhook import admission, mutations
 
 NS = "ns"
@@ -138,12 +138,12 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
     pod: dict[str, Any], phase: str, replicas: int, options: admission.Options
 ) -> None:
     claims = {} if phase == "missing" else {f"{NS}/c": claim(phase, replicas)}
-    lookup = admission.lookup_from(claims)
+    lookup = admitting.lookup_from(claims)
     before = copy.deepcopy(pod)
-    decision = admission.decide(review(pod), lookup, options)
+    decision = admitting.decide(review(pod), lookup, options)
     event(decision.outcome)
     assert pod == before, "the review's pod is never modified"
-    response = decision.response["response"]
+    response = admitting.answer_of(decision)["response"]
     assert response["uid"] == "u"
     if not response["allowed"]:
         assert decision.outcome == admission.DENIED
@@ -151,8 +151,8 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
         return
     out = apply(pod, response)
     # Reinvocation: the webhook run again on its own output changes nothing.
-    again = admission.decide(review(out), lookup, options)
-    assert again.response["response"] == {"uid": "u", "allowed": True}
+    again = admitting.decide(review(out), lookup, options)
+    assert admitting.answer_of(again)["response"] == {"uid": "u", "allowed": True}
     every = all_containers(out)
     if decision.outcome == admission.MUTATED:
         replica = pod_rules.replica_of(out["metadata"])

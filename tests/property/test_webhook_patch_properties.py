@@ -19,14 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpualloc.api import constants, models
-from webhook import admission, mutations, objects, patches, plans
+from webhook import admission, mutations, objects
 
 GATE = constants.SCHEDULING_GATE
 ENTRIES = [
     mutations.value_env("CUDA_VISIBLE_DEVICES", "GPU-1"),
     mutations.value_env("NVIDIA_VISIBLE_DEVICES", "GPU-1"),
 ]
-TARGET = plans.target(node="n1", devices=(models.DeviceRef(index=0, minor=0, uuid="GPU-1"),))
+TARGET = models.Allocation(
+    replica=0, node_name="n1", devices=(models.DeviceRef(index=0, minor=0, uuid="GPU-1"),)
+)
 GATED_ENTRIES = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
 
 env_entry = st.one_of(
@@ -142,18 +144,18 @@ def test_patch_applied_by_jsonpatch_equals_editing_the_pod(pod: dict[str, Any], 
         ops, _ = admission.edit_allocated(typed(pod), TARGET)
     want = copy.deepcopy(pod)
     (edit_gated if gated else edit_allocated)(want)
-    assert jsonpatch.apply_patch(pod, patches.loads(ops)) == want, ops
+    assert jsonpatch.apply_patch(pod, ops) == want, ops
 
 
 @settings(max_examples=200, deadline=None)
 @given(pod=pods, gated=st.booleans())
 def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> None:
-    def ops_for(p: dict[str, Any]) -> list[patches.Op]:
+    def ops_for(p: dict[str, Any]) -> list[mutations.Op]:
         if gated:
             return admission.edit_gated(typed(p))
         return admission.edit_allocated(typed(p), TARGET)[0]
 
-    once = jsonpatch.apply_patch(pod, patches.loads(ops_for(pod)))
+    once = jsonpatch.apply_patch(pod, ops_for(pod))
     assert ops_for(once) == []
 
 

@@ -11,7 +11,7 @@ import jsonpatch
 import pytest
 
 from gpualloc.api import codecs, constants, models
-from tests import reviews
+from tests import admitting, reviews
 from webhook import admission, mutations, objects
 
 NS = "team-a"
@@ -87,11 +87,11 @@ def make_review(pod: Any, **fields: Any) -> dict[str, Any]:
 
 
 def lookup(*claims: models.GpuClaim) -> admission.ClaimLookup:
-    return admission.lookup_from({c.key: c for c in claims})
+    return admitting.lookup_from({c.key: c for c in claims})
 
 
 def answer(pod: Any, *claims: models.GpuClaim, options: admission.Options | None = None) -> dict[str, Any]:
-    out = admission.admit(make_review(pod), lookup(*claims), options or admission.Options())
+    out = admitting.admit(make_review(pod), lookup(*claims), options or admission.Options())
     assert out["apiVersion"] == "admission.k8s.io/v1"
     assert out["kind"] == "AdmissionReview"
     assert out["response"]["uid"] == "uid-1"
@@ -127,20 +127,20 @@ def test_pod_without_claim_annotation_is_allowed_with_no_patch() -> None:
 
 
 def test_non_pod_kind_is_allowed_with_no_patch() -> None:
-    out = admission.admit(make_review({"kind": "Deployment"}, kind="Deployment"), lookup())
+    out = admitting.admit(make_review({"kind": "Deployment"}, kind="Deployment"), lookup())
     assert out["response"] == {"uid": "uid-1", "allowed": True}
 
 
 @pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
 def test_non_create_operations_are_allowed_with_no_patch(operation: str) -> None:
-    out = admission.admit(make_review(make_pod(), operation=operation), lookup(make_claim()))
+    out = admitting.admit(make_review(make_pod(), operation=operation), lookup(make_claim()))
     assert out["response"] == {"uid": "uid-1", "allowed": True}
 
 
 def test_subresource_requests_are_allowed_with_no_patch() -> None:
     review = make_review(make_pod())
     review["request"]["subResource"] = "binding"
-    assert admission.admit(review, lookup(make_claim()))["response"] == {"uid": "uid-1", "allowed": True}
+    assert admitting.admit(review, lookup(make_claim()))["response"] == {"uid": "uid-1", "allowed": True}
 
 
 # ------------------------------------------------------------ allocated claims
@@ -310,8 +310,8 @@ def test_claim_that_lost_devices_to_another_claim_is_denied_naming_the_holder(
     pending: admission.PendingMode,
 ) -> None:
     claim = make_claim(conditions=devices_lost(constants.REASON_DEVICES_TAKEN))
-    outcome = admission.decide(make_review(make_pod()), lookup(claim), admission.Options(pending=pending))
-    response = outcome.response["response"]
+    outcome = admitting.decide(make_review(make_pod()), lookup(claim), admission.Options(pending=pending))
+    response = admitting.answer_of(outcome)["response"]
     assert outcome.outcome == admission.DENIED
     assert response["allowed"] is False and "patch" not in response
     assert response["status"]["code"] == 403
@@ -447,16 +447,16 @@ def test_reinvocation_in_gate_mode_gives_no_patch() -> None:
 
 def test_dry_run_request_gets_the_same_answer() -> None:
     pod = make_pod()
-    wet = admission.admit(make_review(pod), lookup(make_claim()))
-    dry = admission.admit(make_review(pod, dry_run=True), lookup(make_claim()))
+    wet = admitting.admit(make_review(pod), lookup(make_claim()))
+    dry = admitting.admit(make_review(pod, dry_run=True), lookup(make_claim()))
     assert wet == dry
 
 
 def test_admit_does_not_modify_the_review() -> None:
     review = make_review(make_pod(init=[{"name": "i"}]))
     before = copy.deepcopy(review)
-    admission.admit(review, lookup(make_claim()))
-    admission.admit(review, lookup(make_claim(phase="Pending")), admission.Options(pending="gate"))
+    admitting.admit(review, lookup(make_claim()))
+    admitting.admit(review, lookup(make_claim(phase="Pending")), admission.Options(pending="gate"))
     assert review == before
 
 
@@ -604,7 +604,7 @@ def test_unavailable_claim_lookup_is_denied_with_503() -> None:
     def failing(namespace: str, name: str, /) -> models.GpuClaim | None:
         raise admission.ClaimUnavailable("connection refused")
 
-    out = admission.admit(make_review(make_pod()), failing)["response"]
+    out = admitting.admit(make_review(make_pod()), failing)["response"]
     assert out["allowed"] is False and out["status"]["code"] == 503
     assert "connection refused" in out["status"]["message"]
 
@@ -613,7 +613,7 @@ def test_unreadable_claim_is_denied() -> None:
     def broken(namespace: str, name: str, /) -> models.GpuClaim | None:
         raise codecs.DecodeError("spec.devices: required")
 
-    out = admission.admit(make_review(make_pod()), broken)["response"]
+    out = admitting.admit(make_review(make_pod()), broken)["response"]
     assert out["allowed"] is False and "spec.devices" in out["status"]["message"]
 
 
@@ -632,13 +632,13 @@ def test_unreadable_claim_is_denied() -> None:
 )
 def test_review_without_a_uid_raises_bad_review(body: Any) -> None:
     with pytest.raises(admission.BadReview):
-        admission.admit(body, lookup())
+        admitting.admit(body, lookup())
 
 
 def test_wrong_api_version_with_a_uid_is_answered_with_a_denial() -> None:
     review = make_review(make_pod())
     review["apiVersion"] = "admission.k8s.io/v1beta1"
-    out = admission.admit(review, lookup(make_claim()))
+    out = admitting.admit(review, lookup(make_claim()))
     assert out["response"]["uid"] == "uid-1" and out["response"]["allowed"] is False
     assert out["response"]["status"]["code"] == 400
     assert "admission.k8s.io/v1" in out["response"]["status"]["message"]
@@ -659,25 +659,25 @@ def test_wrong_api_version_with_a_uid_is_answered_with_a_denial() -> None:
     ],
 )
 def test_object_that_is_not_a_pod_is_denied_as_invalid(obj: Any) -> None:
-    out = admission.decide(make_review(obj), lookup())
+    out = admitting.decide(make_review(obj), lookup())
     assert out.outcome == admission.INVALID
-    assert out.response["response"]["allowed"] is False
-    assert "not a Pod" in out.response["response"]["status"]["message"]
+    assert admitting.answer_of(out)["response"]["allowed"] is False
+    assert "not a Pod" in admitting.answer_of(out)["response"]["status"]["message"]
 
 
-def test_claim_ref_names_what_admit_would_look_up() -> None:
-    assert admission.claim_ref(make_review(make_pod())) == (NS, "train")
-    assert admission.claim_ref(make_review(make_pod(claim=None))) is None
-    assert admission.claim_ref(make_review(make_pod(claim="a/b"))) is None
-    assert admission.claim_ref({"nonsense": 1}) is None
+def test_decode_names_the_claim_the_server_looks_up() -> None:
+    assert admitting.claim_ref(make_review(make_pod())) == (NS, "train")
+    assert admitting.claim_ref(make_review(make_pod(claim=None))) is None
+    assert admitting.claim_ref(make_review(make_pod(claim="a/b"))) is None
+    assert admitting.claim_ref({"nonsense": 1}) is None
 
 
 def test_outcomes_are_reported() -> None:
-    assert admission.decide(make_review(make_pod(claim=None)), lookup()).outcome == admission.ALLOWED
-    assert admission.decide(make_review(make_pod()), lookup(make_claim())).outcome == admission.MUTATED
-    assert admission.decide(make_review(make_pod()), lookup()).outcome == admission.DENIED
+    assert admitting.decide(make_review(make_pod(claim=None)), lookup()).outcome == admission.ALLOWED
+    assert admitting.decide(make_review(make_pod()), lookup(make_claim())).outcome == admission.MUTATED
+    assert admitting.decide(make_review(make_pod()), lookup()).outcome == admission.DENIED
     gate = admission.Options(pending="gate")
-    assert admission.decide(make_review(make_pod()), lookup(), gate).outcome == admission.GATED
+    assert admitting.decide(make_review(make_pod()), lookup(), gate).outcome == admission.GATED
 
 
 def test_mutations_display_name_falls_back_without_name() -> None:

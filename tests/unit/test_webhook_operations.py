@@ -1,4 +1,4 @@
-"""JSON Pointer escaping and the operation constructors."""
+"""JSON Pointer escaping and the operation constructors; the patch is the operations json-encoded."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import jsonpatch
 import pytest
 
-from webhook import patches
+from webhook import admission, mutations
 
 
 @pytest.mark.parametrize(
@@ -17,34 +17,36 @@ from webhook import patches
         ("gpu.scheduling/devices", "gpu.scheduling~1devices"),
         ("a~b", "a~0b"),
         ("~/", "~0~1"),
+        ("~1", "~01"),
     ],
 )
 def test_keys_with_slash_and_tilde_are_escaped(key: str, token: str) -> None:
-    assert patches.escape(key) == token
-    doc = jsonpatch.apply_patch({"m": {}}, patches.loads([patches.add(f"/m/{patches.escape(key)}", 1)]))
+    assert mutations.escape(key) == token
+    doc = jsonpatch.apply_patch({"m": {}}, [mutations.add(f"/m/{mutations.escape(key)}", 1)])
     assert doc == {"m": {key: 1}}, "jsonpatch reads the token back as the key"
 
 
 def test_operations_have_the_rfc_6902_shape() -> None:
     doc = {"a": [1, 2, 3], "b": {"c": 1}}
-    ops = [patches.replace("/a/0", 9), patches.remove("/a/2"), patches.add("/a/-", 4), patches.add("/b/c", 2)]
-    assert jsonpatch.apply_patch(doc, patches.loads(ops)) == {"a": [9, 2, 4], "b": {"c": 2}}
+    ops = [
+        mutations.replace("/a/0", 9),
+        mutations.remove("/a/2"),
+        mutations.add("/a/-", 4),
+        mutations.add("/b/c", 2),
+        mutations.copy("/a/0", "/b/d"),
+    ]
+    assert jsonpatch.apply_patch(doc, ops) == {"a": [9, 2, 4], "b": {"c": 2, "d": 9}}
 
 
-def test_operation_text_escapes_any_path_and_value_as_json() -> None:
+def test_the_answers_patch_is_the_operations_as_json_whatever_the_path_and_value() -> None:
     key, value = 'quote " backslash \\ newline \n tab \t', {"nested": ['"', "\\", "\u2028", "é"]}
-    ops = [patches.add(f"/m/{patches.escape(key)}", value), patches.replace("/n", "\u0000")]
-    assert patches.loads(ops) == [
-        {"op": "add", "path": f"/m/{patches.escape(key)}", "value": value},
-        {"op": "replace", "path": "/n", "value": "\u0000"},
-    ]
-    assert jsonpatch.apply_patch({"m": {}, "n": 1}, patches.loads(ops)) == {"m": {key: value}, "n": "\u0000"}
+    ops = [mutations.add(f"/m/{mutations.escape(key)}", value), mutations.replace("/n", "\u0000")]
+    answer = admission.allow("u", patch=ops)
+    assert answer.response.patch is not None and answer.response.patch_type == "JSONPatch"
+    assert json.loads(answer.response.patch) == ops
+    assert jsonpatch.apply_patch({"m": {}, "n": 1}, ops) == {"m": {key: value}, "n": "\u0000"}
 
 
-def test_document_is_the_operations_as_one_json_array() -> None:
-    ops = [patches.remove("/a"), patches.add("/b", [1, {"c": None}])]
-    assert json.loads(patches.document(ops)) == [
-        {"op": "remove", "path": "/a"},
-        {"op": "add", "path": "/b", "value": [1, {"c": None}]},
-    ]
-    assert patches.document([]) == b"[]"
+def test_an_empty_patch_is_left_out_of_the_answer() -> None:
+    response = admission.allow("u", patch=[]).response
+    assert response.patch is None and response.patch_type is None

@@ -13,7 +13,7 @@ from aiohttp import web
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
 from gpualloc.runtime import serving
-from tests import reviews
+from tests import admitting, reviews
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
 
@@ -199,7 +199,7 @@ async def test_graceful_stop_finishes_a_request_in_flight() -> None:
         async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
             entered.set()
             await release.wait()
-            return admission.lookup_from({})
+            return admitting.lookup_from({})
 
     app = server.make_app(claims=Slow())
     runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
