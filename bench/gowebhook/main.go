@@ -1,0 +1,294 @@
+// Command gowebhook is the baseline of bench/webhook_vegeta.py: a plain Go net/http TLS
+// mutating webhook doing what gpualloc's webhook does for the benchmark's request, written
+// the way a small Go webhook usually is (standard library only, encoding/json, typed structs of
+// the fields it reads).
+//
+// It decodes the AdmissionReview, checks the request is a Pod CREATE carrying the
+// gpu.scheduling/claim annotation, looks the claim up in memory (as gpualloc's watch cache
+// does), refuses a pod that also asks the device plugin for nvidia.com/gpu or is pinned to
+// another node, and answers with the same JSON Patch as gpualloc: the node selector, the two
+// device variables in every container (a user's entry replaced in place, later containers
+// copying the entries from the first one that got them), the devices annotation, and a warning
+// when a user-set variable was replaced. Only one-replica claims and UUIDs; no metrics.
+//
+//	gowebhook -cert tls.crt -key tls.key -addr 127.0.0.1:8443 -claims claims.json
+//
+// claims.json: {"<namespace>/<name>": {"node": "...", "uuids": ["GPU-...", ...]}}.
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"os"
+	"strings"
+)
+
+const claimAnnotation = "gpu.scheduling/claim"
+
+type claim struct {
+	Node  string   `json:"node"`
+	UUIDs []string `json:"uuids"`
+}
+
+type envVar struct {
+	Name      string          `json:"name"`
+	Value     *string         `json:"value,omitempty"`
+	ValueFrom json.RawMessage `json:"valueFrom,omitempty"`
+}
+
+type resources struct {
+	Limits   map[string]json.RawMessage `json:"limits"`
+	Requests map[string]json.RawMessage `json:"requests"`
+}
+
+type container struct {
+	Name      string     `json:"name"`
+	Env       []envVar   `json:"env"`
+	Resources *resources `json:"resources"`
+}
+
+type pod struct {
+	Metadata struct {
+		Name         string            `json:"name"`
+		GenerateName string            `json:"generateName"`
+		Namespace    string            `json:"namespace"`
+		Annotations  map[string]string `json:"annotations"`
+	} `json:"metadata"`
+	Spec struct {
+		NodeName       string            `json:"nodeName"`
+		NodeSelector   map[string]string `json:"nodeSelector"`
+		InitContainers []container       `json:"initContainers"`
+		Containers     []container       `json:"containers"`
+	} `json:"spec"`
+}
+
+type review struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Request    *struct {
+		UID  string `json:"uid"`
+		Kind struct {
+			Group string `json:"group"`
+			Kind  string `json:"kind"`
+		} `json:"kind"`
+		Namespace   string `json:"namespace"`
+		Operation   string `json:"operation"`
+		SubResource string `json:"subResource"`
+		Object      *pod   `json:"object"`
+	} `json:"request"`
+}
+
+type status struct {
+	Code    int    `json:"code"`
+	Reason  string `json:"reason"`
+	Message string `json:"message"`
+	Status  string `json:"status"`
+}
+
+type response struct {
+	UID       string   `json:"uid"`
+	Allowed   bool     `json:"allowed"`
+	Status    *status  `json:"status,omitempty"`
+	PatchType string   `json:"patchType,omitempty"`
+	Patch     []byte   `json:"patch,omitempty"` // encoding/json writes []byte as base64
+	Warnings  []string `json:"warnings,omitempty"`
+}
+
+type answer struct {
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Response   response `json:"response"`
+}
+
+type op struct {
+	Op    string `json:"op"`
+	From  string `json:"from,omitempty"`
+	Path  string `json:"path"`
+	Value any    `json:"value,omitempty"`
+}
+
+type webhook struct{ claims map[string]claim }
+
+func requestsGPU(r *resources) bool {
+	if r == nil {
+		return false
+	}
+	for _, list := range []map[string]json.RawMessage{r.Limits, r.Requests} {
+		if q, ok := list["nvidia.com/gpu"]; ok && string(q) != "0" && string(q) != `"0"` && string(q) != "null" {
+			return true
+		}
+	}
+	return false
+}
+
+func escape(key string) string {
+	return strings.ReplaceAll(strings.ReplaceAll(key, "~", "~0"), "/", "~1")
+}
+
+// decide returns the response for a decoded review.
+func (h *webhook) decide(rv *review) response {
+	req := rv.Request
+	allow := response{UID: req.UID, Allowed: true}
+	if req.Kind.Group != "" || req.Kind.Kind != "Pod" || req.SubResource != "" || req.Operation != "CREATE" || req.Object == nil {
+		return allow
+	}
+	p := req.Object
+	name, ok := p.Metadata.Annotations[claimAnnotation]
+	if !ok {
+		return allow
+	}
+	deny := func(message string) response {
+		return response{UID: req.UID, Status: &status{Code: 403, Reason: "Forbidden", Message: message, Status: "Failure"}}
+	}
+	namespace := req.Namespace
+	if namespace == "" {
+		namespace = p.Metadata.Namespace
+	}
+	c, ok := h.claims[namespace+"/"+name]
+	if !ok {
+		return deny(fmt.Sprintf("GpuClaim %s/%s does not exist", namespace, name))
+	}
+	for _, list := range [][]container{p.Spec.InitContainers, p.Spec.Containers} {
+		for _, ct := range list {
+			if requestsGPU(ct.Resources) {
+				return deny("the pod also requests nvidia.com/gpu from the device plugin")
+			}
+		}
+	}
+	if p.Spec.NodeName != "" && p.Spec.NodeName != c.Node {
+		return deny("the pod is pinned to another node by spec.nodeName")
+	}
+	if pinned := p.Spec.NodeSelector["kubernetes.io/hostname"]; pinned != "" && pinned != c.Node {
+		return deny("the pod is pinned to another node by its nodeSelector")
+	}
+
+	uuids := strings.Join(c.UUIDs, ",")
+	wanted := []envVar{{Name: "CUDA_VISIBLE_DEVICES", Value: &uuids}, {Name: "NVIDIA_VISIBLE_DEVICES", Value: &uuids}}
+	var ops []op
+	if p.Spec.NodeSelector == nil {
+		ops = append(ops, op{Op: "add", Path: "/spec/nodeSelector", Value: map[string]string{"kubernetes.io/hostname": c.Node}})
+	} else if p.Spec.NodeSelector["kubernetes.io/hostname"] != c.Node {
+		ops = append(ops, op{Op: "add", Path: "/spec/nodeSelector/kubernetes.io~1hostname", Value: c.Node})
+	}
+	var replaced []string
+	source := "" // the env list path where the first container's new entries are, and their index
+	at := 0
+	for _, group := range []struct {
+		prefix string
+		list   []container
+	}{{"/spec/initContainers/", p.Spec.InitContainers}, {"/spec/containers/", p.Spec.Containers}} {
+		for i, ct := range group.list {
+			path := fmt.Sprintf("%s%d/env", group.prefix, i)
+			if ct.Env == nil {
+				ops = append(ops, op{Op: "add", Path: path, Value: wanted})
+				if source == "" {
+					source, at = path+"/", 0
+				}
+				continue
+			}
+			placed := map[string]bool{}
+			var removals []int
+			for j, e := range ct.Env {
+				var want *envVar
+				for k := range wanted {
+					if wanted[k].Name == e.Name {
+						want = &wanted[k]
+					}
+				}
+				if want == nil {
+					continue
+				}
+				if placed[e.Name] {
+					removals = append(removals, j)
+					continue
+				}
+				placed[e.Name] = true
+				if e.Value == nil || *e.Value != *want.Value || len(e.ValueFrom) > 0 {
+					replaced = append(replaced, ct.Name+"/"+e.Name)
+					ops = append(ops, op{Op: "replace", Path: fmt.Sprintf("%s/%d", path, j), Value: *want})
+				}
+			}
+			for k := len(removals) - 1; k >= 0; k-- {
+				ops = append(ops, op{Op: "remove", Path: fmt.Sprintf("%s/%d", path, removals[k])})
+			}
+			if len(placed) > 0 {
+				for _, w := range wanted {
+					if !placed[w.Name] {
+						ops = append(ops, op{Op: "add", Path: path + "/-", Value: w})
+					}
+				}
+				continue
+			}
+			if source == "" {
+				for _, w := range wanted {
+					ops = append(ops, op{Op: "add", Path: path + "/-", Value: w})
+				}
+				source, at = path+"/", len(ct.Env)
+				continue
+			}
+			for k := range wanted {
+				ops = append(ops, op{Op: "copy", From: fmt.Sprintf("%s%d", source, at+k), Path: path + "/-"})
+			}
+		}
+	}
+	key := "/metadata/annotations/" + escape("gpu.scheduling/devices")
+	if p.Metadata.Annotations["gpu.scheduling/devices"] != uuids {
+		ops = append(ops, op{Op: "add", Path: key, Value: uuids})
+	}
+	patch, err := json.Marshal(ops)
+	if err != nil {
+		return deny("the patch could not be encoded: " + err.Error())
+	}
+	out := response{UID: req.UID, Allowed: true, PatchType: "JSONPatch", Patch: patch}
+	if len(replaced) > 0 {
+		out.Warnings = []string{fmt.Sprintf("gpualloc replaced %s with the devices of GpuClaim %s/%s",
+			strings.Join(replaced, ", "), namespace, name)}
+	}
+	return out
+}
+
+func (h *webhook) mutate(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 3<<20))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusRequestEntityTooLarge)
+		return
+	}
+	var rv review
+	if err := json.Unmarshal(body, &rv); err != nil || rv.Request == nil || rv.Request.UID == "" {
+		http.Error(w, "not an AdmissionReview with a request uid", http.StatusBadRequest)
+		return
+	}
+	out, err := json.Marshal(answer{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview", Response: h.decide(&rv)})
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Write(out)
+}
+
+func main() {
+	addr := flag.String("addr", "127.0.0.1:8443", "address to listen on")
+	cert := flag.String("cert", "", "PEM serving certificate")
+	key := flag.String("key", "", "PEM private key")
+	claimsFile := flag.String("claims", "", "JSON file: {\"namespace/name\": {\"node\": ..., \"uuids\": [...]}}")
+	flag.Parse()
+	h := &webhook{claims: map[string]claim{}}
+	if *claimsFile != "" {
+		data, err := os.ReadFile(*claimsFile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := json.Unmarshal(data, &h.claims); err != nil {
+			log.Fatal(err)
+		}
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /mutate", h.mutate)
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	log.Fatal(http.ListenAndServeTLS(*addr, *cert, *key, mux))
+}
