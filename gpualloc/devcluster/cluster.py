@@ -46,12 +46,17 @@ CRD_DIR = binaries_mod.REPO_ROOT / "helm" / "gpualloc" / "crds"
 FIELD_MANAGER = "gpualloc-dev"
 STATE_FILE = "cluster.json"
 
-# Controllers that need a cloud provider or node CIDRs, which this cluster has not.
+# Controllers that need a cloud provider or node CIDRs, which this cluster has not; and the node
+# lifecycle controller: the Nodes here are fake (the tests' have no kubelet at all), and it would
+# taint every one it hears no heartbeat from node.kubernetes.io/unreachable after 50 s, which
+# kube-scheduler and gpualloc's allocator rightly avoid. (TaintNodesByCondition's not-ready taint
+# on a new Node is lifted where the Node is made, as that controller would once it is Ready.)
 _DISABLED_CONTROLLERS = (
     "cloud-node-lifecycle-controller",
     "node-route-controller",
     "service-lb-controller",
     "node-ipam-controller",
+    "node-lifecycle-controller",
 )
 
 _AUDIT_POLICY = {
