@@ -357,7 +357,8 @@ def install_venv(rootfs: Path, wheels: Path, wheel: Path) -> list[str]:
             "--disable-pip-version-check",
             capture_output=True,
         ).stdout.splitlines()
-        run("chroot", rootfs, f"{VENV}/bin/gpualloc", "--help", capture_output=True)
+        for component in ("agent", "controller", "webhook", "certs"):  # each imports its package
+            run("chroot", rootfs, f"{VENV}/bin/gpualloc", component, "--help", capture_output=True)
     finally:
         shutil.rmtree(inside)
     return frozen
