@@ -4,10 +4,8 @@
 
 No base image is pulled. The steps:
 
-1. the wheel, from ``git archive HEAD`` (what is committed, as a fresh clone has it), built as
-   the Dockerfile builds it (with ``GPUALLOC_MYPYC=1`` where setup.py and ``[tool.gpualloc]
-   mypyc`` ask for compiled webhook modules); its runtime dependencies downloaded from PyPI as
-   wheels;
+1. the wheel, from ``git archive HEAD`` (what is committed, as a fresh clone has it), and its
+   runtime dependencies, downloaded from PyPI as wheels;
 2. ``mmdebstrap`` a Debian bookworm root with ``python3.11``;
 3. copy into the image only the files of ``python3.11`` and the packages it depends on (plus
    ``netbase`` and ``base-files``), the way distroless images are made: no dpkg, apt, shell,
@@ -169,22 +167,14 @@ def build_wheels(work: Path, venv_python: Path) -> tuple[Path, Path]:
     wheels.mkdir()
     tar = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(source)], input=tar.stdout, check=True)
-    compiled = mypyc_modules(source)
-    if compiled:
-        # mypy comes from the development venv, so no build isolation.
-        log(f"wheel: GPUALLOC_MYPYC=1 pip wheel (mypyc compiles {len(compiled)} webhook modules)")
-        how = ["--no-build-isolation"]
-    else:
-        log("wheel: pip wheel")
-        how = []
+    log("wheel: pip wheel")
     run(
         venv_python,
-        *["-m", "pip", "wheel", "-q", "--no-deps", *how, "--wheel-dir", str(wheels), str(source)],
-        env={**os.environ, "GPUALLOC_MYPYC": "1"} if compiled else None,
+        *["-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(wheels), str(source)],
         capture_output=True,
     )
     (wheel,) = wheels.glob("gpualloc-*.whl")
-    check_wheel(wheel, compiled)
+    check_wheel(wheel)
     log(f"wheel: {wheel.name}; dependencies from PyPI as wheels")
     run(
         venv_python,
@@ -194,20 +184,12 @@ def build_wheels(work: Path, venv_python: Path) -> tuple[Path, Path]:
     return wheel, source
 
 
-def mypyc_modules(source: Path) -> list[str]:
-    """The modules setup.py compiles with GPUALLOC_MYPYC=1 ([tool.gpualloc] mypyc), if any."""
-    with open(source / "pyproject.toml", "rb") as f:
-        listed = tomllib.load(f).get("tool", {}).get("gpualloc", {}).get("mypyc", [])
-    return list(listed) if (source / "setup.py").exists() else []
-
-
-def check_wheel(wheel: Path, compiled: list[str]) -> None:
-    """The Dockerfile's check: every component (and compiled module, if any) is in the wheel."""
+def check_wheel(wheel: Path) -> None:
+    """The Dockerfile's check: every component package is in the wheel."""
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    extensions = [m.removesuffix(".py") + ".cpython-" for m in compiled]
-    wanted = ("gpualloc/cli.py", "agent/", "controller/", "webhook/", "certs/", *extensions)
+    wanted = ("gpualloc/cli.py", "agent/", "controller/", "webhook/", "certs/")
     missing = [p for p in wanted if not any(n.startswith(p) for n in names)]
     if missing:
         sys.exit(f"missing from {wheel.name}: {missing}")

@@ -339,8 +339,6 @@ def check_components(pod: Podman, cp: cluster.ControlPlane, work: Path) -> None:
         return response if response.get("patch") else None
 
     response = wait("a mutating answer", answer, 30, pod.alive)
-    compiled = '"compiled": true' in pod.logs("gpualloc-check-webhook")
-    say(f"the webhook's admission path runs {'compiled (mypyc)' if compiled else 'interpreted'}")
     patch = base64.b64decode(response["patch"]).decode()
     check(
         response["uid"] == uid and response["allowed"] and "CUDA_VISIBLE_DEVICES" in patch and NODE in patch,
