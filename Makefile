@@ -49,7 +49,8 @@ lint: setup
 
 
 # The image without a container registry (image/build.py): Debian packages (mmdebstrap), the wheel
-# of HEAD, user/entrypoint/labels from the Dockerfile; an OCI archive in ~/.cache/gpualloc/image/. Needs root and `apt-get install mmdebstrap umoci skopeo`.
+# of HEAD, user/entrypoint/labels from the Dockerfile; an OCI archive in ~/.cache/gpualloc/image/.
+# Needs root and `apt-get install mmdebstrap umoci skopeo`.
 # image-check runs it under podman (`apt-get install podman runc`) as the chart does, against the
 # local control plane (image/check.py). Neither is part of `make test`.
 .PHONY: image image-check
