@@ -47,20 +47,6 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-
-# The image without a container registry (image/build.py): Debian packages (mmdebstrap), the wheel
-# of HEAD, user/entrypoint/labels from the Dockerfile; an OCI archive in ~/.cache/gpualloc/image/.
-# Needs root and `apt-get install mmdebstrap umoci skopeo`.
-# image-check runs it under podman (`apt-get install podman runc`) as the chart does, against the
-# local control plane (image/check.py). Neither is part of `make test`.
-.PHONY: image image-check
-IMAGE_ARGS ?=
-IMAGE_CHECK_ARGS ?=
-image: setup
-	$(BIN)/python image/build.py --python $(BIN)/python $(IMAGE_ARGS)
-
-image-check: setup
-	$(BIN)/python image/check.py $(IMAGE_CHECK_ARGS)
 demo: build
 	$(BIN)/python -m gpualloc.demo $(DEMO_ARGS)
 
@@ -84,3 +70,17 @@ sim: setup
 
 sim-long: setup
 	$(BIN)/python -m tests.simulation --long
+
+# The image without a container registry (image/build.py): Debian packages (mmdebstrap), the wheel
+# of HEAD, user/entrypoint/labels from the Dockerfile; an OCI archive in ~/.cache/gpualloc/image/.
+# Needs root and `apt-get install mmdebstrap umoci skopeo`.
+# image-check runs it under podman (`apt-get install podman runc`) as the chart does, against the
+# local control plane (image/check.py). Neither is part of `make test`.
+.PHONY: image image-check
+IMAGE_ARGS ?=
+IMAGE_CHECK_ARGS ?=
+image: setup
+	$(BIN)/python image/build.py --python $(BIN)/python $(IMAGE_ARGS)
+
+image-check: setup
+	$(BIN)/python image/check.py $(IMAGE_CHECK_ARGS)
