@@ -51,7 +51,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from gpualloc.api import codecs, constants, models, pods
+from gpualloc.api import codecs, constants, models, pods, taints
 from webhook import mutations, objects
 
 PendingMode = Literal["deny", "gate"]
@@ -304,6 +304,12 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
     if claim is not None:
         if claim.metadata.deletion_timestamp:
             return _denied(uid, f"{parsed.claim_words} is being deleted")
+        if claim.status.phase == constants.PHASE_RELEASED or _releasing(claim):
+            return _denied(
+                uid,
+                f"{parsed.claim_words} was released: the pods that used it have completed "
+                "(release: OnPodsCompleted); create a new claim",
+            )
         taken = _taken(claim)
         if taken is not None:
             return _denied(uid, _taken_message(parsed, taken))
@@ -318,6 +324,11 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
     return _gated(parsed, claim, why)
+
+
+def _releasing(claim: models.GpuClaim) -> bool:
+    """The fence the controller writes before it releases an OnPodsCompleted claim."""
+    return any(c.type == "Releasing" and c.status == "True" for c in claim.status.conditions)
 
 
 def _taken(claim: models.GpuClaim) -> str | None:
@@ -407,7 +418,7 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Deci
             f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
             "remove the pin or use another claim",
         )
-    ops, replaced = edit_allocated(pod, allocation, options.device_ids)
+    ops, replaced = edit_allocated(pod, allocation, options.device_ids, taints.claim_tolerations(claim.spec))
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
@@ -431,7 +442,8 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
         replica = _replica(req, claim)
         if isinstance(replica, str):
             return _denied(uid, replica)
-    return Decision(answer=allow(uid, patch=edit_gated(pod)), outcome=GATED)
+    wanted = taints.claim_tolerations(claim.spec) if claim is not None else taints.DEFAULT_TOLERATIONS
+    return Decision(answer=allow(uid, patch=edit_gated(pod, wanted)), outcome=GATED)
 
 
 def device_env(
@@ -452,10 +464,12 @@ def edit_allocated(
     pod: objects.Pod[Any],
     allocation: models.Allocation,
     device_ids: DeviceIdMode = "uuid",
+    tolerations: Sequence[models.Toleration] = (),
 ) -> tuple[list[mutations.Op], list[str]]:
     """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
     ops: list[mutations.Op] = []
     mutations.remove_scheduling_gate(pod, ops)
+    mutations.add_tolerations(pod, tolerations, ops)
     mutations.pin_to_node(pod, allocation.node_name, ops)
     replaced = mutations.set_env_everywhere(pod, device_env(allocation.devices, device_ids), ops)
     uuids = ",".join(d.uuid for d in allocation.devices)
@@ -463,9 +477,10 @@ def edit_allocated(
     return ops, replaced
 
 
-def edit_gated(pod: objects.Pod[Any]) -> list[mutations.Op]:
+def edit_gated(pod: objects.Pod[Any], tolerations: Sequence[models.Toleration] = ()) -> list[mutations.Op]:
     """The patch for a claim not allocated yet, in gate mode."""
     ops: list[mutations.Op] = []
+    mutations.add_tolerations(pod, tolerations, ops)
     # Only the controller may say which devices the pod gets: drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
     mutations.add_scheduling_gate(pod, ops)

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from gpualloc.api import constants
+from gpualloc.api import codecs, constants, models
 from webhook import objects
 
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -301,6 +301,26 @@ def add_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
         ops.append(add("/spec/schedulingGates", [gate]))
     elif not any(g.name == name for g in spec.scheduling_gates):
         ops.append(add("/spec/schedulingGates/-", gate))
+
+
+def add_tolerations(pod: objects.Pod[Any], wanted: Sequence[models.Toleration], ops: list[Op]) -> None:
+    """Add each of ``wanted`` that the pod does not carry already (the claim's, and the defaults)."""
+
+    def same(t: objects.Toleration, w: models.Toleration) -> bool:
+        mine = (t.key, t.operator or "Equal", t.value, t.effect, t.toleration_seconds)
+        return mine == (w.key, w.operator, w.value, w.effect, w.toleration_seconds)
+
+    spec = pod.spec
+    have = (spec.tolerations if spec is not None else None) or []
+    missing = [codecs.encode(w) for w in wanted if not any(same(t, w) for t in have)]
+    if not missing:
+        return
+    if spec is None:
+        ops.append(add("/spec", {"tolerations": missing}))
+    elif spec.tolerations is None:
+        ops.append(add("/spec/tolerations", missing))
+    else:
+        ops.extend(add("/spec/tolerations/-", t) for t in missing)
 
 
 def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:

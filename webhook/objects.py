@@ -81,6 +81,14 @@ class SchedulingGate(_Struct):
     name: str = ""
 
 
+class Toleration(_Struct):
+    key: str = ""
+    operator: str = ""
+    value: str = ""
+    effect: str = ""
+    toleration_seconds: int | None = None
+
+
 class ObjectMeta(_Struct):
     name: str | None = None
     generate_name: str | None = None
@@ -94,6 +102,7 @@ class PodSpec(_Struct, Generic[Gpu]):
     node_selector: dict[str, str] | None = None
     affinity: Any = None  # read by ``pods.affinity_excludes``, which takes any JSON
     scheduling_gates: list[SchedulingGate] | None = None
+    tolerations: list[Toleration] | None = None
     resources: Resources[Gpu] | None = None  # pod-level resources
     init_containers: list[Container[Gpu]] | None = None
     containers: list[Container[Gpu]] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 from typing import Any
 
@@ -289,6 +290,48 @@ def test_generate_name_only_pod_gets_a_message_without_crashing() -> None:
 def test_claim_being_deleted_is_denied() -> None:
     response = answer(make_pod(), make_claim(deleting=True))
     assert response["allowed"] is False and "being deleted" in response["status"]["message"]
+
+
+GPU_POOL = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize("phase", [constants.PHASE_ALLOCATED, constants.PHASE_PENDING])
+def test_claim_pods_get_the_claims_tolerations_and_the_gpu_pool_default_once(phase: str) -> None:
+    claim = make_claim(phase=phase)
+    team = models.Toleration(key="team", value="ml", effect="NoExecute", toleration_seconds=30)
+    claim = dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=(team,)))
+    options = admission.Options(pending="gate")
+    out = patched(make_pod(), answer(make_pod(), claim, options=options))
+    want_team = {
+        "key": "team",
+        "operator": "Equal",
+        "value": "ml",
+        "effect": "NoExecute",
+        "tolerationSeconds": 30,
+    }
+    assert out["spec"]["tolerations"] == [want_team, {**GPU_POOL, "value": ""}]
+    # A pod that carries one already gets only the other.
+    pod = make_pod(
+        spec={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    )
+    again = patched(pod, answer(pod, claim, options=options))
+    assert again["spec"]["tolerations"] == [GPU_POOL, want_team]
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool) -> None:
+    if fenced:
+        releasing = models.Condition(type="Releasing", status="True", reason="PodsCompleted")
+        claim = make_claim(conditions=(releasing,))
+    else:
+        claim = make_claim(phase=constants.PHASE_RELEASED)
+    for pending in ("deny", "gate"):
+        response = answer(make_pod(), claim, options=admission.Options(pending=pending))  # type: ignore[arg-type]
+        assert response["allowed"] is False
+        assert response["status"]["message"] == (
+            f"GpuClaim {NS}/train was released: the pods that used it have completed "
+            "(release: OnPodsCompleted); create a new claim"
+        )
 
 
 TAKEN = (
