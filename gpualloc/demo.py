@@ -28,17 +28,18 @@ from typing import Any, cast
 import yaml
 
 from gpualloc import views
-from gpualloc.api import codecs, constants
+from gpualloc.api import codecs, constants, models
 from gpualloc.devcluster import cluster
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 NAMESPACE = "gpualloc-system"
 DEMO_NAMESPACE = "default"
+CLIQUE = {"nvidia.com/gpu.clique": "demo-clique-1"}  # the NVLink domain of examples/05-clique-gang.yaml
 NODES = (
-    ("gpu-node-a", "h100-sxm-8", {constants.LABEL_COST_TIER: "high"}),
+    ("gpu-node-a", "h100-sxm-8", {constants.LABEL_COST_TIER: "high", **CLIQUE}),
     ("gpu-node-b", "a100-pcie-4-nvlink", {constants.LABEL_COST_TIER: "medium"}),
-    ("gpu-node-c", "consumer-8", {constants.LABEL_COST_TIER: "low"}),
+    ("gpu-node-c", "consumer-8", {constants.LABEL_COST_TIER: "low", **CLIQUE}),
 )
 WEBHOOK_CONFIG = "gpualloc-demo"
 
@@ -213,6 +214,7 @@ def start_components(procs: Processes, kubeconfig: str, certs_dir: Path) -> int:
         agent += ["--kubeconfig", kubeconfig, "--lease-namespace", NAMESPACE, "--heartbeat-interval", "10"]
         procs.start(f"agent-{name}", agent + ports())
     controller = ["controller", "--kubeconfig", kubeconfig, "--namespace", NAMESPACE, "--leader-elect=false"]
+    controller += ["--sweep-interval", "5"]  # finished pods are noticed by the sweep: OnPodsCompleted
     procs.start("controller", controller + ports())
     certs = ["certs", "--out-dir", str(certs_dir), "--ip-address", "127.0.0.1", "--dns-name", "localhost"]
     subprocess.run([sys.executable, "-m", "gpualloc.cli", *certs], check=True, stdout=subprocess.DEVNULL)
@@ -248,6 +250,7 @@ async def drive(
         if not await summary(api, cp.kubeconfig):
             say("ERROR: a pod is not on the node or devices its claim names")
             return 1
+        await show_release(api, procs)
         say(f"try: gpualloc get nodes --kubeconfig {cp.kubeconfig}")
         if not stay:
             return 0
@@ -263,6 +266,24 @@ async def drive(
         return 0
     finally:
         await api.close()
+
+
+async def show_release(api: Any, procs: Processes) -> None:
+    """The ddp Job's pods complete (kwok finishes Job pods): its OnPodsCompleted claim turns Released."""
+    from gpualloc.kube import resources
+
+    print("=== Release when the work is done: ddp has release: OnPodsCompleted")
+    released: list[models.GpuClaim] = []
+
+    async def is_released() -> bool:
+        claim = codecs.parse_claim(await resources.CustomResources(api).get_claim(DEMO_NAMESPACE, "ddp"))
+        if claim.status.phase == constants.PHASE_RELEASED:
+            released.append(claim)
+        return bool(released)
+
+    await wait_for("GpuClaim ddp to be Released once its Job's pods completed", is_released, 90, procs)
+    status = released[-1].status
+    say(f"  GpuClaim ddp: Released at {status.released_time}: {status.message}")
 
 
 async def apply_claim_doc(api: Any, doc: dict[str, Any], procs: Processes) -> None:

@@ -39,13 +39,21 @@ def test_demo_places_every_pod_explains_the_unfit_claim_and_tears_down(
         assert pod in pods
     table = out.split("=== Claims")[1].split("===")[0].splitlines()[2:]
     claims = {line.split()[0]: line for line in table if line}
-    assert all(claims[name].split()[2] == "Allocated" for name in ("notebook", "trainer", "ddp"))
+    assert all(claims[name].split()[2] == "Allocated" for name in ("notebook", "trainer", "clique-gang"))
+    assert claims["ddp"].split()[2] in ("Allocated", "Released")  # its Job's pods may be done already
     assert claims["a100-quad"].split()[2] == "Pending"
     # Claims go in one at a time, so the placement is the same on every run.
     decided = [line.split("GpuClaim ", 1)[1] for line in out.splitlines() if "  GpuClaim " in line]
-    assert [line.split(":")[0] for line in decided] == ["notebook", "trainer", "ddp", "a100-quad"]
+    names = ["notebook", "trainer", "ddp", "a100-quad", "clique-gang", "ddp"]
+    assert [line.split(":")[0] for line in decided] == names
     assert decided[0] == "notebook: Allocated on gpu-node-c GPUs 0"
     assert decided[2].startswith("ddp: Allocated on gpu-node-a GPUs ") and "gpu-node-c GPUs " in decided[2]
+    # The gang stays in the clique of gpu-node-a and gpu-node-c (a is full: both on c).
+    assert decided[4].startswith("clique-gang: Allocated on gpu-node-c GPUs "), decided[4]
+    assert decided[4].count("gpu-node-c") == 2
+    # ddp's Indexed Job completes (kwok finishes Job pods): release OnPodsCompleted gives its GPUs back.
+    assert decided[5].startswith("ddp: Released at "), decided[5]
+    assert "released 8 GPUs: every pod that used the claim has completed" in decided[5]
     explain = out.split("gpualloc explain claim a100-quad)")[1]
     assert "gpu-node-b   no 4-GPU set with >=600 GB/s" in explain
     assert "stopped every process the demo started" in out
