@@ -274,6 +274,41 @@ async def test_controller_token_lists_claims_everywhere_locks_leases_and_writes_
     await allowed(lambda: k8s.CoreV1Api(controller).create_namespaced_event(ns, event))
 
 
+async def test_controller_token_reads_quotas_and_writes_only_their_status(
+    installed: Installed, api: k8s.ApiClient, as_component: Callable[[str], Awaitable[k8s.ApiClient]]
+) -> None:
+    ns = installed.namespace
+    quota = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "GpuQuota",
+        "metadata": {"name": "q1"},
+        "spec": {"gpus": 8},
+    }
+    await allowed(
+        lambda: k8s.CustomObjectsApi(api).create_namespaced_custom_object(
+            GROUP, VERSION, ns, "gpuquotas", quota
+        )
+    )
+    custom = k8s.CustomObjectsApi(await as_component("controller"))
+    quotas = await allowed(lambda: custom.list_cluster_custom_object(GROUP, VERSION, "gpuquotas"))
+    assert "q1" in {q["metadata"]["name"] for q in quotas["items"]}
+    ledger = {"status": {"used": 2, "claims": {"uid-1": {"name": "c1", "gpus": 2}}}}
+    written = await allowed(
+        lambda: custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, ns, "gpuquotas", "q1", ledger, _content_type=MERGE
+        )
+    )
+    assert written["status"]["used"] == 2
+    # The limits are the cluster admin's.
+    raised = {"spec": {"gpus": 64}}
+    await refused(
+        lambda: custom.patch_namespaced_custom_object(
+            GROUP, VERSION, ns, "gpuquotas", "q1", raised, _content_type=MERGE
+        )
+    )
+    await refused(lambda: custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "gpuquotas", "q1"))
+
+
 async def test_controller_token_is_refused_secrets_and_leases_outside_its_namespace(
     installed: Installed, as_component: Callable[[str], Awaitable[k8s.ApiClient]]
 ) -> None:

@@ -14,6 +14,10 @@ after every mutation, as in a cluster.
 Node identity: two plain Nodes, a pod of the agent's ServiceAccount on each (never run), and
 a TokenRequest token bound to each pod, which carries the pod's node
 (``authentication.kubernetes.io/node-name``). The agent program itself runs with one of them.
+
+Quotas: the tenant's ``edit`` gets GpuClaim rights through the chart's aggregated ClusterRoles
+(kube-controller-manager aggregates them), may read GpuQuotas and write none, and the
+quota-priority ValidatingAdmissionPolicy caps ``spec.priority`` at each GpuQuota's maxPriority.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from webhook import metrics as metrics_
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 ADMISSION = "/apis/admissionregistration.k8s.io/v1"
 NODE_STATUSES = "/apis/gpu.scheduling/v1/gpunodestatuses"
+MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 NV, CUDA = "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
@@ -423,6 +428,7 @@ async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path
                     "-pod-devices",
                     "-node-identity",
                     "-pod-gated-label",
+                    "-quota-priority",
                 ):
                     _delete(control_plane, f"{ADMISSION}/{kind}/{fullname}{suffix}")
             for name in nodes:
@@ -495,6 +501,13 @@ async def _wait_until_in_force(s: Setup) -> None:
             await agent.close()
         return False
 
+    async def claims_aggregated() -> bool:
+        await call(s.tenant, "GET", quotas_path(s.tenant_ns))
+        body = claim_body("probe")
+        await call(s.tenant, "POST", claims_path(s.tenant_ns), body=body, query=dry)
+        return True
+
+    await eventually("edit to be aggregated with the chart's GpuClaim and GpuQuota rights", claims_aggregated)
     await eventually("the MutatingAdmissionPolicy to set void", voided)
     await eventually("the pod-devices ValidatingAdmissionPolicy", validated)
     await eventually("the gated-label ValidatingAdmissionPolicy", label_checked)
@@ -849,6 +862,199 @@ async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> Non
     finally:
         for api in clients:
             await api.close()
+
+
+# ----------------------------------------------------------------------------- quotas
+
+
+def quotas_path(namespace: str) -> str:
+    return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuquotas"
+
+
+def claims_path(namespace: str) -> str:
+    return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuclaims"
+
+
+def quota_body(name: str, gpus: int = 8, max_priority: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"gpus": gpus}
+    if max_priority is not None:
+        spec["maxPriority"] = max_priority
+    return {"apiVersion": constants.API_VERSION, "kind": "GpuQuota", "metadata": {"name": name}, "spec": spec}
+
+
+def claim_body(name: str, priority: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"devices": {"count": 1}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.CLAIM_KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+async def refusal(attempt: Awaitable[Any]) -> str:
+    """The 403 message of ``attempt``; "" if it was accepted (for polling with ``eventually``)."""
+    try:
+        await attempt
+    except errors.KubeError as exc:
+        if exc.status == 403:
+            return exc.message
+        raise
+    return ""
+
+
+async def test_tenant_may_read_quotas_but_not_write_them_or_their_status(setup: Setup) -> None:
+    quotas = quotas_path(setup.tenant_ns)
+    await call(setup.admin, "POST", quotas, body=quota_body("read-only", gpus=4))
+    try:
+        listed = await call(setup.tenant, "GET", quotas)
+        assert "read-only" in {q["metadata"]["name"] for q in listed["items"]}
+        assert (await call(setup.tenant, "GET", f"{quotas}/read-only"))["spec"]["gpus"] == 4
+        # `gpualloc get quota` with the tenant's token.
+        kubeconfig = setup.kubeconfigs / "tenant.kubeconfig"
+        process = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "gpualloc.cli", "get", "quota", "-n", setup.tenant_ns],
+            *[f"--kubeconfig={kubeconfig}"],
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        printed, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        assert process.returncode == 0, printed.decode()
+        header, row = printed.decode().splitlines()
+        assert header.split() == ["NAME", "USED", "HARD", "MAX-PRIORITY"]
+        assert row.split() == ["read-only", "0", "4", "-"]
+
+        patch = {"spec": {"gpus": 1000}}
+        status = {"status": {"used": 0, "claims": {}}}
+        writes: dict[str, Callable[[], Awaitable[Any]]] = {
+            'create resource "gpuquotas"': lambda: call(
+                setup.tenant, "POST", quotas, body=quota_body("mine", gpus=1000)
+            ),
+            'patch resource "gpuquotas"': lambda: call(
+                setup.tenant, "PATCH", f"{quotas}/read-only", body=patch, content_type=MERGE
+            ),
+            'patch resource "gpuquotas/status"': lambda: call(
+                setup.tenant, "PATCH", f"{quotas}/read-only/status", body=status, content_type=MERGE
+            ),
+            'delete resource "gpuquotas"': lambda: call(setup.tenant, "DELETE", f"{quotas}/read-only"),
+            'deletecollection resource "gpuquotas"': lambda: call(setup.tenant, "DELETE", quotas),
+        }
+        for what, attempt in writes.items():
+            message = await refused(attempt())
+            # RBAC's refusal ("... cannot create resource ..."), not a policy's.
+            assert f"cannot {what}" in message, message
+        stored = await call(setup.admin, "GET", f"{quotas}/read-only")
+        assert stored["spec"] == {"gpus": 4}
+        assert "status" not in stored
+    finally:
+        await call(setup.admin, "DELETE", f"{quotas}/read-only")
+
+
+async def test_edit_lets_the_tenant_create_change_and_delete_claims_but_not_their_status(
+    setup: Setup,
+) -> None:
+    claims = claims_path(setup.tenant_ns)
+    created = await call(setup.tenant, "POST", claims, body=claim_body("by-tenant"))
+    assert created["spec"]["priority"] == 0  # the CRD's default
+    listed = await call(setup.tenant, "GET", claims)
+    assert "by-tenant" in {c["metadata"]["name"] for c in listed["items"]}
+    labelled = await call(
+        setup.tenant,
+        "PATCH",
+        f"{claims}/by-tenant",
+        body={"metadata": {"labels": {"team": "a"}}},
+        content_type=MERGE,
+    )
+    assert labelled["metadata"]["labels"] == {"team": "a"}
+    # The status is the controller's: a tenant cannot mark its own claim Allocated.
+    forged = {"status": {"phase": constants.PHASE_ALLOCATED}}
+    message = await refused(
+        call(setup.tenant, "PATCH", f"{claims}/by-tenant/status", body=forged, content_type=MERGE)
+    )
+    assert 'cannot patch resource "gpuclaims/status"' in message
+    # Only in its own namespaces.
+    message = await refused(
+        call(setup.tenant, "POST", claims_path(setup.system), body=claim_body("elsewhere"))
+    )
+    assert 'cannot create resource "gpuclaims"' in message
+    await call(setup.tenant, "DELETE", f"{claims}/by-tenant")
+    swept = claim_body("swept")
+    swept["metadata"]["labels"] = {"sweep": "yes"}
+    await call(setup.tenant, "POST", claims, body=swept)
+    await call(setup.tenant, "DELETE", claims, query=[("labelSelector", "sweep=yes")])  # deletecollection
+    remaining = await call(setup.tenant, "GET", claims)
+    assert not {"by-tenant", "swept"} & {c["metadata"]["name"] for c in remaining["items"]}
+
+
+async def test_claim_priority_above_a_namespace_quotas_maximum_is_refused_with_the_reason(
+    setup: Setup,
+) -> None:
+    ns = setup.tenant_ns
+    quotas, claims = quotas_path(ns), claims_path(ns)
+    dry = [("dryRun", "All")]
+    tenant = setup.tenant
+    await call(setup.admin, "POST", quotas, body=quota_body("capped", max_priority=100))
+    await call(setup.admin, "POST", quotas, body=quota_body("uncapped", gpus=16))  # no maxPriority
+    made: list[str] = []
+    try:
+
+        async def capped() -> str:
+            return await refusal(call(tenant, "POST", claims, body=claim_body("probe", 500), query=dry))
+
+        # The API server sees a new param a moment after it is created: poll with dry runs.
+        message = await eventually("the quota-priority policy to see the GpuQuota", capped)
+        reason = f"spec.priority 500 is above 100, the maximum of namespace {ns} (quota {ns}/capped)"
+        assert reason in message, message
+        assert reason in await refused(call(tenant, "POST", claims, body=claim_body("greedy", 500)))
+
+        # At the maximum, and without a priority (the default, 0): accepted.
+        at_cap = await call(tenant, "POST", claims, body=claim_body("at-cap", 100))
+        made.append("at-cap")
+        assert at_cap["spec"]["priority"] == 100
+        plain = await call(tenant, "POST", claims, body=claim_body("plain"))
+        made.append("plain")
+        assert plain["spec"]["priority"] == 0
+
+        # Raising it afterwards is refused too; an update that keeps it is not checked.
+        raise_ = {"spec": {"priority": 101}}
+        message = await refused(call(tenant, "PATCH", f"{claims}/at-cap", body=raise_, content_type=MERGE))
+        assert f"spec.priority 101 is above 100, the maximum of namespace {ns} (quota {ns}/capped)" in message
+        relabelled = {"metadata": {"labels": {"team": "a"}}}
+        await call(tenant, "PATCH", f"{claims}/at-cap", body=relabelled, content_type=MERGE)
+
+        # Every quota of the namespace applies: a tighter one refuses what the first allowed.
+        await call(setup.admin, "POST", quotas, body=quota_body("tighter", max_priority=50))
+
+        async def tightened() -> str:
+            return await refusal(call(tenant, "POST", claims, body=claim_body("probe", 100), query=dry))
+
+        message = await eventually("the policy to see the second GpuQuota", tightened)
+        assert f"spec.priority 100 is above 50, the maximum of namespace {ns} (quota {ns}/tighter)" in message
+        assert f"quota {ns}/capped" not in message
+
+        # Another namespace, without a GpuQuota: no cap (parameterNotFoundAction: Allow).
+        elsewhere = claims_path(setup.unhooked_ns)
+        await call(tenant, "POST", elsewhere, body=claim_body("high", 1_000_000), query=dry)
+
+        # The quota gone, the cap is gone.
+        await call(setup.admin, "DELETE", f"{quotas}/capped")
+        await call(setup.admin, "DELETE", f"{quotas}/tighter")
+
+        async def uncapped() -> bool:
+            await call(tenant, "POST", claims, body=claim_body("probe", 500), query=dry)
+            return True
+
+        await eventually("the policy to forget the deleted GpuQuotas", uncapped)
+    finally:
+        for name in ("capped", "tighter", "uncapped"):
+            try:
+                await call(setup.admin, "DELETE", f"{quotas}/{name}")
+            except errors.KubeError as exc:
+                assert exc.status == 404, exc
+        for name in made:
+            await call(setup.admin, "DELETE", f"{claims}/{name}")
 
 
 # ----------------------------------------------------------------------------- every variant compiles
