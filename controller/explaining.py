@@ -1,9 +1,11 @@
 """`gpualloc explain claim NAME [-n NS]`: why a claim is pending, node by node.
 
-It reads what the controller reads (claims, GpuNodeStatus, Nodes), builds the
-same node views, and runs the same allocator with ``explain=True`` so every
-node gets its own verdict. Devices count as taken when another claim's status
-lists them. Nothing is written.
+It reads what the controller reads (claims, GpuNodeStatus, Nodes, the
+namespace's GpuQuotas), builds the same node views, and runs the same
+allocator with ``explain=True`` so every node gets its own verdict. Devices
+count as taken when another claim's status lists them; a plan that fits is
+then held to the namespace's quotas as the controller's ledger would hold it.
+Nothing is written.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller import allocator, state
+from controller import allocator, quotas, state
 from controller import views as node_views_
 from gpualloc import views
 from gpualloc.api import codecs, constants, models
@@ -50,6 +52,7 @@ def explain(
     statuses: Mapping[str, models.GpuNodeStatus],
     nodes: Mapping[str, node_views_.NodeFacts],
     now: dt.datetime,
+    namespace_quotas: Sequence[models.GpuQuota] = (),
 ) -> str:
     """The report `gpualloc explain` prints (pure)."""
     lines = [f"Claim {claim.key}: {claim.status.phase or constants.PHASE_PENDING}"]
@@ -79,14 +82,24 @@ def explain(
         stale_after=node_views_.NODE_STALE_AFTER_S,
     )
     decision = allocator.allocate(claim, node_views, explain=True)
-    lines.append(f"  now:     {'would fit' if decision.ok else decision.reason}")
+    verdict = decision.reason
+    if decision.ok:
+        product = quotas.products_of(decision.allocations, statuses)
+        gpus, uid = quotas.claim_gpus(claim), claim.metadata.uid
+        over = [quotas.verdict(q, uid, quotas.merged(q, uid, gpus, product)) for q in namespace_quotas]
+        held_back = next((why for why in over if why), "")
+        verdict = f"would fit, but is held back by its quota: {held_back}" if held_back else "would fit"
+    lines.append(f"  now:     {verdict}")
     lines.append("")
     rows = [[name, verdict] for name, verdict in sorted(decision.per_node.items())]
     lines.append(views.table(["NODE", "VERDICT"], rows) if rows else "No GPU nodes are published.")
+    if namespace_quotas:
+        lines.append("")
+        lines.append(views.format_quotas(namespace_quotas, all_namespaces=False))
     return "\n".join(lines)
 
 
-async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
+async def _fetch(kubeconfig: str | None, namespace: str) -> dict[str, Any]:
     from gpualloc.kube import client, resources, transport, watching
 
     api = await client.connect(views.kubeconfig_path(kubeconfig))
@@ -96,6 +109,7 @@ async def _fetch(kubeconfig: str | None) -> dict[str, Any]:
             "claims": (await crs.list_claims())["items"],
             "statuses": (await crs.list_node_statuses())["items"],
             "nodes": (await transport.request(api, "GET", watching.NODES.path()))["items"],
+            "quotas": (await transport.request(api, "GET", watching.QUOTAS.path(namespace)))["items"],
         }
     finally:
         await api.close()
@@ -108,7 +122,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("-n", "--namespace", default="default", help="the claim's namespace")
     parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     args = parser.parse_args(argv)
-    raw = views.run_or_exit(_fetch(args.kubeconfig))
+    raw = views.run_or_exit(_fetch(args.kubeconfig, args.namespace))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
     if claim is None:
@@ -116,5 +130,11 @@ def main(argv: Sequence[str]) -> int:
         return 1
     statuses = {s.spec.node_name: s for s in (codecs.parse_node_status(r) for r in raw["statuses"])}
     nodes = {f.name: f for f in (node_views_.node_facts(r) for r in raw["nodes"])}
-    print(explain(claim, claims=claims, statuses=statuses, nodes=nodes, now=dt.datetime.now(dt.UTC)))
+    namespace_quotas = [codecs.parse_quota(q) for q in raw["quotas"]]
+    now = dt.datetime.now(dt.UTC)
+    print(
+        explain(
+            claim, claims=claims, statuses=statuses, nodes=nodes, now=now, namespace_quotas=namespace_quotas
+        )
+    )
     return 0

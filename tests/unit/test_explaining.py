@@ -112,3 +112,33 @@ def test_explain_shows_the_quota_message_of_a_claim_held_back_by_its_quota() -> 
     )
     out = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
     assert f"  status:  {message}" in out.splitlines()
+
+
+def test_explain_says_a_claim_that_would_fit_is_held_back_by_its_quota_and_lists_the_quotas() -> None:
+    from gpualloc.api import codecs
+
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    claim = _claim("quad", "u1")
+    quota = codecs.parse_quota(
+        {
+            "metadata": {"name": "default", "namespace": "default"},
+            "spec": {"gpus": 6},
+            "status": {"used": 3, "claims": {"u0": {"name": "other", "gpus": 3, "product": "x"}}},
+        }
+    )
+    out = explaining.explain(
+        claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW, namespace_quotas=[quota]
+    )
+    assert (
+        "  now:     would fit, but is held back by its quota: "
+        "namespace default would use 7 of 6 GPUs (quota default/default)"
+    ) in out.splitlines()
+    assert (
+        "default" in out.splitlines()[-1] and " 3 " in out.splitlines()[-1] and " 6 " in out.splitlines()[-1]
+    )
+    roomy = dataclasses.replace(quota, spec=dataclasses.replace(quota.spec, gpus=8))
+    out = explaining.explain(
+        claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW, namespace_quotas=[roomy]
+    )
+    assert "  now:     would fit" in out.splitlines()
