@@ -251,6 +251,14 @@ async def device_leases(api: ApiClient, namespace: str, label_selector: str = ""
     return list(listing.get("items") or [])
 
 
+def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    """The claim's condition of that type ({} when it has none)."""
+    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return {}
+
+
 def status_uuids(claim: dict[str, Any]) -> list[str]:
     return [d["uuid"] for a in (claim.get("status") or {}).get("allocations") or [] for d in a["devices"]]
 

@@ -26,6 +26,7 @@ from gpualloc.kube import errors, leases, resources, transport
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
+    condition,
     controller_argv,
     create_gpu_node,
     delete_gpu_node,
@@ -48,13 +49,6 @@ async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
     await create_gpu_node(api, name, labels={RUN_LABEL: run})
     yield name, run
     await delete_gpu_node(api, name)
-
-
-def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return dict(cond)
-    return {}
 
 
 async def create_pod(api: ApiClient, namespace: str, name: str, claim: str) -> None:

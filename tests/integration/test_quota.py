@@ -22,6 +22,7 @@ from gpualloc.kube import resources, transport
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
+    condition,
     controller_argv,
     create_gpu_node,
     delete_gpu_node,
@@ -70,13 +71,6 @@ async def quota(api: ApiClient, namespace: str, spec: dict[str, Any]) -> AsyncIt
         yield name
     finally:
         await delete_quota(api, namespace, name)
-
-
-def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return dict(cond)
-    return {}
 
 
 async def over_quota(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from gpualloc.kube import resources, transport
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
+    condition,
     controller_argv,
     create_gpu_node,
     delete_gpu_node,
@@ -99,13 +100,6 @@ async def succeed(api: ApiClient, pod: dict[str, Any]) -> None:
         body={"status": status},
         content_type=transport.MERGE_PATCH,
     )
-
-
-def condition(claim: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for cond in ((claim or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return dict(cond)
-    return {}
 
 
 async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes_with_the_job(

@@ -303,6 +303,20 @@ class ApiServer:
         obj = self._created("claims", body, "claim")
         return clone(self._write("claims", key, obj))
 
+    def _at_version(self, kind: str, plural: str, key: str, resource_version: str) -> Obj:
+        """The stored object at ``key``, if it has ``resource_version`` (any, when "")."""
+        old = self.objects[kind].get(key)
+        name = key.rsplit("/", 1)[-1]
+        if old is None:
+            raise _not_found(plural, name)
+        if resource_version and meta(old).get("resourceVersion") != resource_version:
+            raise _conflict(
+                f"{plural}.gpu.scheduling",
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        return old
+
     def create_quota(self, namespace: str, name: str, spec: Mapping[str, Any]) -> Obj:
         body = {"metadata": {"name": name, "namespace": namespace}, "spec": clone(dict(spec))}
         obj = self._created("quotas", body, "quota")
@@ -312,15 +326,7 @@ class ApiServer:
         self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
     ) -> Obj:
         key = f"{namespace}/{name}"
-        old = self.objects["quotas"].get(key)
-        if old is None:
-            raise _not_found("gpuquotas", name)
-        if resource_version and meta(old).get("resourceVersion") != resource_version:
-            raise _conflict(
-                "gpuquotas.gpu.scheduling",
-                name,
-                "the object has been modified; please apply your changes to the latest version and try again",
-            )
+        old = self._at_version("quotas", "gpuquotas", key, resource_version)
         new = dict(old)
         new["status"] = merge_patch(old.get("status"), patch.get("status"))
         return clone(self._write("quotas", key, new))
@@ -349,15 +355,7 @@ class ApiServer:
         self, namespace: str, name: str, resource_version: str, change: Callable[[Obj], Obj]
     ) -> Obj:
         key = f"{namespace}/{name}"
-        old = self.objects["claims"].get(key)
-        if old is None:
-            raise _not_found("gpuclaims", name)
-        if resource_version and meta(old).get("resourceVersion") != resource_version:
-            raise _conflict(
-                "gpuclaims.gpu.scheduling",
-                name,
-                "the object has been modified; please apply your changes to the latest version and try again",
-            )
+        old = self._at_version("claims", "gpuclaims", key, resource_version)
         new = change(old)
         m = meta(new)
         if m.get("deletionTimestamp") and not m.get("finalizers"):
