@@ -1,12 +1,14 @@
 """The admission webhook under vegeta, against a plain Go ``net/http`` webhook doing the same work.
 
-    .venv/bin/python bench/webhook_vegeta.py [--rate 500] [--duration 10] [--rounds 3]
+    .venv/bin/python bench/webhook_vegeta.py [--rate 500] [--duration 10] [--rounds 3] [--compiled]
 
 What runs, all on 127.0.0.1:
 
 * ``gpualloc``: ``gpualloc webhook`` from the source checkout, interpreted (no
   mypyc), against a real local kube-apiserver + etcd that holds the claim: the
-  webhook's watch cache has it, as in the steady state of a cluster;
+  webhook's watch cache has it, as in the steady state of a cluster; with
+  ``--compiled``, its admission path compiled with mypyc as the image ships it
+  (``make compiled`` builds ``.compiled/``, put first on PYTHONPATH);
 * ``go``: ``bench/gowebhook`` (standard library only: ``net/http``, TLS,
   ``encoding/json`` into typed structs of the fields it reads), built with the Go
   on PATH, the claim in memory, answering the benchmark's review with the same
@@ -294,6 +296,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plane = start_cluster(tmp / "cluster", bins)
             gpualloc_port, *go_ports = cluster.free_ports(1 + len(go_binaries))
             pin = ["taskset", "-c", str(SERVER_CPU)]
+            env = dict(os.environ)
+            if args.compiled:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    filter(None, [str(ROOT / ".compiled"), env.get("PYTHONPATH")])
+                )
             gpualloc = subprocess.Popen(
                 [
                     *pin,
@@ -308,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
+                env=env,
             )
             processes.append(gpualloc)
             servers = {"gpualloc": (gpualloc, gpualloc_port)}
@@ -330,12 +338,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The module `gpualloc webhook` loads, with the same interpreter and environment.
             loaded = subprocess.run(
                 [sys.executable, "-c", "import webhook.admission as a; print(a.__file__)"],
-                cwd=ROOT,
+                cwd=tmp,  # as the console script: no checkout directory first on sys.path
                 check=True,
                 capture_output=True,
                 text=True,
+                env=env,
             ).stdout.strip()
             compiled = loaded.endswith(".so")
+            if compiled != args.compiled:
+                raise SystemExit(f"gpualloc webhook would load {loaded}; run `make compiled` for --compiled")
             answers = {name: post_review(port, ca, body) for name, (_, port) in servers.items()}
             shapes = {name: answer_shape(a) for name, a in answers.items()}
             if any(shape != shapes["gpualloc"] for shape in shapes.values()) or not shapes["go"]["patch"]:
@@ -508,6 +519,9 @@ def main() -> int:
         help="closed-loop connection counts of the saturation sweep (comma-separated)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="runs of each server, alternating")
+    parser.add_argument(
+        "--compiled", action="store_true", help="run the webhook's admission path compiled (make compiled)"
+    )
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
     if shutil.which("taskset") is None or shutil.which("go") is None:
