@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,18 @@ from gpualloc.devcluster import cluster as cluster_mod
 from gpualloc.kube import client as kube_client
 from gpualloc.kube import errors, resources, watching
 from gpualloc.runtime import serving
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    condition,
+    create_gpu_node,
+    delete_gpu_node,
+    get_claim,
+    running_controller,
+    wait_for,
+    wait_phase,
+)
+from tests.integration.controller_support import claim_body as integration_claim_body
+from tests.integration.controller_support import controller_argv as integration_controller_argv
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
@@ -1055,6 +1068,60 @@ async def test_claim_priority_above_a_namespace_quotas_maximum_is_refused_with_t
                 assert exc.status == 404, exc
         for name in made:
             await call(setup.admin, "DELETE", f"{claims}/{name}")
+
+
+async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup: Setup) -> None:
+    """The tenant, with its own token, claims more GPUs than its namespace's GpuQuota allows: the
+    controller allocates what fits and keeps the rest Pending with the quota's message."""
+    ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
+    node = f"iso-gpu-{run}"
+    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
+    quotas, tenant_claims = quotas_path(ns), resources.CustomResources(setup.tenant)
+    await call(setup.admin, "POST", quotas, body=quota_body("gpus", gpus=4))
+    argv = integration_controller_argv(setup.system, run=run)
+    try:
+        async with running_controller(str(setup.control_plane.kubeconfig), argv):
+            await tenant_claims.create_claim(ns, integration_claim_body("first", 3, run=run))
+            await wait_phase(setup.admin, ns, "first", "Allocated", within=60)
+            await tenant_claims.create_claim(ns, integration_claim_body("second", 2, run=run))
+
+            async def over_quota() -> dict[str, Any] | None:
+                got = await get_claim(setup.admin, ns, "second")
+                return (
+                    got
+                    if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
+                    else None
+                )
+
+            second = await wait_for(
+                over_quota, within=60, what="the second claim to be held back by the quota"
+            )
+            assert second["status"]["phase"] == "Pending"
+            assert second["status"]["message"] == f"namespace {ns} would use 5 of 4 GPUs (quota {ns}/gpus)"
+            # The tenant reads the ledger but cannot touch it.
+            ledger = await call(setup.tenant, "GET", f"{quotas}/gpus")
+            assert ledger["status"]["used"] == 3
+            with pytest.raises(errors.KubeError) as denied:
+                await call(
+                    setup.tenant,
+                    "PATCH",
+                    f"{quotas}/gpus/status",
+                    body={"status": {"claims": None}},
+                    content_type=MERGE,
+                )
+            assert denied.value.status == 403
+    finally:
+        for name in ("first", "second"):
+            with contextlib.suppress(errors.NotFound):
+                await tenant_claims.delete_claim(ns, name)
+        await call(setup.admin, "DELETE", f"{quotas}/gpus")
+        await delete_gpu_node(setup.admin, node)
+
+
+async def eventually_value(
+    what: str, probe: Callable[[], Awaitable[dict[str, Any] | None]]
+) -> dict[str, Any]:
+    return await wait_for(probe, within=60, what=what)
 
 
 # ----------------------------------------------------------------------------- every variant compiles
