@@ -131,7 +131,7 @@ class Reconciler:
                 claim
             ):
                 return
-            if await self._maintain(claim) and not statuses.releasing(claim):
+            if await self._maintain(claim) and not claim.releasing:
                 await self.gate.ungate(claim)
             return
         if claim.status.phase == constants.PHASE_RELEASED:
@@ -462,7 +462,7 @@ class Reconciler:
         simulation found a pod admitted between the list and the release)."""
         pods = await self.cluster.list_pods(claim.metadata.namespace)
         using = gates.pods_using(claim.metadata.name, pods)
-        fenced = statuses.releasing(claim)
+        fenced = claim.releasing
         now = self._now()
         if using:
             names = sorted(str((p.get("metadata") or {}).get("name", "")) for p in using)

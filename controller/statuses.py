@@ -32,9 +32,6 @@ CONDITION_IN_USE = "InUse"
 REASON_PODS_RUNNING = "PodsRunning"
 REASON_PODS_COMPLETED = "PodsCompleted"
 REASON_RELEASED = "Released"
-# The fence of ``release: OnPodsCompleted``: written before the last look at the pods; the webhook
-# admits no pod of a claim that has it (True), so that look sees every pod that can use the claim.
-CONDITION_RELEASING = "Releasing"
 
 
 def allocation_complete(claim: models.GpuClaim) -> bool:
@@ -353,17 +350,17 @@ def released_status(claim: models.GpuClaim, *, done: int, now: datetime.datetime
     }
 
 
-def releasing(claim: models.GpuClaim) -> bool:
-    return any(c.type == CONDITION_RELEASING and c.status == "True" for c in claim.status.conditions)
-
-
 def releasing_condition(claim: models.GpuClaim, *, on: bool, now: datetime.datetime) -> models.Condition:
-    """The fence (on), or its removal when pods turned up after all (off)."""
+    """The fence of ``release: OnPodsCompleted`` (on), written before the last look at the pods: the
+    webhook admits no pod of a claim that has it, so that look sees every pod that can use the claim.
+    Off when pods turned up after all."""
     if on:
         message = "every pod that used the claim has completed; its GPUs are being released"
-        return _condition(claim, CONDITION_RELEASING, "True", REASON_PODS_COMPLETED, message, now=now)
+        return _condition(
+            claim, constants.CONDITION_RELEASING, "True", REASON_PODS_COMPLETED, message, now=now
+        )
     message = "pods use the claim again; it keeps its GPUs"
-    return _condition(claim, CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
+    return _condition(claim, constants.CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
 
 
 def was_used(claim: models.GpuClaim) -> bool:

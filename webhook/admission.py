@@ -304,7 +304,7 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
     if claim is not None:
         if claim.metadata.deletion_timestamp:
             return _denied(uid, f"{parsed.claim_words} is being deleted")
-        if claim.status.phase == constants.PHASE_RELEASED or _releasing(claim):
+        if claim.status.phase == constants.PHASE_RELEASED or claim.releasing:
             return _denied(
                 uid,
                 f"{parsed.claim_words} was released: the pods that used it have completed "
@@ -324,11 +324,6 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
     return _gated(parsed, claim, why)
-
-
-def _releasing(claim: models.GpuClaim) -> bool:
-    """The fence the controller writes before it releases an OnPodsCompleted claim."""
-    return any(c.type == "Releasing" and c.status == "True" for c in claim.status.conditions)
 
 
 def _taken(claim: models.GpuClaim) -> str | None:

@@ -49,6 +49,8 @@ PHASE_PENDING = "Pending"
 PHASE_ALLOCATED = "Allocated"
 PHASE_FAILED = "Failed"
 PHASE_RELEASED = "Released"  # spec.release OnPodsCompleted: the work is done, the devices are back
+# The controller's fence before it releases an OnPodsCompleted claim: no pod of it is admitted.
+CONDITION_RELEASING = "Releasing"
 PHASES = (PHASE_PENDING, PHASE_ALLOCATED, PHASE_FAILED, PHASE_RELEASED)
 
 RELEASE_ON_DELETE = "OnDelete"

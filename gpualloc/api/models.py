@@ -166,6 +166,13 @@ class GpuClaim:
         """``namespace/name``, the work-queue and cache key."""
         return f"{self.metadata.namespace}/{self.metadata.name}"
 
+    @property
+    def releasing(self) -> bool:
+        """Fenced for release (``constants.CONDITION_RELEASING`` True): the webhook admits no pod of it."""
+        return any(
+            c.type == constants.CONDITION_RELEASING and c.status == "True" for c in self.status.conditions
+        )
+
 
 # ---------------------------------------------------------------- GpuNodeStatus
 

@@ -227,7 +227,9 @@ class Scenario:
 
 def _releasing(claim: Obj) -> bool:
     conditions = (claim.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Releasing" and c.get("status") == "True" for c in conditions)
+    return any(
+        c.get("type") == constants.CONDITION_RELEASING and c.get("status") == "True" for c in conditions
+    )
 
 
 def _draw_quota(rng: random.Random, scenario: Scenario) -> Obj | None:

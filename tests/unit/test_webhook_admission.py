@@ -321,7 +321,9 @@ def test_claim_pods_get_the_claims_tolerations_and_the_gpu_pool_default_once(pha
 @pytest.mark.parametrize("fenced", [False, True])
 def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool) -> None:
     if fenced:
-        releasing = models.Condition(type="Releasing", status="True", reason="PodsCompleted")
+        releasing = models.Condition(
+            type=constants.CONDITION_RELEASING, status="True", reason="PodsCompleted"
+        )
         claim = make_claim(conditions=(releasing,))
     else:
         claim = make_claim(phase=constants.PHASE_RELEASED)
