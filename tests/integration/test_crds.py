@@ -206,11 +206,27 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
             ],
         },
         "nodeName": "gpu-node-3",
-        "topology": {"mode": "Required", "minBandwidthGBps": 600},
+        "topology": {
+            "mode": "Required",
+            "minBandwidthGBps": 600,
+            "sameNodeLabel": "nvidia.com/gpu.clique",
+            "sameNodeLabelMode": "Preferred",
+        },
         "strategy": "costOptimized",
         "priority": 10,
         "replicas": 2,
         "retryPolicy": {"maxRetries": 3, "backoffSeconds": 10},
+        "release": "OnPodsCompleted",
+        "tolerations": [
+            {
+                "key": "team",
+                "operator": "Equal",
+                "value": "ml",
+                "effect": "NoExecute",
+                "tolerationSeconds": 30,
+            },
+            {"operator": "Exists"},
+        ],
     }
     created = await create_claim(objects, namespace, claim_body("everything", spec))
 
@@ -220,6 +236,12 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
     assert parsed.spec.devices.min_memory_mib == 40000
     assert parsed.spec.topology.min_bandwidth_gbps == 600
     assert parsed.spec.retry_policy.max_retries == 3
+    assert parsed.spec.release == "OnPodsCompleted"
+    assert parsed.spec.topology.same_node_label_mode == "Preferred"
+    assert (
+        parsed.spec.tolerations[0].toleration_seconds == 30
+        and parsed.spec.tolerations[1].operator == "Exists"
+    )
 
 
 # ----------------------------------------------------------- invalid claims
@@ -272,6 +294,22 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("zero-replicas", {"devices": {"count": 1}, "replicas": 0}, "spec.replicas"),
     ("unknown-strategy", {"devices": {"count": 1}, "strategy": "cheapest"}, "spec.strategy"),
     ("bad-node-name", {"devices": {"count": 1}, "nodeName": "Not_A_Node"}, "spec.nodeName"),
+    ("unknown-release", {"devices": {"count": 1}, "release": "OnFriday"}, "spec.release"),
+    (
+        "toleration-exists-with-value",
+        {"devices": {"count": 1}, "tolerations": [{"key": "a", "operator": "Exists", "value": "b"}]},
+        "value must be empty when operator is Exists",
+    ),
+    (
+        "toleration-without-key-or-exists",
+        {"devices": {"count": 1}, "tolerations": [{"value": "b"}]},
+        "an empty key needs operator Exists",
+    ),
+    (
+        "unknown-same-node-label-mode",
+        {"devices": {"count": 1}, "topology": {"sameNodeLabel": "rack", "sameNodeLabelMode": "Mostly"}},
+        "spec.topology.sameNodeLabelMode",
+    ),
 ]
 
 
