@@ -382,6 +382,10 @@ class Reconciler:
             log.info("not allocated", extra={"claim": key, "reason": message, "retry": retry.retry_count})
         if not exhausted:
             self.requeue(key, max(0.0, retry.not_before - mono))
+        elif written is not None:
+            # Once more, as Failed: its leftovers go, and its gated pods are told why they stay gated.
+            # Nothing else would wake it: our own write's event does not.
+            self.requeue(key, 0.0)
 
     # ------------------------------------------------------------------ allocated claims
 
