@@ -98,19 +98,9 @@ class LeaderElector:
             raise
 
     async def _try(self) -> bool:
-        """One attempt to acquire or renew; True when this process holds the Lease afterwards.
-
-        An attempt may take at most the renew deadline, as client-go's renew does: a request stuck
-        on a connection that a network fault left half open must not keep a leader that was
-        paused past its lease from noticing that it lost it (the race test saw one hang for
-        minutes after SIGCONT)."""
+        """One attempt to acquire or renew; True when this process holds the Lease afterwards."""
         try:
-            async with asyncio.timeout(self.renew_deadline):
-                return await self._try_once()
-        except TimeoutError:
-            log.warning("leader election attempt timed out", extra={"lease": self.name})
-            self._record = None
-            return False
+            return await self._try_once()
         except errors.Conflict:
             self._record = None  # someone else wrote it: read it again next time
             return False
