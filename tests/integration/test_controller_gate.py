@@ -119,7 +119,9 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
                 }
                 return found if set(found) == set(expected) else None
 
-            found = await wait_for(warnings, within=120, what="a StillGated warning on each of the three pods")
+            found = await wait_for(
+                warnings, within=120, what="a StillGated warning on each of the three pods"
+            )
             for name, words in expected.items():
                 assert words in found[name], (name, found[name])
                 stored = await transport.request(api, "GET", f"{pods_path}/{name}")
