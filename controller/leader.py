@@ -12,6 +12,13 @@ the lease duration, so it stops before anyone can take over). A standby thus
 takes over between ``lease_duration - retry_period`` and
 ``lease_duration + retry_period`` after the leader's last renewal.
 
+An acquire whose answer is lost (a reset connection, a timeout) may still have
+been written: the Lease then names a candidate that does not know it leads and
+goes on campaigning. Its next attempt reads the Lease, finds itself the holder
+and renews, and only then does it lead; if the Lease expired meanwhile and
+another candidate took it, it stays a standby, having never led. client-go
+behaves the same way.
+
 With ``release_on_cancel`` a leader that is shut down cleanly empties the
 holder, so a standby takes over at its next poll instead of waiting.
 """

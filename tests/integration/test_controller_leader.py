@@ -12,6 +12,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from controller import leader
 from gpualloc.kube import errors, leases, resources
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -144,3 +145,47 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
             }
     finally:
         await delete_gpu_node(api, node)
+
+
+async def test_a_candidate_whose_acquire_answer_was_lost_leads_only_once_it_reads_itself_the_holder(
+    api: ApiClient, namespace: str, monkeypatch: Any
+) -> None:
+    """The election Lease can name a candidate that does not know it (the race test's SIGSTOP meets this)."""
+    real_create, real_get = leases.create_lease, leases.get_lease
+    created = asyncio.Event()
+    may_read = asyncio.Event()
+
+    async def create_then_lose_the_answer(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        await real_create(*args, **kwargs)
+        created.set()
+        raise errors.Unavailable(0, "ServerDisconnectedError", "the answer was lost")
+
+    async def get_when_allowed(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        await may_read.wait()
+        return await real_get(*args, **kwargs)
+
+    monkeypatch.setattr(leases, "create_lease", create_then_lose_the_answer)
+    monkeypatch.setattr(leases, "get_lease", get_when_allowed)
+    elector = leader.LeaderElector(
+        api, namespace=namespace, name="lost-answer", identity="cand-a", retry_period=0.2
+    )
+    task = asyncio.create_task(elector.run())
+    try:
+        may_read.set()  # the first attempt reads (NotFound) and creates
+        async with asyncio.timeout(10):
+            await created.wait()
+        may_read.clear()  # hold the next attempt (a retry period away) before it reads
+        lease = await real_get(api, namespace, "lost-answer")
+        assert lease["spec"]["holderIdentity"] == "cand-a"
+        assert not elector.leading.is_set(), "it leads without having heard that its create succeeded"
+
+        may_read.set()
+        async with asyncio.timeout(10):
+            await elector.leading.wait()
+        lease = await real_get(api, namespace, "lost-answer")
+        assert lease["spec"]["holderIdentity"] == "cand-a"
+        assert not lease["spec"].get("leaseTransitions"), "renewing its own Lease is not a transition"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

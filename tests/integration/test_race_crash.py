@@ -216,6 +216,16 @@ class Controllers:
                 codes[slot.identity] = slot.proc.wait(10)
         return codes
 
+    def believes_it_leads(self, identity: str) -> bool:
+        """Whether ``identity`` logged that it leads (one that loses its leadership exits).
+
+        The election Lease may name a candidate that does not know it: its acquire
+        was written, but the answer was lost (a reset connection, a timeout), so it
+        still campaigns, and leads only if its next attempt finds itself the holder.
+        """
+        text = (self.logs / f"controller-{identity}.log").read_bytes()
+        return b'"msg": "became leader"' in text
+
     def tail(self, lines: int = 15) -> str:
         out = []
         for path in sorted(self.logs.glob("controller-*.log")):
@@ -396,7 +406,16 @@ class Chaos:
         outcome["stopped"] = leader.identity
         self.controllers.signal(leader.index, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        self.timeline.note(f"overlap: SIGSTOPped the leader {leader.identity}")
+        # Read after the stop: the process cannot log anything more until SIGCONT.
+        outcome["believed_leading"] = self.controllers.believes_it_leads(leader.identity)
+        self.timeline.note(
+            f"overlap: SIGSTOPped the leader {leader.identity}"
+            + (
+                ""
+                if outcome["believed_leading"]
+                else " (named by the Lease, but it has not logged that it leads)"
+            )
+        )
         try:
             successor = ""
             give_up = stopped_at + LEASE_DURATION + 20
@@ -765,8 +784,9 @@ async def race(
         tail,
     )
     for overlap in report["overlaps"]:
-        if "successor" in overlap:
+        if "successor" in overlap and overlap["believed_leading"]:
             # The stopped leader found its lease taken: it must have stopped, not kept leading.
+            # (A candidate whose acquire's answer was lost never led: it stays a standby.)
             assert overlap.get("exit") == EXIT_LOST_LEADERSHIP, (overlap, tail)
     report["lost_leadership"] = dict(controllers.lost_leadership)
     report["elapsed_s"] = round(timeline.now(), 1)
