@@ -9,19 +9,22 @@ What runs, all on 127.0.0.1:
   webhook's watch cache has it, as in the steady state of a cluster; with
   ``--compiled``, its admission path compiled with mypyc as the image ships it
   (``make compiled`` builds ``.compiled/``, put first on PYTHONPATH);
-* ``go``: ``bench/gowebhook`` (standard library only: ``net/http``, TLS,
-  ``encoding/json`` into typed structs of the fields it reads), built with the Go
-  on PATH, the claim in memory, answering the benchmark's review with the same
-  JSON Patch and warning (checked before measuring: the two answers' patches
-  must be equal as JSON);
-* ``go-jsonv2``: the same Go program built with ``GOEXPERIMENT=jsonv2`` (Go's
-  newer JSON implementation behind the same ``encoding/json`` API, not the
-  default in Go 1.26): for reference, the goal is judged against ``go``;
+* ``go``: ``bench/gowebhook``, a plain Go ``net/http`` TLS webhook built with
+  the Go on PATH, the claim in memory, answering the benchmark's review with the
+  same JSON Patch and warning (checked before measuring: every answer's patch
+  must be equal as JSON). It decodes as Go webhooks usually do: the review into
+  ``k8s.io/api``'s typed ``AdmissionReview`` and its object into a typed
+  ``Pod``. The goal is judged against this one;
+* ``go-fields``: the same program with ``-decode=fields``: ``encoding/json``
+  into small structs of only the fields the decision reads (a trimmed decode,
+  for reference);
+* ``go-fields-jsonv2``: that, built with ``GOEXPERIMENT=jsonv2`` (Go's newer
+  JSON implementation behind the same API, not Go 1.26's default), for reference;
 * the load generator: vegeta v12 (``gpualloc dev build --only vegeta`` caches it
   in ``~/.cache/gpualloc/bin``), HTTP/1.1 with keep-alive over TLS 1.3, the same
-  certificate for both servers (``gpualloc certs``).
+  certificate for every server (``gpualloc certs``).
 
-Both servers are pinned to the same single CPU (``taskset -c 0``; the Go
+Every server is pinned to the same single CPU (``taskset -c 0``; the Go
 runtime then runs with GOMAXPROCS=1), vegeta to another (``taskset -c 1``) and
 the API server and etcd, idle while measuring, to that other one too.
 
@@ -81,7 +84,9 @@ from gpualloc.devcluster import binaries, cluster  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "webhook_vegeta.json"
 GO_SOURCE = ROOT / "bench" / "gowebhook"
-SERVERS = ("gpualloc", "go", "go-jsonv2")
+# Go servers: name -> (-decode, GOEXPERIMENT of the build).
+GO_SERVERS = {"go": ("k8s", ""), "go-fields": ("fields", ""), "go-fields-jsonv2": ("fields", "jsonv2")}
+SERVERS = ("gpualloc", *GO_SERVERS)
 SERVER_CPU = 0
 LOAD_CPU = 1
 TARGET_P99_MS = 2.0
@@ -280,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plane: cluster.ControlPlane | None = None
     with tempfile.TemporaryDirectory(prefix="webhook-vegeta-") as tmp_name:
         tmp = Path(tmp_name)
-        go_binaries = {"go": build_go_webhook(tmp), "go-jsonv2": build_go_webhook(tmp, "jsonv2")}
+        builds = {experiment: build_go_webhook(tmp, experiment) for _, experiment in GO_SERVERS.values()}
         ca, cert, key = request_shape.make_certs(tmp / "certs")
         body = request_shape.review_body()
         (tmp / "review.json").write_bytes(body)
@@ -294,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             print("starting etcd and kube-apiserver with the benchmark's claim", file=sys.stderr)
             plane = start_cluster(tmp / "cluster", bins)
-            gpualloc_port, *go_ports = cluster.free_ports(1 + len(go_binaries))
+            gpualloc_port, *go_ports = cluster.free_ports(1 + len(GO_SERVERS))
             pin = ["taskset", "-c", str(SERVER_CPU)]
             env = dict(os.environ)
             if args.compiled:
@@ -319,11 +324,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             processes.append(gpualloc)
             servers = {"gpualloc": (gpualloc, gpualloc_port)}
-            for (name, binary), port in zip(go_binaries.items(), go_ports, strict=True):
+            for (name, (decode, experiment)), port in zip(GO_SERVERS.items(), go_ports, strict=True):
                 go = subprocess.Popen(
                     [
                         *pin,
-                        str(binary),
+                        str(builds[experiment]),
+                        f"-decode={decode}",
                         f"-addr=127.0.0.1:{port}",
                         f"-cert={cert}",
                         f"-key={key}",
@@ -421,7 +427,7 @@ def summarise(
     return {
         "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(["bench/webhook_vegeta.py", *sys.argv[1:]]),
-        "note": "both servers pinned to CPU 0 (taskset), vegeta and the idle API server to CPU 1; "
+        "note": "every server pinned to CPU 0 (taskset), vegeta and the idle API server to CPU 1; "
         "HTTP/1.1 keep-alive over TLS on 127.0.0.1; gpualloc runs interpreted from the checkout "
         "against a real kube-apiserver (claim from its watch cache); figures are the median round "
         "(open loop by p99, saturation by throughput); saturation = the largest throughput of a "
@@ -443,7 +449,7 @@ def summarise(
             "bytes": len(json.dumps({"response": answer}, separators=(",", ":"))),
             "patch_operations": len(shape["patch"]),
             "warnings": shape["warnings"],
-            "same_patch_from_both": True,
+            "same_patch_from_all": True,
         },
         "settings": {
             "rate": args.rate,
@@ -453,12 +459,13 @@ def summarise(
             "rounds": args.rounds,
         },
         "gpualloc": servers["gpualloc"],
-        "go": servers["go"],
-        "go-jsonv2": servers["go-jsonv2"],
+        **{name: servers[name] for name in GO_SERVERS},
         "saturation_ratio": ratio,
         "saturation_ratio_by_round": ratios,
-        "saturation_ratio_vs_go_jsonv2": round(statistics.median(by_round("go-jsonv2")), 3),
-        "saturation_ratio_vs_go_jsonv2_by_round": by_round("go-jsonv2"),
+        "saturation_ratio_vs": {
+            name: {"median": round(statistics.median(by_round(name)), 3), "by_round": by_round(name)}
+            for name in GO_SERVERS
+        },
         "cpu_per_request_ratio_by_round": cpu_ratios,
         "targets": {
             "p99_ms_at_rate": {"limit": TARGET_P99_MS, "measured": p99, "met": p99 <= TARGET_P99_MS},
@@ -487,10 +494,9 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
             f"{s['throughput_rps']:10.0f} {s['workers']:7d} {s['p99_ms']:7.2f} {s['server_cpu_pct']:6.0f}% "
             f"{s['server_cpu_us_per_request']:7.1f} {capacity:7.0f} {s['vegeta_cpu_pct']:6.0f}%"
         )
-    v2 = ", ".join(f"{r:.2f}x" for r in report["saturation_ratio_vs_go_jsonv2_by_round"])
-    print(
-        f"saturation, gpualloc / go-jsonv2 (reference): {report['saturation_ratio_vs_go_jsonv2']:.2f}x ({v2})"
-    )
+    for name, vs in report["saturation_ratio_vs"].items():
+        rounds = ", ".join(f"{r:.2f}x" for r in vs["by_round"])
+        print(f"saturation, gpualloc / {name}: {vs['median']:.2f}x ({rounds})")
     targets = report["targets"]
     p99, ratio = targets["p99_ms_at_rate"], targets["saturation_vs_go"]
     print(

@@ -1,7 +1,5 @@
 // Command gowebhook is the baseline of bench/webhook_vegeta.py: a plain Go net/http TLS
-// mutating webhook doing what gpualloc's webhook does for the benchmark's request, written
-// the way a small Go webhook usually is (standard library only, encoding/json, typed structs of
-// the fields it reads).
+// mutating webhook doing what gpualloc's webhook does for the benchmark's request.
 //
 // It decodes the AdmissionReview, checks the request is a Pod CREATE carrying the
 // gpu.scheduling/claim annotation, looks the claim up in memory (as gpualloc's watch cache
@@ -11,7 +9,17 @@
 // copying the entries from the first one that got them), the devices annotation, and a warning
 // when a user-set variable was replaced. Only one-replica claims and UUIDs; no metrics.
 //
-//	gowebhook -cert tls.crt -key tls.key -addr 127.0.0.1:8443 -claims claims.json
+// Two ways to decode, everything else shared:
+//
+//   - -decode=k8s (the default): as Go webhooks usually decode, the review into
+//     k8s.io/api/admission/v1's AdmissionReview and its object into k8s.io/api/core/v1's
+//     Pod (the peer gpu-scheduler's webhook does this; so does controller-runtime's decoder,
+//     with the same typed structs);
+//
+//   - -decode=fields: encoding/json into small structs of only the fields the decision reads,
+//     a trimmed decode few webhooks bother with.
+//
+//     gowebhook -cert tls.crt -key tls.key -addr 127.0.0.1:8443 -claims claims.json [-decode k8s|fields]
 //
 // claims.json: {"<namespace>/<name>": {"node": "...", "uuids": ["GPU-...", ...]}}.
 package main
@@ -25,6 +33,9 @@ import (
 	"net/http"
 	"os"
 	"strings"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	corev1 "k8s.io/api/core/v1"
 )
 
 const claimAnnotation = "gpu.scheduling/claim"
@@ -111,7 +122,94 @@ type op struct {
 	Value any    `json:"value,omitempty"`
 }
 
-type webhook struct{ claims map[string]claim }
+type webhook struct {
+	claims map[string]claim
+	decode func(body []byte) (*review, error)
+}
+
+// decodeFields decodes only the fields the decision reads.
+func decodeFields(body []byte) (*review, error) {
+	var rv review
+	if err := json.Unmarshal(body, &rv); err != nil {
+		return nil, err
+	}
+	return &rv, nil
+}
+
+// decodeK8s decodes the way most Go webhooks do: the typed AdmissionReview, then the typed Pod.
+func decodeK8s(body []byte) (*review, error) {
+	var typed admissionv1.AdmissionReview
+	if err := json.Unmarshal(body, &typed); err != nil {
+		return nil, err
+	}
+	rv := &review{APIVersion: typed.APIVersion, Kind: typed.Kind}
+	req := typed.Request
+	if req == nil {
+		return rv, nil
+	}
+	rv.Request = &struct {
+		UID  string `json:"uid"`
+		Kind struct {
+			Group string `json:"group"`
+			Kind  string `json:"kind"`
+		} `json:"kind"`
+		Namespace   string `json:"namespace"`
+		Operation   string `json:"operation"`
+		SubResource string `json:"subResource"`
+		Object      *pod   `json:"object"`
+	}{UID: string(req.UID), Namespace: req.Namespace, Operation: string(req.Operation), SubResource: req.SubResource}
+	rv.Request.Kind.Group, rv.Request.Kind.Kind = req.Kind.Group, req.Kind.Kind
+	if len(req.Object.Raw) > 0 {
+		var p corev1.Pod
+		if err := json.Unmarshal(req.Object.Raw, &p); err != nil {
+			return nil, err
+		}
+		rv.Request.Object = fromPod(&p)
+	}
+	return rv, nil
+}
+
+// fromPod copies what the decision reads out of a typed Pod.
+func fromPod(p *corev1.Pod) *pod {
+	out := &pod{}
+	out.Metadata.Name, out.Metadata.GenerateName, out.Metadata.Namespace = p.Name, p.GenerateName, p.Namespace
+	out.Metadata.Annotations = p.Annotations
+	out.Spec.NodeName, out.Spec.NodeSelector = p.Spec.NodeName, p.Spec.NodeSelector
+	out.Spec.InitContainers = fromContainers(p.Spec.InitContainers)
+	out.Spec.Containers = fromContainers(p.Spec.Containers)
+	return out
+}
+
+func fromContainers(list []corev1.Container) []container {
+	if list == nil {
+		return nil
+	}
+	out := make([]container, len(list))
+	for i, c := range list {
+		out[i].Name = c.Name
+		if c.Env != nil {
+			out[i].Env = make([]envVar, len(c.Env))
+			for j, e := range c.Env {
+				out[i].Env[j].Name = e.Name
+				if e.ValueFrom != nil {
+					out[i].Env[j].ValueFrom = json.RawMessage(`{}`)
+				} else {
+					value := e.Value
+					out[i].Env[j].Value = &value
+				}
+			}
+		}
+		quantities := func(list corev1.ResourceList) map[string]json.RawMessage {
+			m := make(map[string]json.RawMessage, len(list))
+			for name, q := range list {
+				m[string(name)] = json.RawMessage(`"` + q.String() + `"`)
+			}
+			return m
+		}
+		out[i].Resources = &resources{Limits: quantities(c.Resources.Limits), Requests: quantities(c.Resources.Requests)}
+	}
+	return out
+}
 
 func requestsGPU(r *resources) bool {
 	if r == nil {
@@ -257,12 +355,12 @@ func (h *webhook) mutate(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusRequestEntityTooLarge)
 		return
 	}
-	var rv review
-	if err := json.Unmarshal(body, &rv); err != nil || rv.Request == nil || rv.Request.UID == "" {
+	rv, err := h.decode(body)
+	if err != nil || rv.Request == nil || rv.Request.UID == "" {
 		http.Error(w, "not an AdmissionReview with a request uid", http.StatusBadRequest)
 		return
 	}
-	out, err := json.Marshal(answer{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview", Response: h.decide(&rv)})
+	out, err := json.Marshal(answer{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview", Response: h.decide(rv)})
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusInternalServerError)
 		return
@@ -276,8 +374,16 @@ func main() {
 	cert := flag.String("cert", "", "PEM serving certificate")
 	key := flag.String("key", "", "PEM private key")
 	claimsFile := flag.String("claims", "", "JSON file: {\"namespace/name\": {\"node\": ..., \"uuids\": [...]}}")
+	decode := flag.String("decode", "k8s", "k8s: typed k8s.io/api structs; fields: only the fields it reads")
 	flag.Parse()
-	h := &webhook{claims: map[string]claim{}}
+	h := &webhook{claims: map[string]claim{}, decode: decodeK8s}
+	switch *decode {
+	case "k8s":
+	case "fields":
+		h.decode = decodeFields
+	default:
+		log.Fatalf("-decode: want k8s or fields, got %q", *decode)
+	}
 	if *claimsFile != "" {
 		data, err := os.ReadFile(*claimsFile)
 		if err != nil {
