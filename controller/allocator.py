@@ -42,7 +42,10 @@ Sets (within one node)
     only, except the NUMA/island terms the policy itself asks for).
     ``Required`` keeps only sets whose least pairwise bandwidth reaches
     ``minBandwidthGBps``; with ``minBandwidthGBps: 0`` it keeps sets inside one
-    NVLink island. The last tie-break is the lowest indices (lexicographic).
+    NVLink island. ``Preferred`` with ``minBandwidthGBps`` is a soft threshold:
+    the placement ``Required`` would make when there is one, otherwise the
+    ``Preferred`` placement, its ``note`` saying that it is below the bar.
+    The last tie-break is the lowest indices (lexicographic).
 
 Nodes (choice)
     Among nodes that have a set, the strategy ranks first, then set quality
@@ -120,8 +123,9 @@ class NodeView:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     allocations: tuple[models.Allocation, ...]
-    reason: str
+    reason: str  # why nothing fits ("" when it does)
     per_node: Mapping[str, str]
+    note: str = ""  # what to know about a placement (one below a preferred bandwidth)
 
     @property
     def ok(self) -> bool:
@@ -667,9 +671,23 @@ def allocate(
             explain=explain,
         )
 
-    if claim.spec.topology.same_node_label and claim.spec.replicas > 1:
-        return _allocate_in_domains(claim, nodes, place)
-    return place(claim, nodes)
+    def route(c: models.GpuClaim) -> Decision:
+        if c.spec.topology.same_node_label and c.spec.replicas > 1:
+            return _allocate_in_domains(c, nodes, place)
+        return place(c, nodes)
+
+    topology = claim.spec.topology
+    if topology.mode == "Preferred" and topology.min_bandwidth_gbps > 0 and claim.spec.devices.count > 1:
+        # A soft threshold: the placement Required would make, else the best there is.
+        strict = route(_with_mode(claim, "Required"))
+        if strict.ok:
+            return strict
+        best = route(claim)
+        if best.ok:
+            note = f"below the preferred {topology.min_bandwidth_gbps} GB/s: {strict.reason}"
+            return dataclasses.replace(best, note=note)
+        return best
+    return route(claim)
 
 
 # ------------------------------------------------------------------ gangs across nodes
@@ -683,6 +701,11 @@ def _free_gpus(views: Iterable[NodeView]) -> int:
         for d in v.inventory.devices
         if d.health == constants.HEALTHY and not in_mig_mode(d) and d.uuid not in v.taken
     )
+
+
+def _with_mode(claim: models.GpuClaim, mode: str) -> models.GpuClaim:
+    topology = dataclasses.replace(claim.spec.topology, mode=mode)
+    return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, topology=topology))
 
 
 def _with_replicas(claim: models.GpuClaim, replicas: int) -> models.GpuClaim:

@@ -88,7 +88,8 @@ def explain(
         gpus, uid = quotas.claim_gpus(claim), claim.metadata.uid
         over = [quotas.verdict(q, uid, quotas.merged(q, uid, gpus, product)) for q in namespace_quotas]
         held_back = next((why for why in over if why), "")
-        verdict = f"would fit, but is held back by its quota: {held_back}" if held_back else "would fit"
+        fits = f"would fit ({decision.note})" if decision.note else "would fit"
+        verdict = f"{fits}, but is held back by its quota: {held_back}" if held_back else fits
     lines.append(f"  now:     {verdict}")
     lines.append("")
     rows = [[name, verdict] for name, verdict in sorted(decision.per_node.items())]

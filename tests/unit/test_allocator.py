@@ -213,6 +213,20 @@ def test_required_bandwidth_picks_the_node_that_meets_the_bar_even_if_binpack_pr
     assert picked(d)[0] == "a-pcie"  # binpack first; topology only breaks ties across nodes
 
 
+def test_preferred_with_a_bandwidth_is_a_soft_bar_met_where_some_node_can() -> None:
+    nodes = [node("a-pcie", pcie("a-pcie"), taken=[0, 1, 2, 3]), node("b-nvs", nvswitch("b-nvs"))]
+    d = allocator.allocate(claim(2, mode="Preferred", min_bw=600), nodes)
+    assert picked(d)[0] == "b-nvs"  # binpack prefers a-pcie, but only b-nvs reaches 600 GB/s
+    assert d.note == ""
+
+
+def test_preferred_with_a_bandwidth_nobody_reaches_takes_the_best_there_is_and_says_so() -> None:
+    nodes = [node("a-pcie", pcie("a-pcie"), taken=[0, 1, 2, 3]), node("b-pcie", pcie("b-pcie"))]
+    d = allocator.allocate(claim(2, mode="Preferred", min_bw=600), nodes)
+    assert picked(d) == picked(allocator.allocate(claim(2, mode="Preferred"), nodes))
+    assert d.note == "below the preferred 600 GB/s: 0/2 nodes fit: 2 have no 2-GPU set with >=600 GB/s"
+
+
 def test_required_without_a_bandwidth_means_one_nvlink_island() -> None:
     d = allocator.allocate(claim(2, mode="Required"), [node("n", bridged("n"), taken=[0, 1, 4, 6])])
     assert d.allocations == ()
