@@ -24,6 +24,8 @@ the same controller code runs against both:
 * ``patch_quota_status``: the same on a GpuQuota's status (its ledger);
 * ``get_claim`` / ``get_lease``: authoritative reads (quorum), not the cache;
 * ``list_pods``: an authoritative read of one namespace's pods;
+* ``get_workload``: an authoritative read of a claim's owning Job or JobSet
+  (``release: OnOwnerCompleted``), ``errors.NotFound`` when it is gone;
 * ``patch_pod``: a JSON Patch (list of operations) on a pod;
 * ``emit_event``: best effort, never raises.
 """
@@ -70,6 +72,8 @@ class Cluster(Protocol):
 
     async def list_pods(self, namespace: str) -> list[Obj]: ...
 
+    async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj: ...
+
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj: ...
 
     async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None: ...
@@ -112,6 +116,12 @@ class KubeCluster:
         self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
     ) -> Obj:
         return await self._crs.patch_quota_status(namespace, name, patch, resource_version=resource_version)
+
+    async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj:
+        group, _, version = api_version.rpartition("/")
+        path = transport.collection_path(group, version, resource, namespace, name)
+        result: Obj = await transport.request(self.api, "GET", path)
+        return result
 
     async def list_pods(self, namespace: str) -> list[Obj]:
         items: list[Obj] = []

@@ -13,7 +13,8 @@
   while some use it, records them (condition ``InUse``); once pods were seen
   and every one has completed (or is gone), writes phase ``Released`` (no
   devices, ``releasedTime``), releases its Leases and leaves its quotas, and
-  emits ``Released``;
+  emits ``Released``; with ``OnOwnerCompleted`` the same, once the Job or
+  JobSet that owns it has finished (``owners``) and no pod uses it;
 * **Released**: releases leftovers and leaves its quotas; its pods stay gated;
 * **Allocated**: releases leftovers, re-creates a recorded Lease that vanished
   (if nobody took it meanwhile), keeps the ``DevicesLost`` condition true to
@@ -45,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from controller import allocator, gates, locking, quotas, retries, statuses, views
+from controller import allocator, gates, locking, owners, quotas, retries, statuses, views
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
@@ -98,6 +99,7 @@ class Reconciler:
         self.requeue = requeue
         self._retry: dict[str, retries.RetryState] = {}
         self._failed_event: dict[str, tuple[str, float]] = {}
+        self._ownerless: set[str] = set()  # OnOwnerCompleted claims warned about naming no owner
         self._rr_cursor = 0
         self.ledger = Ledger(cluster, state, retry_soon=self._retry_soon)
 
@@ -108,6 +110,7 @@ class Reconciler:
         """The claim is gone: drop what was remembered about it."""
         self._retry.pop(key, None)
         self._failed_event.pop(key, None)
+        self._ownerless.discard(key)
 
     def _now(self) -> datetime.datetime:
         return self.state.now()
@@ -127,9 +130,7 @@ class Reconciler:
                 return
             claim = added
         if statuses.allocation_complete(claim):
-            if claim.spec.release == constants.RELEASE_ON_PODS_COMPLETED and await self._release_if_done(
-                claim
-            ):
+            if claim.spec.release in constants.RELEASES_WHEN_DONE and await self._release_if_done(claim):
                 return
             if await self._maintain(claim) and not claim.releasing:
                 await self.gate.ungate(claim)
@@ -457,7 +458,8 @@ class Reconciler:
 
     async def _release_if_done(self, claim: models.GpuClaim) -> bool:
         """``release: OnPodsCompleted``: release the claim once every pod that used it has completed;
-        True when it was released now (or its status moved on meanwhile).
+        ``OnOwnerCompleted``: once its Job or JobSet has finished and no pod uses it. True when it
+        was released now (or its status moved on meanwhile).
 
         The pods come from an authoritative list. A pod at our scheduling gate counts as using the
         claim (``gates.pods_using``), and a claim nobody has used yet is kept. A pod admitted after
@@ -482,21 +484,52 @@ class Reconciler:
                 await self._write_status(claim, statuses.conditions_patch(conditions))
             return False
         done = gates.pods_done(claim.metadata.name, pods)
-        if not done and not statuses.was_used(claim):
+        if claim.spec.release == constants.RELEASE_ON_OWNER_COMPLETED:
+            why = await self._owner_finished(claim)
+            if why is None:
+                return False
+        elif done or statuses.was_used(claim):
+            why = f"every pod that used the claim has completed ({len(done)} seen)"
+        else:
             return False  # not used yet
         if not fenced:
             fence = statuses.releasing_condition(claim, on=True, now=now)
             written = await self._write_status(claim, statuses.condition_patch(claim, fence))
             return True if written is None else await self._release_if_done(written)  # look again
-        written = await self._write_status(claim, statuses.released_status(claim, done=len(done), now=now))
+        written = await self._write_status(claim, statuses.released_status(claim, why=why, now=now))
         if written is None:
             return True
         await self._release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
         if not await self.ledger.leave(written):
             return True  # retried shortly, as a Released claim
-        log.info("released: its pods completed", extra={"claim": claim.key, "pods": len(done)})
+        log.info("released: its work is done", extra={"claim": claim.key, "why": why})
         self.emit(self.state.raw_claim(claim.key) or {}, "Released", written.status.message, "Normal")
         return True
+
+    async def _owner_finished(self, claim: models.GpuClaim) -> str | None:
+        """``release: OnOwnerCompleted``: how the claim's Job or JobSet finished ("its Job train is
+        Complete"), or None while it runs. A claim that names no such owner is kept until deleted,
+        with one Warning."""
+        raw_claim = self.state.raw_claim(claim.key) or {}
+        owner = owners.owner_of(raw_claim)
+        if owner is None:
+            if claim.key not in self._ownerless:
+                self._ownerless.add(claim.key)
+                message = (
+                    "release: OnOwnerCompleted, but no Job or JobSet owns the claim"
+                    " (metadata.ownerReferences): it keeps its GPUs until it is deleted"
+                )
+                log.warning("no owner to follow", extra={"claim": claim.key})
+                self.emit(raw_claim, "NoOwner", message, "Warning")
+            return None
+        try:
+            raw: Obj | None = await self.cluster.get_workload(
+                claim.metadata.namespace, owner.api_version, owner.resource, owner.name
+            )
+        except errors.NotFound:
+            raw = None
+        how = owners.finished(owner, raw)
+        return None if how is None else f"its {owner} is {how}"
 
     # ------------------------------------------------------------------ deleted claims
 

@@ -304,6 +304,11 @@ def in_use_condition(
             f"being deleted, but {count} still use its devices ({shown}); "
             "the devices are released when they finish or are deleted"
         )
+    elif claim.spec.release == constants.RELEASE_ON_OWNER_COMPLETED:
+        message = (
+            f"used by {count} ({shown}); released once its owner has finished and they have completed"
+            " (release: OnOwnerCompleted)"
+        )
     else:
         message = (
             f"used by {count} ({shown}); released when they have all completed (release: OnPodsCompleted)"
@@ -322,13 +327,10 @@ def conditions_patch(conditions: Iterable[models.Condition]) -> Obj:
     return {"status": {"conditions": _conditions_json(conditions)}}
 
 
-def released_status(claim: models.GpuClaim, *, done: int, now: datetime.datetime) -> Obj:
-    """The merge patch of a claim whose ``done`` pods have all completed: phase Released, no devices."""
+def released_status(claim: models.GpuClaim, *, why: str, now: datetime.datetime) -> Obj:
+    """The merge patch of a claim whose work is done (``why``): phase Released, no devices."""
     count = sum(len(a.devices) for a in claim.status.allocations)
-    message = (
-        f"released {count} GPU{'s' if count != 1 else ''}: every pod that used the claim has completed "
-        f"({done} seen); create a new claim for more work"
-    )
+    message = f"released {count} GPU{'s' if count != 1 else ''}: {why}; create a new claim for more work"
     conditions = set_condition(
         set_condition(
             claim.status.conditions,
@@ -355,7 +357,7 @@ def releasing_condition(claim: models.GpuClaim, *, on: bool, now: datetime.datet
     webhook admits no pod of a claim that has it, so that look sees every pod that can use the claim.
     Off when pods turned up after all."""
     if on:
-        message = "every pod that used the claim has completed; its GPUs are being released"
+        message = "its work is done; its GPUs are being released"
         return _condition(
             claim, constants.CONDITION_RELEASING, "True", REASON_PODS_COMPLETED, message, now=now
         )

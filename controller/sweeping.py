@@ -6,8 +6,9 @@ Every ``sweep_interval`` seconds, and once when this process starts leading:
   another UID) are released: with their claim gone, no attempt can ever
   record them (``locking``, rule 3);
 * claims whose Leases do not match their status, or whose devices changed,
-  and Allocated claims with ``release: OnPodsCompleted`` (their pods may have
-  completed: pods are not watched) are queued for a reconcile;
+  and Allocated claims with ``release: OnPodsCompleted`` or ``OnOwnerCompleted``
+  (their pods or Job may have completed: neither is watched) are queued for a
+  reconcile;
 * nodes whose heartbeat went stale or fresh wake the pending claims;
 * quota ledger entries of claims that are gone are taken out (``ledger``).
 """
@@ -74,7 +75,7 @@ class Sweeper:
         held = set(self.state.held_by(claim.metadata.uid))
         if claim.metadata.deletion_timestamp or claim.status.phase != constants.PHASE_ALLOCATED:
             return bool(held)  # a reconcile releases them
-        if locking.recorded(claim) != held or claim.spec.release == constants.RELEASE_ON_PODS_COMPLETED:
+        if locking.recorded(claim) != held or claim.spec.release in constants.RELEASES_WHEN_DONE:
             return True
         problems = statuses.allocation_problems(
             claim.status.allocations, statuses=self.state.statuses, nodes=self.state.facts

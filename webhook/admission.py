@@ -307,8 +307,8 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
         if claim.status.phase == constants.PHASE_RELEASED or claim.releasing:
             return _denied(
                 uid,
-                f"{parsed.claim_words} was released: the pods that used it have completed "
-                "(release: OnPodsCompleted); create a new claim",
+                f"{parsed.claim_words} was released when its work was done "
+                f"(release: {claim.spec.release}); create a new claim",
             )
         taken = _taken(claim)
         if taken is not None:

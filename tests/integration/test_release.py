@@ -1,6 +1,7 @@
-"""``release: OnPodsCompleted`` on the real API server, with kube-controller-manager running Jobs:
-an Indexed Job's claim is Released once its pods complete, another claim then gets the GPUs, and
-the claim goes away with the Job it names as owner (issue 21).
+"""``release: OnPodsCompleted`` and ``OnOwnerCompleted`` on the real API server, with
+kube-controller-manager running Jobs: an Indexed Job's claim is Released once its pods complete,
+another claim then gets the GPUs, and the claim goes away with the Job it names as owner; a claim
+that follows its Job is kept while the Job runs and Released once it is Complete (issue 21).
 
 There is no kubelet: the test marks the Job's pods Succeeded through the status subresource, as a
 kubelet would.
@@ -158,6 +159,50 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
             return await get_claim(api, namespace, "train") is None
 
         await wait_for(gone, within=60, what="the claim to go with its Job")
+
+
+async def test_an_owner_completed_claim_follows_its_job(
+    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    _, run = node
+    crs = resources.CustomResources(api)
+    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with running_controller(kubeconfig, argv):
+        job = await transport.request(
+            api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("owner", "owned")
+        )
+        body = claim_body("owned", 2, run=run)
+        body["spec"]["release"] = constants.RELEASE_ON_OWNER_COMPLETED
+        body["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": "owner",
+                "uid": job["metadata"]["uid"],
+                "controller": True,
+            }
+        ]
+        await crs.create_claim(namespace, body)
+        await wait_phase(api, namespace, "owned", "Allocated")
+        pods = await wait_for(
+            lambda: _two(job_pods(api, namespace, "owner")), what="the Job's two pods", within=60
+        )
+        await asyncio.sleep(2 * SWEEP)  # two sweeps while the Job runs
+        got = await get_claim(api, namespace, "owned")
+        assert got is not None and got["status"]["phase"] == "Allocated"
+
+        for pod in pods:
+            await succeed(api, pod)
+        released = await wait_phase(api, namespace, "owned", "Released", within=4 * SWEEP + 30)
+        assert released["status"]["message"] == (
+            "released 2 GPUs: its Job owner is Complete; create a new claim for more work"
+        )
+
+        async def let_go() -> bool:
+            leases = await device_leases(api, namespace)
+            return released["metadata"]["uid"] not in {lease["spec"]["holderIdentity"] for lease in leases}
+
+        await wait_for(let_go, within=10, what="its Leases to be released (after the status write)")
 
 
 async def test_a_claim_whose_pods_never_ran_is_kept(

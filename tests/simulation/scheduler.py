@@ -414,6 +414,9 @@ class SimCluster:
         result: list[Obj] = await self._call(describe, self.server.list_pods, namespace)
         return result
 
+    async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj:
+        raise errors.NotFound(message="the simulation has no workloads (no claim draws OnOwnerCompleted)")
+
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
         def describe() -> str:
             paths = ",".join(f"{o.get('op')}:{o.get('path')}" for o in operations)

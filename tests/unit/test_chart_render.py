@@ -524,6 +524,7 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     expected |= {("*", "gpu.scheduling", "gpuquotas/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("*", "batch", "jobs", "get", ()), ("*", "jobset.x-k8s.io", "jobsets", "get", ())}
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
     expected |= {
         (NAMESPACE, "coordination.k8s.io", "leases", v, ())

@@ -318,8 +318,11 @@ def test_claim_pods_get_the_claims_tolerations_and_the_gpu_pool_default_once(pha
     assert again["spec"]["tolerations"] == [GPU_POOL, want_team]
 
 
+@pytest.mark.parametrize(
+    "release", [constants.RELEASE_ON_PODS_COMPLETED, constants.RELEASE_ON_OWNER_COMPLETED]
+)
 @pytest.mark.parametrize("fenced", [False, True])
-def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool) -> None:
+def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool, release: str) -> None:
     if fenced:
         releasing = models.Condition(
             type=constants.CONDITION_RELEASING, status="True", reason="PodsCompleted"
@@ -327,12 +330,13 @@ def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool) -> N
         claim = make_claim(conditions=(releasing,))
     else:
         claim = make_claim(phase=constants.PHASE_RELEASED)
+    claim = dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, release=release))
     for pending in ("deny", "gate"):
         response = answer(make_pod(), claim, options=admission.Options(pending=pending))  # type: ignore[arg-type]
         assert response["allowed"] is False
         assert response["status"]["message"] == (
-            f"GpuClaim {NS}/train was released: the pods that used it have completed "
-            "(release: OnPodsCompleted); create a new claim"
+            f"GpuClaim {NS}/train was released when its work was done (release: {release});"
+            " create a new claim"
         )
 
 
