@@ -16,6 +16,10 @@
   emits ``Released``; with ``OnOwnerCompleted`` the same, once the Job or
   JobSet that owns it has finished (``owners``) and no pod uses it;
 * **Released**: releases leftovers and leaves its quotas; its pods stay gated;
+* **Allocated** with ``onNodeLoss: Reallocate``: once a node it uses has been
+  deleted or not ready for the grace period (condition ``NodeLost``) and no pod
+  uses it, goes back to Pending without devices behind the same fence, and
+  is allocated afresh;
 * **Allocated**: releases leftovers, re-creates a recorded Lease that vanished
   (if nobody took it meanwhile), keeps the ``DevicesLost`` condition true to
   the devices' state (reason ``DevicesTaken`` when another claim holds one of
@@ -131,6 +135,10 @@ class Reconciler:
             claim = added
         if statuses.allocation_complete(claim):
             if claim.spec.release in constants.RELEASES_WHEN_DONE and await self._release_if_done(claim):
+                return
+            if claim.spec.on_node_loss == constants.NODE_LOSS_REALLOCATE and await self._reallocate_if_lost(
+                claim
+            ):
                 return
             if await self._maintain(claim) and not claim.releasing:
                 await self.gate.ungate(claim)
@@ -530,6 +538,58 @@ class Reconciler:
             raw = None
         how = owners.finished(owner, raw)
         return None if how is None else f"its {owner} is {how}"
+
+    # ------------------------------------------------------------------ lost nodes
+
+    async def _reallocate_if_lost(self, claim: models.GpuClaim) -> bool:
+        """``onNodeLoss: Reallocate``: once a node the claim uses has been deleted or not ready (its
+        heartbeat stale) for the grace period and no pod uses the claim, send it back to Pending
+        without devices, then release its Leases; the next reconcile allocates it afresh. True when
+        the status was written (or moved on meanwhile): the caller stops.
+
+        The grace period counts from the ``NodeLost`` condition's transition, so a controller that
+        restarts does not start it over. The last look at the pods is made behind the ``Releasing``
+        fence, as for ``release: OnPodsCompleted``. The claim keeps its quota entries: it still
+        wants the same GPUs, and its next plan is admitted against them."""
+        lost = sorted(
+            {
+                a.node_name
+                for a in claim.status.allocations
+                if a.node_name not in self.state.facts or not self.state.ready_nodes.get(a.node_name, False)
+            }
+        )
+        now = self._now()
+        condition = statuses.node_lost_condition(claim, lost, now=now)
+        if condition is not None:
+            written = await self._write_status(claim, statuses.condition_patch(claim, condition))
+            return True if written is None else await self._reallocate_if_lost(written)
+        if not lost:
+            return False
+        wait = claim.spec.node_loss_grace_period_seconds - statuses.lost_for(claim, now)
+        if wait > 0:
+            self.requeue(claim.key, wait)
+            return False
+        pods = await self.cluster.list_pods(claim.metadata.namespace)
+        if gates.pods_using(claim.metadata.name, pods):
+            if claim.releasing:
+                fence = statuses.releasing_condition(claim, on=False, now=now)
+                await self._write_status(claim, statuses.condition_patch(claim, fence))
+            self.requeue(claim.key, self.settings.in_use_poll)
+            return False
+        if not claim.releasing:
+            fence = statuses.releasing_condition(
+                claim, on=True, now=now, why=f"{', '.join(lost)} lost", reason=statuses.REASON_NODE_LOST
+            )
+            written = await self._write_status(claim, statuses.condition_patch(claim, fence))
+            return True if written is None else await self._reallocate_if_lost(written)  # look again
+        written = await self._write_status(claim, statuses.reallocating_status(claim, lost, now=now))
+        if written is None:
+            return True
+        await self._release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
+        log.warning("allocating afresh: its node was lost", extra={"claim": claim.key, "nodes": lost})
+        self.emit(self.state.raw_claim(claim.key) or {}, "Reallocating", written.status.message, "Warning")
+        self.requeue(claim.key, 0)
+        return True
 
     # ------------------------------------------------------------------ deleted claims
 

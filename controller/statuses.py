@@ -32,6 +32,10 @@ CONDITION_IN_USE = "InUse"
 REASON_PODS_RUNNING = "PodsRunning"
 REASON_PODS_COMPLETED = "PodsCompleted"
 REASON_RELEASED = "Released"
+CONDITION_NODE_LOST = "NodeLost"
+REASON_NODE_LOST = "NodeLost"
+REASON_NODES_BACK = "NodesBack"
+REASON_REALLOCATED = "Reallocated"
 
 
 def allocation_complete(claim: models.GpuClaim) -> bool:
@@ -352,15 +356,73 @@ def released_status(claim: models.GpuClaim, *, why: str, now: datetime.datetime)
     }
 
 
-def releasing_condition(claim: models.GpuClaim, *, on: bool, now: datetime.datetime) -> models.Condition:
-    """The fence of ``release: OnPodsCompleted`` (on), written before the last look at the pods: the
+def node_lost_condition(
+    claim: models.GpuClaim, lost: Sequence[str], *, now: datetime.datetime
+) -> models.Condition | None:
+    """``onNodeLoss: Reallocate``: the ``NodeLost`` condition for the claim's ``lost`` nodes (True,
+    changed when the first was lost: the grace period counts from it; False once none is), or None
+    when the recorded one says that already."""
+    current = next((c for c in claim.status.conditions if c.type == CONDITION_NODE_LOST), None)
+    if lost:
+        grace = claim.spec.node_loss_grace_period_seconds
+        message = (
+            f"{', '.join(lost)} {'is' if len(lost) == 1 else 'are'} deleted or not ready; the claim is"
+            f" allocated afresh {grace} s after, once no pod uses it (onNodeLoss: Reallocate)"
+        )
+        if current and current.status == "True" and current.message == message:
+            return None
+        return _condition(claim, CONDITION_NODE_LOST, "True", REASON_NODE_LOST, message, now=now)
+    if current is None or current.status != "True":
+        return None
+    return _condition(claim, CONDITION_NODE_LOST, "False", REASON_NODES_BACK, "its nodes are back", now=now)
+
+
+def lost_for(claim: models.GpuClaim, now: datetime.datetime) -> float:
+    """Seconds since the ``NodeLost`` condition turned True (0 when it is not True)."""
+    for cond in claim.status.conditions:
+        if cond.type == CONDITION_NODE_LOST and cond.status == "True":
+            since = timestamps.parse_time(cond.last_transition_time or "")
+            return 0.0 if since is None else max(0.0, (now - since).total_seconds())
+    return 0.0
+
+
+def reallocating_status(claim: models.GpuClaim, lost: Sequence[str], *, now: datetime.datetime) -> Obj:
+    """The merge patch that sends a claim that lost ``lost`` back to Pending, without devices."""
+    message = f"allocating afresh: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost"
+    conditions = claim.status.conditions
+    for type_ in (constants.CONDITION_ALLOCATED, CONDITION_NODE_LOST, constants.CONDITION_RELEASING):
+        conditions = set_condition(
+            conditions, _condition(claim, type_, "False", REASON_REALLOCATED, message, now=now)
+        )
+    conditions = tuple(c for c in conditions if c.type != constants.CONDITION_DEVICES_LOST)
+    return {
+        "status": {
+            "phase": constants.PHASE_PENDING,
+            "allocations": None,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "observedGeneration": claim.metadata.generation,
+            "nodes": "",
+            "devices": "",
+        }
+    }
+
+
+def releasing_condition(
+    claim: models.GpuClaim,
+    *,
+    on: bool,
+    now: datetime.datetime,
+    why: str = "its work is done",
+    reason: str = REASON_PODS_COMPLETED,
+) -> models.Condition:
+    """The fence written before the last look at the pods when a claim gives its GPUs back while it
+    lives (``release: OnPodsCompleted``/``OnOwnerCompleted``, ``onNodeLoss: Reallocate``): the
     webhook admits no pod of a claim that has it, so that look sees every pod that can use the claim.
     Off when pods turned up after all."""
     if on:
-        message = "its work is done; its GPUs are being released"
-        return _condition(
-            claim, constants.CONDITION_RELEASING, "True", REASON_PODS_COMPLETED, message, now=now
-        )
+        message = f"{why}; its GPUs are being released"
+        return _condition(claim, constants.CONDITION_RELEASING, "True", reason, message, now=now)
     message = "pods use the claim again; it keeps its GPUs"
     return _condition(claim, constants.CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
 

@@ -304,12 +304,15 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
     if claim is not None:
         if claim.metadata.deletion_timestamp:
             return _denied(uid, f"{parsed.claim_words} is being deleted")
-        if claim.status.phase == constants.PHASE_RELEASED or claim.releasing:
+        if claim.status.phase == constants.PHASE_RELEASED:
             return _denied(
                 uid,
                 f"{parsed.claim_words} was released when its work was done "
                 f"(release: {claim.spec.release}); create a new claim",
             )
+        if claim.releasing:
+            fence = next(c for c in claim.status.conditions if c.type == constants.CONDITION_RELEASING)
+            return _denied(uid, f"{parsed.claim_words} is giving its GPUs back: {fence.message}")
         taken = _taken(claim)
         if taken is not None:
             return _denied(uid, _taken_message(parsed, taken))

@@ -57,6 +57,11 @@ RELEASE_ON_DELETE = "OnDelete"
 RELEASE_ON_PODS_COMPLETED = "OnPodsCompleted"
 RELEASE_ON_OWNER_COMPLETED = "OnOwnerCompleted"
 RELEASES = (RELEASE_ON_DELETE, RELEASE_ON_PODS_COMPLETED, RELEASE_ON_OWNER_COMPLETED)
+# spec.onNodeLoss: what an Allocated claim does when a node it uses is gone or not ready.
+NODE_LOSS_KEEP = "Keep"  # the default: DevicesLost, until a person acts
+NODE_LOSS_REALLOCATE = "Reallocate"  # after the grace period, once its pods are gone: allocated afresh
+NODE_LOSSES = (NODE_LOSS_KEEP, NODE_LOSS_REALLOCATE)
+NODE_LOSS_GRACE_S = 300
 # Released when the work is done (the others wait for the claim's deletion).
 RELEASES_WHEN_DONE = (RELEASE_ON_PODS_COMPLETED, RELEASE_ON_OWNER_COMPLETED)
 

@@ -96,6 +96,8 @@ class GpuClaimSpec:
     retry_policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     tolerations: tuple[Toleration, ...] = ()
     release: str = constants.RELEASE_ON_DELETE
+    on_node_loss: str = constants.NODE_LOSS_KEEP
+    node_loss_grace_period_seconds: int = constants.NODE_LOSS_GRACE_S
 
 
 # -------------------------------------------------------------- GpuClaim status

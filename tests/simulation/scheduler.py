@@ -74,6 +74,7 @@ ACTIONS = frozenset(
         "relist",
         "quota",
         "release",
+        "reallocate",
         "tick",
     }
 )
@@ -470,6 +471,8 @@ class Simulation:
         # Which claims give their GPUs back when their pods complete (release: OnPodsCompleted), from
         # an RNG of its own for the same reason; ``without={"release"}`` leaves them all OnDelete.
         self._release_rng = None if "release" in without else random.Random(seed ^ 0x2E1EA5E)
+        # Which claims move off a lost node (onNodeLoss: Reallocate, a grace of 0-5 s), likewise.
+        self._node_loss_rng = None if "reallocate" in without else random.Random(seed ^ 0x10577)
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -899,9 +902,14 @@ class Simulation:
         }
         if self._release_rng is not None and self._release_rng.random() < 0.4:
             spec["release"] = constants.RELEASE_ON_PODS_COMPLETED
+        if self._node_loss_rng is not None and self._node_loss_rng.random() < 0.4:
+            spec["onNodeLoss"] = constants.NODE_LOSS_REALLOCATE
+            spec["nodeLossGracePeriodSeconds"] = self._node_loss_rng.randint(0, 5)
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
         release = f", release {spec['release']}" if "release" in spec else ""
+        if "onNodeLoss" in spec:
+            release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
         self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs{release}")
 
     def _delete_claim(self, key: str) -> None:

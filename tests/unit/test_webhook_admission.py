@@ -323,9 +323,10 @@ def test_claim_pods_get_the_claims_tolerations_and_the_gpu_pool_default_once(pha
 )
 @pytest.mark.parametrize("fenced", [False, True])
 def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool, release: str) -> None:
+    fence = "its work is done; its GPUs are being released"
     if fenced:
         releasing = models.Condition(
-            type=constants.CONDITION_RELEASING, status="True", reason="PodsCompleted"
+            type=constants.CONDITION_RELEASING, status="True", reason="PodsCompleted", message=fence
         )
         claim = make_claim(conditions=(releasing,))
     else:
@@ -335,7 +336,9 @@ def test_a_released_claim_or_one_being_released_admits_no_pod(fenced: bool, rele
         response = answer(make_pod(), claim, options=admission.Options(pending=pending))  # type: ignore[arg-type]
         assert response["allowed"] is False
         assert response["status"]["message"] == (
-            f"GpuClaim {NS}/train was released when its work was done (release: {release});"
+            f"GpuClaim {NS}/train is giving its GPUs back: {fence}"
+            if fenced
+            else f"GpuClaim {NS}/train was released when its work was done (release: {release});"
             " create a new claim"
         )
 
