@@ -356,18 +356,20 @@ class _Prepared:
         return self.matrix, self.island
 
 
-# A memo keyed by object identity (an entry keeps its inventory alive, so the id
-# cannot be reused while cached). Inventories are frozen, so decisions depend only
-# on the arguments; the memo saves rebuilding the same tables for every decision
-# when the caller keeps its parsed inventories between decisions. It is emptied
-# when it holds more than twice the nodes of the current call (at least
-# _PREPARED_MIN), which bounds what a caller that re-parses every time leaves behind.
-_PREPARED: dict[int, _Prepared] = {}
+# A memo of one entry per node name, used while the node's inventory is the very
+# same object. Inventories are frozen, so decisions depend only on the arguments;
+# the memo saves rebuilding the same tables for every decision when the caller
+# keeps its parsed inventories between decisions. A node's new inventory (every
+# GpuNodeStatus heartbeat is parsed anew) replaces its old one, so the memo never
+# holds more than one inventory per node name; it is emptied when it holds more
+# than twice the nodes of the current call (at least _PREPARED_MIN), which bounds
+# what nodes that went away leave behind.
+_PREPARED: dict[str, _Prepared] = {}
 _PREPARED_MIN = 1024
 
 
-def _prepare(inv: models.NodeInventory, limit: int) -> _Prepared:
-    cached = _PREPARED.get(id(inv))
+def _prepare(name: str, inv: models.NodeInventory, limit: int) -> _Prepared:
+    cached = _PREPARED.get(name)
     if cached is not None and cached.inventory is inv:
         return cached
     by_index: dict[int, models.Device] = {}
@@ -381,9 +383,9 @@ def _prepare(inv: models.NodeInventory, limit: int) -> _Prepared:
         by_index=by_index,
         max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
     )
-    if len(_PREPARED) >= limit:
+    if name not in _PREPARED and len(_PREPARED) >= limit:
         _PREPARED.clear()
-    _PREPARED[id(inv)] = prepared
+    _PREPARED[name] = prepared
     return prepared
 
 
@@ -419,7 +421,7 @@ def _screen(
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
 
-    prep = _prepare(inv, memo_limit)
+    prep = _prepare(view.name, inv, memo_limit)
     taken = view.taken
     if extra_taken:
         free_devs = [d for d in prep.healthy if d.uuid not in taken and d.uuid not in extra_taken]

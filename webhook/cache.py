@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 Fetch = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
 
 GET_TIMEOUT = 3.0  # seconds; the webhook's own timeoutSeconds is 5
+PARSED_SLACK = 16  # memoized claims kept beyond twice the cache's size before dead ones are dropped
 
 
 class ClaimStore(Protocol):
@@ -85,7 +86,9 @@ class ClaimCache:
         if memo is not None and memo[0] is raw:
             return memo[1]
         claim = codecs.parse_claim(raw)
-        if len(self._parsed) > 2 * len(self.store.cache) + 1024:
+        # Entries of deleted claims (each keeps its last raw object alive) are dropped once they
+        # could outnumber the live ones: at most about as many dead as live, whatever the churn.
+        if len(self._parsed) > 2 * len(self.store.cache) + PARSED_SLACK:
             self._parsed = {k: v for k, v in self._parsed.items() if k in self.store.cache}
         self._parsed[key] = (raw, claim)
         return claim

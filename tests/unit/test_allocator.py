@@ -633,3 +633,17 @@ def test_a_preferred_gang_puts_the_most_replicas_in_one_clique_and_the_rest_anyw
     assert d.allocations[2].node_name in {"a-0", "loose"}
     uuids = [dev.uuid for a in d.allocations for dev in a.devices]
     assert len(set(uuids)) == len(uuids) == 24
+
+
+def test_the_memo_keeps_one_inventory_per_node_however_often_each_is_parsed_anew() -> None:
+    # The controller parses every GpuNodeStatus heartbeat into a new inventory object: the memo
+    # must not keep the old ones (the 1-hour soak's controller grew by 14 MiB/h until it held 1024).
+    names = ("n0", "n1", "n2", "n3")
+    allocator._PREPARED.clear()  # other tests' nodes
+    for _ in range(300):
+        views = [node(name, nvswitch(name)) for name in names]  # new objects each time
+        assert allocator.allocate(claim(2), views).allocations
+    assert len(allocator._PREPARED) <= len(names)
+    assert all(
+        allocator._PREPARED[name].inventory is v.inventory for name, v in zip(names, views, strict=True)
+    )

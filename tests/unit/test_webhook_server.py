@@ -254,3 +254,15 @@ def test_app_refuses_bodies_over_the_api_servers_limit() -> None:
     app = server.make_app(claims=cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
     assert app._client_max_size == 3 * 1024 * 1024
     assert isinstance(app, web.Application)
+
+
+def test_the_claim_cache_forgets_deleted_claims_whatever_the_churn() -> None:
+    store = cache.StaticStore([])
+    claims = cache.ClaimCache(store, CountingFetch())
+    for i in range(1000):
+        raw = raw_claim(f"c-{i}")
+        store.put(raw)
+        assert claims.get(NS, f"c-{i}") is not None
+        if i >= 10:
+            del store.cache[f"{NS}/c-{i - 10}"]  # the watch's DELETED
+    assert len(claims._parsed) <= 2 * len(store.cache) + cache.PARSED_SLACK + 1
