@@ -26,6 +26,8 @@ the same controller code runs against both:
 * ``list_pods``: an authoritative read of one namespace's pods;
 * ``get_workload``: an authoritative read of a claim's owning Job or JobSet
   (``release: OnOwnerCompleted``), ``errors.NotFound`` when it is gone;
+* ``evict_pod``: the Eviction API (PodDisruptionBudgets hold: ``errors.Unavailable``
+  with status 429 when one does), ``errors.NotFound`` when the pod is gone;
 * ``patch_pod``: a JSON Patch (list of operations) on a pod;
 * ``emit_event``: best effort, never raises.
 """
@@ -73,6 +75,8 @@ class Cluster(Protocol):
     async def list_pods(self, namespace: str) -> list[Obj]: ...
 
     async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj: ...
+
+    async def evict_pod(self, namespace: str, name: str) -> None: ...
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj: ...
 
@@ -122,6 +126,15 @@ class KubeCluster:
         path = transport.collection_path(group, version, resource, namespace, name)
         result: Obj = await transport.request(self.api, "GET", path)
         return result
+
+    async def evict_pod(self, namespace: str, name: str) -> None:
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        path = transport.collection_path("", "v1", "pods", namespace, name) + "/eviction"
+        await transport.request(self.api, "POST", path, body=body)
 
     async def list_pods(self, namespace: str) -> list[Obj]:
         items: list[Obj] = []

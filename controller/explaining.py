@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller import allocator, quotas, state
+from controller import allocator, preemption, quotas, state
 from controller import views as node_views_
 from gpualloc import views
 from gpualloc.api import codecs, constants, models
@@ -91,6 +91,22 @@ def explain(
         fits = f"would fit ({decision.note})" if decision.note else "would fit"
         verdict = f"{fits}, but is held back by its quota: {held_back}" if held_back else fits
     lines.append(f"  now:     {verdict}")
+    if not decision.ok and claim.spec.preemption_policy != constants.PREEMPT_NEVER:
+        cap = quotas.max_priority(namespace_quotas)
+
+        def priority(c: models.GpuClaim) -> int:
+            return c.spec.priority if cap is None else min(c.spec.priority, cap)
+
+        pool = preemption.candidates(claim, claims, priority=priority, cluster_scope=False)
+        plan = preemption.choose(
+            claim, pool, node_views, lambda v: allocator.allocate(claim, v), priority=priority
+        )
+        could = (
+            f"would be {plan.describe()}"
+            if plan
+            else "no claim of lower priority in its namespace frees enough"
+        )
+        lines.append(f"  preempt: {could} (--preemption-scope Namespace)")
     lines.append("")
     rows = [[name, verdict] for name, verdict in sorted(decision.per_node.items())]
     lines.append(views.table(["NODE", "VERDICT"], rows) if rows else "No GPU nodes are published.")

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="label selector: allocate only the GpuClaims it matches (default all); controllers with"
         " different selectors can share one Lease namespace",
     )
+    parser.add_argument(
+        "--preemption-scope",
+        choices=("Namespace", "Cluster", "None"),
+        default="Namespace",
+        help="whose claims a claim of higher priority may preempt: its namespace's (default), any"
+        " namespace's, or nobody's",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "namespace": "POD_NAMESPACE"})
     return parser
@@ -127,6 +134,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             sweep_interval=args.sweep_interval,
             in_use_poll=args.in_use_poll,
             claim_selector=args.claim_selector,
+            preemption_scope=args.preemption_scope,
         ),
         metrics,
     )

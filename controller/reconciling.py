@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from controller import allocator, gates, locking, owners, quotas, retries, statuses, views
+from controller import allocator, gates, locking, owners, preemption, quotas, retries, statuses, views
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
@@ -78,6 +78,7 @@ class Settings:
     event_interval: float = EVENT_INTERVAL
     in_use_poll: float = IN_USE_POLL
     claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all
+    preemption_scope: str = "Namespace"  # whose claims a claim may preempt: Namespace, Cluster or None
 
 
 class Reconciler:
@@ -142,6 +143,9 @@ class Reconciler:
                 return
             if await self._maintain(claim) and not claim.releasing:
                 await self.gate.ungate(claim)
+            return
+        if claim.status.phase == constants.PHASE_PREEMPTED:
+            await self._finish_preemption(claim)
             return
         if claim.status.phase == constants.PHASE_RELEASED:
             await self._release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
@@ -270,7 +274,11 @@ class Reconciler:
                 cost_label=self.settings.cost_label,
             )
             if not decision.allocations:
-                await self._unfit(claim, decision.reason, leftovers)
+                preempting = await self._preempt(claim, node_views)
+                if preempting is None:
+                    await self._unfit(claim, decision.reason, leftovers)
+                else:
+                    await self._unfit(claim, preempting, leftovers, why=statuses.REASON_PREEMPTING)
                 return
             product = quotas.products_of(decision.allocations, self.state.statuses)
             if not self.ledger.holds(claim, product):
@@ -538,6 +546,89 @@ class Reconciler:
             raw = None
         how = owners.finished(owner, raw)
         return None if how is None else f"its {owner} is {how}"
+
+    # ------------------------------------------------------------------ preemption
+
+    def _priority(self, claim: models.GpuClaim) -> int:
+        cap = quotas.max_priority(self.state.quotas(claim.metadata.namespace))
+        return claim.spec.priority if cap is None else min(claim.spec.priority, cap)
+
+    async def _preempt(self, claim: models.GpuClaim, node_views: Sequence[allocator.NodeView]) -> str | None:
+        """A claim that fits nowhere: mark the claims it preempts (``preemption``) Preempted; what it
+        waits for ("preempting ns/a (4 GPUs, priority 1)"), or None when it may preempt nobody.
+
+        A victim is marked with a write conditional on its resourceVersion, so a victim that moved on
+        meanwhile is left alone (the next try plans again). Its pods are evicted and its Leases
+        released by its own reconciles; this claim is allocated once the Leases are gone."""
+        scope = self.settings.preemption_scope
+        if claim.spec.preemption_policy == constants.PREEMPT_NEVER or scope == "None":
+            return None
+        every = [c for c in (self.state.claim(key) for key in self.state.claim_keys()) if c is not None]
+        waiting = sorted(
+            c.key
+            for c in every
+            if c.status.phase == constants.PHASE_PREEMPTED
+            and c.status.preempted_by == claim.key
+            and (c.status.allocations or self.state.held_by(c.metadata.uid))
+        )
+        if waiting:  # preempted already: wait until they have let go (Leases too) rather than preempt more
+            return f"waiting for the claims it preempted to release their GPUs: {', '.join(waiting)}"
+        pool = preemption.candidates(claim, every, priority=self._priority, cluster_scope=scope == "Cluster")
+        if not pool:
+            return None
+        seed = views.seed_for(claim.metadata.uid)
+
+        def place(candidate_views: Sequence[allocator.NodeView]) -> allocator.Decision:
+            return allocator.allocate(claim, candidate_views, seed=seed, cost_label=self.settings.cost_label)
+
+        plan = preemption.choose(claim, pool, node_views, place, priority=self._priority)
+        if plan is None:
+            return None
+        now = self._now()
+        for victim in plan.victims:
+            written = await self._write_status(victim, statuses.preempted_status(victim, by=claim, now=now))
+            if written is None:
+                continue
+            log.warning("preempted", extra={"claim": victim.key, "by": claim.key})
+            self.emit(self.state.raw_claim(victim.key) or {}, "Preempted", written.status.message, "Warning")
+        described = plan.describe()
+        self.emit(self.state.raw_claim(claim.key) or {}, "Preempting", described, "Normal")
+        return described
+
+    async def _finish_preemption(self, claim: models.GpuClaim) -> None:
+        """A Preempted claim: evict its pods (the Eviction API, so PodDisruptionBudgets hold; one a
+        budget blocks is tried again every ``in_use_poll`` seconds), then drop its devices from its
+        status, release its Leases and leave its quotas. The phase itself is the fence: the webhook
+        admits no pod of a Preempted claim."""
+        held = list(self.state.held_by(claim.metadata.uid).values())  # seen before the write below
+        if claim.status.allocations:
+            pods = await self.cluster.list_pods(claim.metadata.namespace)
+            using = gates.pods_using(claim.metadata.name, pods)
+            if using:
+                blocked = []
+                for pod in using:
+                    name = str((pod.get("metadata") or {}).get("name", ""))
+                    try:
+                        await self.cluster.evict_pod(claim.metadata.namespace, name)
+                    except errors.NotFound:
+                        continue
+                    except errors.Unavailable as exc:
+                        if exc.status != 429:
+                            raise
+                        blocked.append(name)
+                if blocked:
+                    log.info("eviction blocked", extra={"claim": claim.key, "pods": ",".join(blocked)})
+                self.requeue(claim.key, self.settings.in_use_poll)
+                return
+            written = await self._write_status(claim, statuses.preemption_done_status(claim))
+            if written is None:
+                return
+            await self._release_leftovers(written, held, written)
+            claim = written
+        else:
+            await self._release_leftovers(claim, held)
+        await self.ledger.leave(claim)
+        self.gate.warn_gated(claim, f"claim {claim.metadata.name} was preempted: create a new claim")
 
     # ------------------------------------------------------------------ lost nodes
 

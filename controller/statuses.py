@@ -36,6 +36,8 @@ CONDITION_NODE_LOST = "NodeLost"
 REASON_NODE_LOST = "NodeLost"
 REASON_NODES_BACK = "NodesBack"
 REASON_REALLOCATED = "Reallocated"
+REASON_PREEMPTED = "Preempted"
+REASON_PREEMPTING = "Preempting"
 
 
 def allocation_complete(claim: models.GpuClaim) -> bool:
@@ -406,6 +408,37 @@ def reallocating_status(claim: models.GpuClaim, lost: Sequence[str], *, now: dat
             "devices": "",
         }
     }
+
+
+def preempted_status(victim: models.GpuClaim, *, by: models.GpuClaim, now: datetime.datetime) -> Obj:
+    """The merge patch that marks ``victim`` preempted by ``by``: phase Preempted; it keeps listing
+    its devices (and holding their Leases) until its pods are gone."""
+    message = (
+        f"preempted by {by.key} (priority {by.spec.priority} > {victim.spec.priority}): its pods are"
+        " evicted, then its GPUs are released; create a new claim for more work"
+    )
+    conditions = set_condition(
+        victim.status.conditions,
+        _condition(victim, constants.CONDITION_ALLOCATED, "False", REASON_PREEMPTED, message, now=now),
+    )
+    return {
+        "status": {
+            "phase": constants.PHASE_PREEMPTED,
+            "preemptedBy": by.key,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+        }
+    }
+
+
+def preemption_done_status(victim: models.GpuClaim) -> Obj:
+    """The merge patch of a preempted claim whose pods are gone: no devices any more."""
+    count = sum(len(a.devices) for a in victim.status.allocations)
+    message = (
+        f"preempted by {victim.status.preempted_by}: its pods are gone and its {count}"
+        f" GPU{'s' if count != 1 else ''} released; create a new claim for more work"
+    )
+    return {"status": {"allocations": None, "message": message, "nodes": "", "devices": ""}}
 
 
 def releasing_condition(

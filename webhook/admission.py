@@ -310,6 +310,12 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
                 f"{parsed.claim_words} was released when its work was done "
                 f"(release: {claim.spec.release}); create a new claim",
             )
+        if claim.status.phase == constants.PHASE_PREEMPTED:
+            return _denied(
+                uid,
+                f"{parsed.claim_words} was preempted by {claim.status.preempted_by or 'another claim'};"
+                " create a new claim",
+            )
         if claim.releasing:
             fence = next(c for c in claim.status.conditions if c.type == constants.CONDITION_RELEASING)
             return _denied(uid, f"{parsed.claim_words} is giving its GPUs back: {fence.message}")

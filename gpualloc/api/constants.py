@@ -51,7 +51,11 @@ PHASE_FAILED = "Failed"
 PHASE_RELEASED = "Released"  # spec.release OnPodsCompleted: the work is done, the devices are back
 # The controller's fence before it releases an OnPodsCompleted claim: no pod of it is admitted.
 CONDITION_RELEASING = "Releasing"
-PHASES = (PHASE_PENDING, PHASE_ALLOCATED, PHASE_FAILED, PHASE_RELEASED)
+PHASE_PREEMPTED = "Preempted"  # a claim of higher priority took its GPUs (status.preemptedBy)
+PHASES = (PHASE_PENDING, PHASE_ALLOCATED, PHASE_FAILED, PHASE_RELEASED, PHASE_PREEMPTED)
+PREEMPT_LOWER_PRIORITY = "PreemptLowerPriority"
+PREEMPT_NEVER = "Never"
+PREEMPTION_POLICIES = (PREEMPT_LOWER_PRIORITY, PREEMPT_NEVER)
 
 RELEASE_ON_DELETE = "OnDelete"
 RELEASE_ON_PODS_COMPLETED = "OnPodsCompleted"

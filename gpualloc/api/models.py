@@ -97,6 +97,7 @@ class GpuClaimSpec:
     tolerations: tuple[Toleration, ...] = ()
     release: str = constants.RELEASE_ON_DELETE
     on_node_loss: str = constants.NODE_LOSS_KEEP
+    preemption_policy: str = constants.PREEMPT_LOWER_PRIORITY
     node_loss_grace_period_seconds: int = constants.NODE_LOSS_GRACE_S
 
 
@@ -137,6 +138,7 @@ class GpuClaimStatus:
     retry_count: int = 0
     last_schedule_time: str | None = None
     released_time: str | None = None
+    preempted_by: str = ""
     observed_generation: int = 0
     # Display fields for printer columns: "node-a,node-b" and "0,1,2,3".
     nodes: str = ""

@@ -538,6 +538,13 @@ class ApiServer:
     def delete_pod(self, key: str) -> None:
         self._write("pods", key, None)
 
+    def evict_pod(self, namespace: str, name: str) -> None:
+        """The Eviction API, with no PodDisruptionBudget in the simulation: the pod is deleted."""
+        key = f"{namespace}/{name}"
+        if key not in self.objects["pods"]:
+            raise _not_found("pods", name)
+        self.delete_pod(key)
+
     def list_pods(self, namespace: str) -> list[Obj]:
         return [
             clone(obj) for obj in self.objects["pods"].values() if meta(obj).get("namespace") == namespace

@@ -75,6 +75,7 @@ ACTIONS = frozenset(
         "quota",
         "release",
         "reallocate",
+        "preempt",
         "tick",
     }
 )
@@ -415,6 +416,12 @@ class SimCluster:
         result: list[Obj] = await self._call(describe, self.server.list_pods, namespace)
         return result
 
+    async def evict_pod(self, namespace: str, name: str) -> None:
+        def describe() -> str:
+            return f"evict_pod {namespace}/{name}"
+
+        await self._call(describe, self.server.evict_pod, namespace, name)
+
     async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj:
         raise errors.NotFound(message="the simulation has no workloads (no claim draws OnOwnerCompleted)")
 
@@ -473,6 +480,8 @@ class Simulation:
         self._release_rng = None if "release" in without else random.Random(seed ^ 0x2E1EA5E)
         # Which claims move off a lost node (onNodeLoss: Reallocate, a grace of 0-5 s), likewise.
         self._node_loss_rng = None if "reallocate" in without else random.Random(seed ^ 0x10577)
+        # Claim priorities (0-3 for half of them, so that some preempt others), likewise.
+        self._priority_rng = None if "preempt" in without else random.Random(seed ^ 0x9E3779B9)
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -869,7 +878,8 @@ class Simulation:
                 continue  # the webhook admits no pod of a claim being released
             if phase == constants.PHASE_ALLOCATED:
                 options.append(("create-pod", 2.0, functools.partial(self._create_pod, claim, gated=False)))
-            elif phase not in (constants.PHASE_FAILED, constants.PHASE_RELEASED):  # the webhook refuses those
+            elif phase not in (constants.PHASE_FAILED, constants.PHASE_RELEASED, constants.PHASE_PREEMPTED):
+                # the webhook refuses those
                 options.append(("gated-pod", 0.5, functools.partial(self._create_pod, claim, gated=True)))
         for key, pod in sorted(server.objects["pods"].items()):
             if (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES:
@@ -905,11 +915,15 @@ class Simulation:
         if self._node_loss_rng is not None and self._node_loss_rng.random() < 0.4:
             spec["onNodeLoss"] = constants.NODE_LOSS_REALLOCATE
             spec["nodeLossGracePeriodSeconds"] = self._node_loss_rng.randint(0, 5)
+        if self._priority_rng is not None and self._priority_rng.random() < 0.5:
+            spec["priority"] = self._priority_rng.randint(0, 3)
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
         release = f", release {spec['release']}" if "release" in spec else ""
         if "onNodeLoss" in spec:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
+        if "priority" in spec:
+            release += f", priority {spec['priority']}"
         self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs{release}")
 
     def _delete_claim(self, key: str) -> None:

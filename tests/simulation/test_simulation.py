@@ -292,7 +292,7 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # Every seed below was found before the simulation drew quotas, OnPodsCompleted and Reallocate claims: it runs
 # without them, so that it still names the schedule it was found as (both are drawn from RNGs of
 # their own).
-_PINNED = frozenset({"quota", "release", "reallocate"})
+_PINNED = frozenset({"quota", "release", "reallocate", "preempt"})
 _NO_ADMIN_NO_DELETE = _PINNED | {"admin-delete-lease", "delete-claim", "fail-call"}
 _NO_ADMIN = _PINNED | {"admin-delete-lease", "fail-call", "crash"}
 _NO_DELETE = _PINNED | {"delete-claim", "fail-call", "crash"}

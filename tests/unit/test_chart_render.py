@@ -525,6 +525,7 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", "batch", "jobs", "get", ()), ("*", "jobset.x-k8s.io", "jobsets", "get", ())}
+    expected |= {("*", "", "pods/eviction", "create", ())}
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
     expected |= {
         (NAMESPACE, "coordination.k8s.io", "leases", v, ())
