@@ -1,0 +1,90 @@
+"""Claims written for ziwon/gpu-scheduler (seed 004) apply as they are and are allocated (issue 21).
+
+The claims are those of that project's usage guide, unchanged but for a label that lets this
+test's controller pick them, sent as ``kubectl apply`` sends them (``fieldValidation=Strict``:
+an unknown field would be an error). ``docs/api.md`` lists what differs."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube import transport
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    controller_argv,
+    create_gpu_node,
+    delete_gpu_node,
+    running_controller,
+    wait_phase,
+)
+
+SEED_CLAIMS: list[dict[str, Any]] = [
+    {"metadata": {"name": "single-gpu"}, "spec": {"devices": {"count": 1, "exclusivity": "Exclusive"}}},
+    {
+        "metadata": {"name": "multi-gpu"},
+        "spec": {
+            "devices": {"count": 4, "policy": "contiguous", "exclusivity": "Exclusive"},
+            "topology": {"mode": "Preferred"},
+        },
+    },
+    {
+        "metadata": {"name": "pinned-gpus"},
+        "spec": {
+            "devices": {"count": 2, "policy": "preferIds", "preferIds": [0, 1], "exclusivity": "Exclusive"}
+        },
+    },
+    {
+        "metadata": {"name": "specific-node"},
+        "spec": {
+            "selector": {"matchLabels": {"gpu-type": "a100", "topology": "nvlink"}},
+            "devices": {"count": 8, "policy": "contiguous"},
+        },
+    },
+    {
+        "metadata": {"name": "tight"},
+        "spec": {
+            "devices": {"count": 2},
+            "topology": {"mode": "Required", "minBandwidthGBps": 600},
+            "gangRef": "podgroup-a",
+        },
+    },
+]
+
+
+async def test_seed_004_claims_apply_strictly_and_are_allocated(
+    api: ApiClient, kubeconfig: str, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    nodes = {
+        f"s4-{run}-a100": {"gpu-type": "a100", "topology": "nvlink"},
+        f"s4-{run}-b": {},
+        f"s4-{run}-c": {},
+    }
+    for name, labels in nodes.items():
+        await create_gpu_node(api, name, labels={RUN_LABEL: run, **labels})
+    try:
+        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+            path = f"/apis/gpu.scheduling/v1/namespaces/{namespace}/gpuclaims"
+            # The 8-GPU claim first, allocated before the others: the queue orders claims created in
+            # the same second by name, and binpack would start filling its only node.
+            for claim in sorted(SEED_CLAIMS, key=lambda c: c["metadata"]["name"] != "specific-node"):
+                body = {"apiVersion": "gpu.scheduling/v1", "kind": "GpuClaim", **claim}
+                body["metadata"] = {**claim["metadata"], "labels": {RUN_LABEL: run}}
+                await transport.request(api, "POST", path, body=body, query=[("fieldValidation", "Strict")])
+                if claim["metadata"]["name"] == "specific-node":
+                    await wait_phase(api, namespace, "specific-node", "Allocated")
+            got = {
+                c["metadata"]["name"]: await wait_phase(api, namespace, c["metadata"]["name"], "Allocated")
+                for c in SEED_CLAIMS
+            }
+        placed = {name: c["status"]["allocations"][0] for name, c in got.items()}
+        assert placed["specific-node"]["nodeName"] == f"s4-{run}-a100"
+        assert sorted(d["index"] for d in placed["pinned-gpus"]["devices"]) == [0, 1]
+        assert placed["tight"]["minBandwidthGBps"] >= 600
+        assert len(placed["multi-gpu"]["devices"]) == 4
+    finally:
+        for name in nodes:
+            await delete_gpu_node(api, name)
