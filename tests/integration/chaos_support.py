@@ -265,8 +265,11 @@ class Books:
       still holds that GPU's Lease: its finalizer releases the Leases before the
       claim goes, and the Lease, not the dying status, is then what locks the GPU);
     * every GPU an Allocated claim lists has a Lease (Terminating or not) held
-      by that claim's UID, unless the claim is being deleted;
-    * a claim that is not Allocated lists no GPU, and no claim lists one twice.
+      by that claim's UID, unless the claim is being deleted; so has every GPU a
+      Preempted claim still lists (it lists them until its pods are evicted, and
+      its Leases are released only after it stops listing them);
+    * a claim that is neither Allocated nor Preempted lists no GPU, and no claim
+      lists one twice.
 
     ``apply_*`` return what they touched, so that a check after an event looks
     only at the claims and Leases the event can affect.
@@ -343,7 +346,7 @@ class Books:
         problems = []
         if len(set(uuids)) != len(uuids):
             problems.append(f"{key} lists a GPU twice: {uuids}")
-        if phase != constants.PHASE_ALLOCATED:
+        if phase not in (constants.PHASE_ALLOCATED, constants.PHASE_PREEMPTED):
             if uuids:
                 problems.append(f"{key} is {phase} but lists devices {uuids}")
             return problems
@@ -352,10 +355,10 @@ class Books:
         for gpu in uuids:
             name = constants.lease_name(gpu)
             if name not in self.leases:
-                problems.append(f"{key} (uid {uid}) is Allocated and lists {gpu}, which has no Lease")
+                problems.append(f"{key} (uid {uid}) is {phase} and lists {gpu}, which has no Lease")
             elif self.holder(name) != uid:
                 held = self.holder(name)
-                problems.append(f"{key} (uid {uid}) is Allocated and lists {gpu}, whose Lease {held=}")
+                problems.append(f"{key} (uid {uid}) is {phase} and lists {gpu}, whose Lease {held=}")
         return problems
 
     def lease_problems(self, name: str) -> list[str]:

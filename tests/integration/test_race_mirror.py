@@ -154,3 +154,19 @@ def test_inside_a_relist_window_only_the_state_at_the_list_is_checked() -> None:
     m2._relisted(CLAIMS, {f"{NS}/a": claim("a", 3, gpus=(GPU,))}, 8)
 
     assert len(m2.violations) == 1 and "after re-list" in m2.violations[0], m2.violations
+
+
+def preempted(c: dict[str, Any]) -> dict[str, Any]:
+    return {**c, "status": {**c["status"], "phase": constants.PHASE_PREEMPTED}}
+
+
+def test_a_preempted_claim_may_list_what_it_holds_until_its_pods_are_evicted_but_not_longer() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(CLAIMS, event("MODIFIED", preempted(claim("a", 4, gpus=(GPU,)))))  # pods being evicted
+    m._watched(LEASES, bookmark(5))
+    assert not m.violations
+    m._watched(LEASES, event("DELETED", lease(6, "uid-a")))  # released before the status let go
+    m._watched(CLAIMS, bookmark(7))
+    assert len(m.violations) == 1 and "is Preempted and lists" in m.violations[0], m.violations
