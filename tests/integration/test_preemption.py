@@ -1,8 +1,9 @@
 """Preemption on the real API server, kube-controller-manager running (the disruption controller
 computes PodDisruptionBudgets): a claim of higher priority that fits nowhere preempts exactly the
 minimal set of lower-priority claims, their pods are evicted through the Eviction API (a PDB holds
-it back until it goes), and no GPU is ever held twice during the handover: a checker reads the
-claims and Leases every 50 ms throughout (issue 21)."""
+it back until it goes), and no GPU is ever held twice during the handover: the race test's
+watch-based checker (``chaos_support.Mirror``) checks the invariants after every claim and Lease
+event throughout (issue 21)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from tests.integration.chaos_support import Mirror, Timeline
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
     create_gpu_node,
     delete_gpu_node,
-    device_leases,
     get_claim,
     running_controller,
     status_uuids,
@@ -40,30 +41,6 @@ async def node(api: ApiClient, control_plane: Any) -> AsyncIterator[tuple[str, s
     await create_gpu_node(api, name, labels={RUN_LABEL: run})
     yield name, run
     await delete_gpu_node(api, name)
-
-
-async def double_holding(api: ApiClient, namespace: str) -> list[str]:
-    """What is wrong right now: a GPU listed by two claims, or an Allocated claim's GPU whose Lease
-    another holds or nobody does."""
-    crs = resources.CustomResources(api)
-    claims = (await crs.list_claims(namespace))["items"]
-    holders = {
-        lease["metadata"]["name"]: lease["spec"].get("holderIdentity")
-        for lease in await device_leases(api, namespace)
-    }
-    problems, listed = [], {}
-    for claim in claims:
-        name, uid = claim["metadata"]["name"], claim["metadata"]["uid"]
-        for device in status_uuids(claim):
-            if device in listed:
-                problems.append(f"{device} listed by {listed[device]} and {name}")
-            listed[device] = name
-            if (
-                claim["status"].get("phase") == "Allocated"
-                and holders.get(constants.lease_name(device)) != uid
-            ):
-                problems.append(f"{name} is Allocated with {device}, whose Lease is not its own")
-    return problems
 
 
 def pod(name: str, claim: str) -> dict[str, Any]:
@@ -86,7 +63,9 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
     crs = resources.CustomResources(api)
     pods = f"/api/v1/namespaces/{namespace}/pods"
     pdbs = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets"
-    seen: list[str] = []
+    mirror = Mirror(api, namespace, label=RUN_LABEL, value=run, timeline=Timeline())
+    watching = asyncio.create_task(mirror.run())
+    await asyncio.wait_for(mirror.synced.wait(), 30)
     async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
         for name, count, priority in (("low-a", 4, 1), ("low-b", 2, 2), ("low-c", 2, 1)):
             await crs.create_claim(namespace, claim_body(name, count, run=run, priority=priority))
@@ -114,12 +93,6 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
             },
         )
 
-        async def check() -> None:
-            while True:
-                seen.extend(await double_holding(api, namespace))
-                await asyncio.sleep(0.05)
-
-        checker = asyncio.create_task(check())
         try:
             polite = claim_body("polite", 2, run=run, priority=9)
             polite["spec"]["preemptionPolicy"] = "Never"
@@ -163,8 +136,11 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
                 got = await get_claim(api, namespace, other)
                 assert got is not None and got["status"]["phase"] == "Allocated"
                 assert set(status_uuids(got)) == set(status_uuids(before[other]))
+            await asyncio.sleep(1)  # the watch delivers the last events
+            assert not mirror.check_now()
         finally:
-            checker.cancel()
+            watching.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await checker
-    assert not seen, seen[:5]
+                await watching
+    assert mirror.stats["checks"] > 20, mirror.stats  # it did watch the handover
+    assert not mirror.violations, mirror.violations[:5]
