@@ -77,20 +77,22 @@ type pod struct {
 	} `json:"spec"`
 }
 
+type request struct {
+	UID  string `json:"uid"`
+	Kind struct {
+		Group string `json:"group"`
+		Kind  string `json:"kind"`
+	} `json:"kind"`
+	Namespace   string `json:"namespace"`
+	Operation   string `json:"operation"`
+	SubResource string `json:"subResource"`
+	Object      *pod   `json:"object"`
+}
+
 type review struct {
-	APIVersion string `json:"apiVersion"`
-	Kind       string `json:"kind"`
-	Request    *struct {
-		UID  string `json:"uid"`
-		Kind struct {
-			Group string `json:"group"`
-			Kind  string `json:"kind"`
-		} `json:"kind"`
-		Namespace   string `json:"namespace"`
-		Operation   string `json:"operation"`
-		SubResource string `json:"subResource"`
-		Object      *pod   `json:"object"`
-	} `json:"request"`
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Request    *request `json:"request"`
 }
 
 type status struct {
@@ -147,17 +149,7 @@ func decodeK8s(body []byte) (*review, error) {
 	if req == nil {
 		return rv, nil
 	}
-	rv.Request = &struct {
-		UID  string `json:"uid"`
-		Kind struct {
-			Group string `json:"group"`
-			Kind  string `json:"kind"`
-		} `json:"kind"`
-		Namespace   string `json:"namespace"`
-		Operation   string `json:"operation"`
-		SubResource string `json:"subResource"`
-		Object      *pod   `json:"object"`
-	}{UID: string(req.UID), Namespace: req.Namespace, Operation: string(req.Operation), SubResource: req.SubResource}
+	rv.Request = &request{UID: string(req.UID), Namespace: req.Namespace, Operation: string(req.Operation), SubResource: req.SubResource}
 	rv.Request.Kind.Group, rv.Request.Kind.Kind = req.Kind.Group, req.Kind.Kind
 	if len(req.Object.Raw) > 0 {
 		var p corev1.Pod
