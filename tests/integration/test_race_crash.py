@@ -145,6 +145,10 @@ class Controllers:
             "0",
             "--sweep-interval",
             "3",
+            # The nodes' GpuNodeStatuses are written once, with no agent to renew the heartbeat: a
+            # run slower than the default 120 s (a loaded machine) must not see every node go stale.
+            "--node-stale-after",
+            "3600",
             "--identity",
             slot.identity,
             "--claim-selector",
