@@ -142,3 +142,36 @@ def test_explain_says_a_claim_that_would_fit_is_held_back_by_its_quota_and_lists
         claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW, namespace_quotas=[roomy]
     )
     assert "  now:     would fit" in out.splitlines()
+
+
+def test_explain_names_whom_a_claim_that_does_not_fit_would_preempt() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    devices = statuses["gpu-node-a"].status.devices
+    holder = dataclasses.replace(
+        _claim("low", "u-low"),
+        spec=dataclasses.replace(_claim("low", "u-low").spec, priority=1),
+        status=models.GpuClaimStatus(
+            phase="Allocated",
+            allocations=(
+                models.Allocation(
+                    replica=0,
+                    node_name="gpu-node-a",
+                    devices=tuple(
+                        models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in devices
+                    ),
+                ),
+            ),
+        ),
+    )
+    high = _claim("high", "u-high")
+    high = dataclasses.replace(high, spec=dataclasses.replace(high.spec, priority=5))
+    out = explaining.explain(high, claims=[holder, high], statuses=statuses, nodes=nodes, now=NOW)
+    assert "preempt: would be preempting default/low (4 GPUs, priority 1)" in out
+    never = dataclasses.replace(high, spec=dataclasses.replace(high.spec, preemption_policy="Never"))
+    assert "preempt:" not in explaining.explain(
+        never, claims=[holder, never], statuses=statuses, nodes=nodes, now=NOW
+    )
+    equal = dataclasses.replace(high, spec=dataclasses.replace(high.spec, priority=1))
+    out = explaining.explain(equal, claims=[holder, equal], statuses=statuses, nodes=nodes, now=NOW)
+    assert "preempt: no claim of lower priority in its namespace frees enough" in out
