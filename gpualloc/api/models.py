@@ -98,6 +98,7 @@ class GpuClaimSpec:
     release: str = constants.RELEASE_ON_DELETE
     on_node_loss: str = constants.NODE_LOSS_KEEP
     preemption_policy: str = constants.PREEMPT_LOWER_PRIORITY
+    gang_ref: str = ""  # accepted for ziwon/gpu-scheduler's claims, and ignored
     node_loss_grace_period_seconds: int = constants.NODE_LOSS_GRACE_S
 
 

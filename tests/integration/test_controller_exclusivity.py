@@ -131,7 +131,10 @@ async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
         await leases.delete_lease(api, namespace, victim)
         lease = await leases.get_lease(api, namespace, victim)
         assert lease["metadata"].get("deletionTimestamp") and lease["spec"]["holderIdentity"] == uid
-        await crs.create_claim(namespace, claim_body("thief", 1, run=run, priority=1000))
+        # Priority 1000 would preempt the owner, which is fair: this test is about the lost Lease.
+        thief_body = claim_body("thief", 1, run=run, priority=1000)
+        thief_body["spec"]["preemptionPolicy"] = "Never"
+        await crs.create_claim(namespace, thief_body)
         thief = await wait_for(lambda: _explained(api, namespace, "thief"), what="the thief to be explained")
         assert thief["status"]["phase"] == "Pending", thief["status"]
 

@@ -217,6 +217,10 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
         "replicas": 2,
         "retryPolicy": {"maxRetries": 3, "backoffSeconds": 10},
         "release": "OnPodsCompleted",
+        "onNodeLoss": "Reallocate",
+        "nodeLossGracePeriodSeconds": 60,
+        "preemptionPolicy": "Never",
+        "gangRef": "podgroup-a",
         "tolerations": [
             {
                 "key": "team",
@@ -238,6 +242,8 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
     assert parsed.spec.retry_policy.max_retries == 3
     assert parsed.spec.release == "OnPodsCompleted"
     assert parsed.spec.topology.same_node_label_mode == "Preferred"
+    assert (parsed.spec.on_node_loss, parsed.spec.node_loss_grace_period_seconds) == ("Reallocate", 60)
+    assert (parsed.spec.preemption_policy, parsed.spec.gang_ref) == ("Never", "podgroup-a")
     assert (
         parsed.spec.tolerations[0].toleration_seconds == 30
         and parsed.spec.tolerations[1].operator == "Exists"

@@ -543,6 +543,8 @@ def settled_problems(
             problems.append(f"{name} holds {len(mine)} leases, status lists {len(want)}")
         if not status.get("phase"):
             problems.append(f"{name} has no phase yet")
+        elif status["phase"] == constants.PHASE_PREEMPTED and want:
+            problems.append(f"{name} is Preempted and still lists {len(want)} GPUs")
         elif status["phase"] == constants.PHASE_PENDING:
             count = claim["spec"]["devices"]["count"]
             roomy = [n for n, f in free.items() if f >= count]
