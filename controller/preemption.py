@@ -12,9 +12,10 @@ then the lowest top priority among them, then the fewest claims, then names.
 Each search adds candidates lowest priority first (then fewest GPUs, then
 name) until the claim fits on the nodes with their devices freed, then takes
 each back out, highest priority first, where the claim still fits without it,
-so no victim is needless. A one-replica claim is searched node by node (with
-only the candidates on that node, whose replicas are all there or who are freed
-everywhere they are); a gang, on every node at once.
+so no victim is needless. A one-replica claim is searched node by node, each
+search placing it on that node alone with only the candidates there (so the
+work grows with the nodes that hold candidates, not with their square); a
+gang, on every node at once.
 
 The controller then marks the victims ``Preempted`` (naming the preemptor),
 evicts their pods (the Eviction API: PodDisruptionBudgets hold), releases their
@@ -82,15 +83,17 @@ def choose(
     priority: Callable[[models.GpuClaim], int],
 ) -> Plan | None:
     """The victims to preempt so that ``claim`` fits (``pool``: ``candidates``, in that order), or None."""
-    searches: list[list[models.GpuClaim]] = []
+    searches: list[tuple[list[models.GpuClaim], Sequence[allocator.NodeView]]] = []
     if claim.spec.replicas == 1:
         for view in views:
-            searches.append([c for c in pool if any(a.node_name == view.name for a in c.status.allocations)])
+            on_node = [c for c in pool if any(a.node_name == view.name for a in c.status.allocations)]
+            if on_node:
+                searches.append((on_node, [view]))
     else:
-        searches.append(list(pool))
+        searches.append((list(pool), views))
     best: Plan | None = None
-    for search in searches:
-        plan = _minimal(search, views, place, priority=priority)
+    for search, search_views in searches:
+        plan = _minimal(search, search_views, place, priority=priority)
         if plan is not None and (best is None or _rank(plan, priority) < _rank(best, priority)):
             best = plan
     return best
