@@ -149,6 +149,10 @@ class Controllers:
             # run slower than the default 120 s (a loaded machine) must not see every node go stale.
             "--node-stale-after",
             "3600",
+            # Preemption is tested on its own (test_preemption.py, the simulation): here, among 290
+            # claims of drawn priorities on 160 GPUs, it turns settling into minutes of cascades.
+            "--preemption-scope",
+            "None",
             "--identity",
             slot.identity,
             "--claim-selector",
