@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
@@ -23,24 +20,12 @@ from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     get_claim,
     running_controller,
     status_uuids,
     wait_for,
     wait_phase,
 )
-
-
-@pytest.fixture
-async def node(api: ApiClient, control_plane: Any) -> AsyncIterator[tuple[str, str]]:
-    control_plane.ensure_controller_manager()  # the disruption controller
-    run = uuid.uuid4().hex[:8]
-    name = f"preempt-{run}"
-    await create_gpu_node(api, name, labels={RUN_LABEL: run})
-    yield name, run
-    await delete_gpu_node(api, name)
 
 
 def pod(name: str, claim: str) -> dict[str, Any]:
@@ -57,9 +42,9 @@ def pod(name: str, claim: str) -> dict[str, Any]:
 
 
 async def test_a_higher_priority_claim_preempts_the_minimal_set_through_evictions_a_pdb_holds_back(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = kcm_node
     crs = resources.CustomResources(api)
     pods = f"/api/v1/namespaces/{namespace}/pods"
     pdbs = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets"

@@ -10,22 +10,16 @@ kubelet would.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from tests.integration.controller_support import (
-    RUN_LABEL,
     claim_body,
     condition,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     device_leases,
     get_claim,
     running_controller,
@@ -35,16 +29,6 @@ from tests.integration.controller_support import (
 )
 
 SWEEP = 2.0  # the controller's --sweep-interval in these tests
-
-
-@pytest.fixture
-async def node(api: ApiClient, control_plane: Any) -> AsyncIterator[tuple[str, str]]:
-    control_plane.ensure_controller_manager()  # the Job controller and the garbage collector
-    run = uuid.uuid4().hex[:8]
-    name = f"release-{run}"
-    await create_gpu_node(api, name, labels={RUN_LABEL: run})
-    yield name, run
-    await delete_gpu_node(api, name)
 
 
 def indexed_job(name: str, claim: str) -> dict[str, Any]:
@@ -104,9 +88,9 @@ async def succeed(api: ApiClient, pod: dict[str, Any]) -> None:
 
 
 async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes_with_the_job(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = kcm_node
     crs = resources.CustomResources(api)
     argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
     async with running_controller(kubeconfig, argv):
@@ -162,9 +146,9 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
 
 
 async def test_an_owner_completed_claim_follows_its_job(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = kcm_node
     crs = resources.CustomResources(api)
     argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
     async with running_controller(kubeconfig, argv):
@@ -206,9 +190,9 @@ async def test_an_owner_completed_claim_follows_its_job(
 
 
 async def test_a_claim_whose_pods_never_ran_is_kept(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = kcm_node
     crs = resources.CustomResources(api)
     argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
     async with running_controller(kubeconfig, argv):
