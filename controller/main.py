@@ -120,7 +120,8 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     args = build_parser().parse_args(list(argv))
     stop = stop or asyncio.Event()
     identity = args.identity or default_identity()
-    api = await client.connect(args.kubeconfig)
+    # A connection per worker, and one for each watch (claims, leases, statuses, nodes, pods, quotas).
+    api = await client.connect(args.kubeconfig, connections=args.workers + 8)
     # The audit log tells controllers apart by this (the benchmark counts its requests by it).
     api.user_agent = f"{USER_AGENT}/{identity}"
     metrics = controller_metrics.Metrics()
