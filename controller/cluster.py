@@ -34,6 +34,7 @@ the same controller code runs against both:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -44,6 +45,9 @@ from gpualloc.kube import events, leases, resources, transport
 Obj = dict[str, Any]
 
 COMPONENT = "gpualloc-controller"
+# Events are sent on at most this many connections at once, so a burst of them never makes a
+# Lease create or a status write wait for a connection of the pool.
+EVENT_CONNECTIONS = 2
 PAGE_SIZE = 500  # pods per page when listing a namespace
 
 
@@ -90,6 +94,7 @@ class KubeCluster:
         self.api = api
         self.namespace = namespace
         self._crs = resources.CustomResources(api)
+        self._event_slots = asyncio.Semaphore(EVENT_CONNECTIONS)
 
     async def create_lease(self, body: Obj) -> Obj:
         return await leases.create(self.api, self.namespace, body)
@@ -158,4 +163,7 @@ class KubeCluster:
         return result
 
     async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
-        await events.emit(self.api, obj=obj, reason=reason, message=message, type_=type_, component=COMPONENT)
+        async with self._event_slots:
+            await events.emit(
+                self.api, obj=obj, reason=reason, message=message, type_=type_, component=COMPONENT
+            )

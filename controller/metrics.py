@@ -81,6 +81,9 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
             registry=r,
         )
+        self.events_dropped = Counter(
+            "gpualloc_events_dropped", "Events not recorded: too many were waiting to be sent", registry=r
+        )
         self.pending_claims = Gauge("gpualloc_pending_claims", "Claims waiting for devices", registry=r)
         self.leader = Gauge("gpualloc_leader", "1 while this controller is the leader", registry=r)
         self._devices = _DeviceCollector()

@@ -37,6 +37,9 @@ Obj = dict[str, Any]
 
 ERROR_BACKOFF_BASE = 0.5
 ERROR_BACKOFF_CAP = 60.0
+# Events waiting for a connection (cluster.EVENT_CONNECTIONS) beyond this are dropped: a burst of
+# allocations is not allowed to pile up tasks and memory for what is only a record.
+MAX_PENDING_EVENTS = 1000
 
 
 def _now() -> datetime.datetime:
@@ -91,6 +94,7 @@ class Controller:
         self.sweeper = Sweeper(cluster, self.state, self.gate, self.reconciler.ledger, wake=self.queue.add)
         self._errors: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._pending_events = 0
         self.active = False
         self.metrics.set_device_source(self.state.device_counts)
         self.metrics.set_quota_source(self.state.quota_figures)
@@ -204,9 +208,21 @@ class Controller:
         task.add_done_callback(self._background.discard)
 
     def _emit(self, obj: Obj, reason: str, message: str, type_: str = "Normal") -> None:
-        """Record an Event without holding up the reconcile."""
-        if obj:
-            self._spawn(self.cluster.emit_event(obj, reason, message, type_))
+        """Record an Event without holding up the reconcile; dropped (and counted) when
+        ``MAX_PENDING_EVENTS`` are already waiting to be sent, as client-go drops them."""
+        if not obj:
+            return
+        if self._pending_events >= MAX_PENDING_EVENTS:
+            self.metrics.events_dropped.inc()
+            return
+        self._pending_events += 1
+        self._spawn(self._send_event(obj, reason, message, type_))
+
+    async def _send_event(self, obj: Obj, reason: str, message: str, type_: str) -> None:
+        try:
+            await self.cluster.emit_event(obj, reason, message, type_)
+        finally:
+            self._pending_events -= 1
 
 
 def make_ready_check(controller: Controller, lost: Callable[[], bool] = lambda: False) -> Callable[[], bool]:
