@@ -520,12 +520,17 @@ async def _wait_until_in_force(s: Setup) -> None:
         await call(s.tenant, "POST", claims_path(s.tenant_ns), body=body, query=dry)
         return True
 
+    async def claims_finalized() -> bool:
+        stored = await call(s.admin, "POST", claims_path(s.tenant_ns), body=claim_body("probe"), query=dry)
+        return constants.FINALIZER in stored["metadata"].get("finalizers", [])
+
     await eventually("edit to be aggregated with the chart's GpuClaim and GpuQuota rights", claims_aggregated)
     await eventually("the MutatingAdmissionPolicy to set void", voided)
     await eventually("the pod-devices ValidatingAdmissionPolicy", validated)
     await eventually("the gated-label ValidatingAdmissionPolicy", label_checked)
     await eventually("the API server to call the webhook", webhook_called)
     await eventually("the node-identity ValidatingAdmissionPolicy", agent_checked)
+    await eventually("the claim-finalizer MutatingAdmissionPolicy", claims_finalized)
 
 
 def status_body(node: str, name: str | None = None) -> dict[str, Any]:
@@ -888,6 +893,14 @@ def claims_path(namespace: str) -> str:
     return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuclaims"
 
 
+async def purge_claim(admin: ApiClient, namespace: str, name: str) -> None:
+    """Delete a claim for good where no controller runs to release it: its finalizers go first."""
+    path = f"{claims_path(namespace)}/{name}"
+    with contextlib.suppress(errors.NotFound):
+        await call(admin, "PATCH", path, body={"metadata": {"finalizers": None}}, content_type=MERGE)
+        await call(admin, "DELETE", path)
+
+
 def quota_body(name: str, gpus: int = 8, max_priority: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"gpus": gpus}
     if max_priority is not None:
@@ -997,8 +1010,15 @@ async def test_edit_lets_the_tenant_create_change_and_delete_claims_but_not_thei
     swept["metadata"]["labels"] = {"sweep": "yes"}
     await call(setup.tenant, "POST", claims, body=swept)
     await call(setup.tenant, "DELETE", claims, query=[("labelSelector", "sweep=yes")])  # deletecollection
+    # Deleted: each waits, Terminating, for the controller (not running here) to release it and
+    # remove the finalizer the chart's claim-finalizer policy added.
     remaining = await call(setup.tenant, "GET", claims)
-    assert not {"by-tenant", "swept"} & {c["metadata"]["name"] for c in remaining["items"]}
+    terminating = {
+        c["metadata"]["name"] for c in remaining["items"] if c["metadata"].get("deletionTimestamp")
+    }
+    assert {"by-tenant", "swept"} <= terminating
+    for name in ("by-tenant", "swept"):
+        await purge_claim(setup.admin, setup.tenant_ns, name)
 
 
 async def test_claim_priority_above_a_namespace_quotas_maximum_is_refused_with_the_reason(
@@ -1067,7 +1087,7 @@ async def test_claim_priority_above_a_namespace_quotas_maximum_is_refused_with_t
             except errors.KubeError as exc:
                 assert exc.status == 404, exc
         for name in made:
-            await call(setup.admin, "DELETE", f"{claims}/{name}")
+            await purge_claim(setup.admin, ns, name)
 
 
 async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup: Setup) -> None:
@@ -1112,8 +1132,7 @@ async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup
             assert denied.value.status == 403
     finally:
         for name in ("first", "second"):
-            with contextlib.suppress(errors.NotFound):
-                await tenant_claims.delete_claim(ns, name)
+            await purge_claim(setup.admin, ns, name)
         await call(setup.admin, "DELETE", f"{quotas}/gpus")
         await delete_gpu_node(setup.admin, node)
 
@@ -1161,3 +1180,21 @@ async def test_policy_variants_compile_in_the_api_server(setup: Setup, values: l
     for obj in policies:
         query = [("dryRun", "All"), ("fieldValidation", "Strict")]
         await call(setup.admin, "POST", POLICY_KINDS[obj["kind"]], body=obj, query=query)
+
+
+async def test_claims_are_stored_with_the_release_finalizer_by_the_chart_policy(setup: Setup) -> None:
+    """The claim-finalizer MutatingAdmissionPolicy: what the create returns is what admission
+    stored, before any controller could have patched it."""
+    claims = claims_path(setup.tenant_ns)
+    plain = await call(setup.tenant, "POST", claims, body=claim_body("finalized"))
+    assert plain["metadata"]["finalizers"] == [constants.FINALIZER]
+    own = claim_body("own-finalizer")
+    own["metadata"]["finalizers"] = ["example.com/keep"]
+    kept = await call(setup.tenant, "POST", claims, body=own)
+    assert kept["metadata"]["finalizers"] == ["example.com/keep", constants.FINALIZER]
+    already = claim_body("already")
+    already["metadata"]["finalizers"] = [constants.FINALIZER]
+    once = await call(setup.tenant, "POST", claims, body=already)
+    assert once["metadata"]["finalizers"] == [constants.FINALIZER]
+    for name in ("finalized", "own-finalizer", "already"):
+        await purge_claim(setup.admin, setup.tenant_ns, name)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpualloc.api import constants
 from gpualloc.devcluster import binaries
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
@@ -997,3 +998,21 @@ def test_values_schema_checks_the_isolation_values(setting: str, message: str) -
     result = _run("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, "--set", setting)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+CLAIM_FINALIZER = f"{FULLNAME}-claim-finalizer"
+
+
+def test_claim_finalizer_policy_is_rendered_where_mutating_admission_policies_are_served() -> None:
+    served = render(MAP_V1)
+    assert named(served, CLAIM_FINALIZER) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    policy = one(served, "MutatingAdmissionPolicy", CLAIM_FINALIZER)
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    rule = {"apiGroups": ["gpu.scheduling"], "apiVersions": ["*"], "operations": ["CREATE"]}
+    assert rules == [{**rule, "resources": ["gpuclaims"]}]
+    assert constants.FINALIZER in policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
+    # Older API servers: the controller adds the finalizer itself.
+    assert named(render(), CLAIM_FINALIZER) == []
+    assert "MutatingAdmissionPolicy" in named(render(controller__finalizerPolicy="always"), CLAIM_FINALIZER)
+    assert named(render(MAP_V1, controller__finalizerPolicy="never"), CLAIM_FINALIZER) == []
+    assert named(render(MAP_V1, controller__enabled="false"), CLAIM_FINALIZER) == []

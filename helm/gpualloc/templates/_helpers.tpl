@@ -107,3 +107,13 @@ kind: Issuer
 group: cert-manager.io
 {{- end -}}
 {{- end -}}
+
+{{/*
+"true" when a MutatingAdmissionPolicy of the given mode is rendered: always, or auto where the
+API server serves admissionregistration.k8s.io/v1 MutatingAdmissionPolicy (Kubernetes 1.36+).
+Call: include "gpualloc.mutatingPolicyRendered" (dict "root" . "mode" .Values.x.mutatingAdmissionPolicy)
+*/}}
+{{- define "gpualloc.mutatingPolicyRendered" -}}
+{{- $served := .root.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}
+{{- if or (eq .mode "always") (and (eq .mode "auto") $served) }}true{{ end -}}
+{{- end -}}
