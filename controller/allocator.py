@@ -83,19 +83,32 @@ Reasons
     fastest link) until none can win, unless ``explain=True``; the decision is
     the same either way. Per-inventory tables (bandwidth matrix, islands) are
     memoised by object identity: keep parsed inventories between decisions.
+
+Indexed nodes
+    Given a ``nodes.NodeIndex`` instead of a list, a one-replica claim ranked by
+    load (binpack, leastLoaded, spread, bestFit, costOptimized, without
+    ``nodeName``) is placed by visiting nodes in the order the full search would
+    rank them, from the index's buckets, and stopping at the winner: nodes with
+    fewer free GPUs than asked are never looked at (``_allocate_indexed``). The
+    decision is the full search's (``tests/property/test_node_index.py``), and
+    ``per_node`` then names only the chosen node. Anything else, and every claim
+    that does not fit (whose reason needs every node), takes the full search.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from controller import topology
+from controller import nodes
+from controller.nodes import MIG_MODE, NodeIndex, in_mig_mode
+from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
 from gpualloc.api import constants, models, taints
 
 EXHAUSTIVE_LIMIT = 5000
@@ -104,20 +117,6 @@ MAX_REASON_GROUPS = 6
 _NO_PAIRS = 1 << 40  # "least pairwise bandwidth" of a set with a single device
 
 _Key = tuple[Any, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class NodeView:
-    """What the allocator may know about one node, assembled by the caller."""
-
-    name: str
-    labels: Mapping[str, str]
-    unschedulable: bool
-    node_present: bool
-    ready: bool
-    inventory: models.NodeInventory | None
-    taken: frozenset[str]
-    taints: tuple[models.Taint, ...] = ()  # the blocking ones (NoSchedule, NoExecute)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,9 +172,6 @@ def _int_compare(label: str, bound: str, op: str) -> bool:
     except ValueError:
         return False
     return left > right if op == "Gt" else left < right
-
-
-MIG_MODE = "in MIG mode (use a MIG claim)"
 
 
 def order_key(claim: models.GpuClaim, *, priority_cap: int | None = None) -> tuple[int, str, str, str]:
@@ -306,7 +302,7 @@ class _Screened:
     """A node that passed the node checks and has at least ``count`` usable devices."""
 
     view: NodeView
-    prep: _Prepared
+    prep: nodes.Prepared
     position: int  # in sorted node names
     total: int
     free: int  # healthy and not taken
@@ -332,69 +328,8 @@ class _Choice:
         return f"gpus {idx} (min {self.least_bw} GB/s, {self.numa} NUMA node{'s' if self.numa != 1 else ''})"
 
 
-@dataclasses.dataclass(slots=True)
-class _Prepared:
-    """What screening and set search need from an inventory, computed once per inventory object."""
-
-    inventory: models.NodeInventory
-    healthy: tuple[models.Device, ...]  # healthy and not in MIG mode (whole GPUs to give), by index
-    in_mig: int  # GPUs in MIG mode: never given whole, a CUDA program would see no usable device
-    by_index: Mapping[int, models.Device]
-    max_bw: int  # the fastest link on the node: no set can have a higher least bandwidth
-    # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
-    matrix: Mapping[int, Mapping[int, int]] | None = None
-    island: Mapping[int, int] | None = None
-
-    def topology(self) -> tuple[Mapping[int, Mapping[int, int]], Mapping[int, int]]:
-        if self.matrix is None or self.island is None:
-            ordered = sorted(self.by_index)
-            table = topology.bandwidths(self.inventory.links)
-            self.matrix = {
-                a: {b: topology.bandwidth(table, a, b) if a != b else 0 for b in ordered} for a in ordered
-            }
-            self.island = topology.island_ids(self.inventory)
-        return self.matrix, self.island
-
-
-# A memo of one entry per node name, used while the node's inventory is the very
-# same object. Inventories are frozen, so decisions depend only on the arguments;
-# the memo saves rebuilding the same tables for every decision when the caller
-# keeps its parsed inventories between decisions. A node's new inventory (every
-# GpuNodeStatus heartbeat is parsed anew) replaces its old one, so the memo never
-# holds more than one inventory per node name; it is emptied when it holds more
-# than twice the nodes of the current call (at least _PREPARED_MIN), which bounds
-# what nodes that went away leave behind.
-_PREPARED: dict[str, _Prepared] = {}
-_PREPARED_MIN = 1024
-
-
-def _prepare(name: str, inv: models.NodeInventory, limit: int) -> _Prepared:
-    cached = _PREPARED.get(name)
-    if cached is not None and cached.inventory is inv:
-        return cached
-    by_index: dict[int, models.Device] = {}
-    for d in inv.devices:
-        by_index.setdefault(d.index, d)
-    ordered = sorted(by_index.values(), key=lambda d: d.index)
-    prepared = _Prepared(
-        inventory=inv,
-        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY and not in_mig_mode(d)),
-        in_mig=sum(1 for d in ordered if in_mig_mode(d)),
-        by_index=by_index,
-        max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
-    )
-    if name not in _PREPARED and len(_PREPARED) >= limit:
-        _PREPARED.clear()
-    _PREPARED[name] = prepared
-    return prepared
-
-
-def in_mig_mode(device: models.Device) -> bool:
-    return device.mig is not None and device.mig.enabled
-
-
 def _screen(
-    view: NodeView, ask: _Ask, position: int, extra_taken: set[str], memo_limit: int
+    view: NodeView, ask: _Ask, position: int, extra_taken: set[str], n_nodes: int
 ) -> _Screened | _Miss:
     if not view.node_present:
         return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
@@ -421,7 +356,7 @@ def _screen(
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
 
-    prep = _prepare(view.name, inv, memo_limit)
+    prep = nodes.prepare(view.name, inv, n_nodes)
     taken = view.taken
     if extra_taken:
         free_devs = [d for d in prep.healthy if d.uuid not in taken and d.uuid not in extra_taken]
@@ -454,7 +389,7 @@ def _screen(
 
 def _screen_prefer_ids(
     view: NodeView,
-    prep: _Prepared,
+    prep: nodes.Prepared,
     ask: _Ask,
     position: int,
     free: int,
@@ -606,6 +541,24 @@ def _beam(
 # ----------------------------------------------------------------- node choice
 
 
+LOAD_STRATEGIES = ("binpack", "leastLoaded", "spread", "bestFit", "costOptimized")  # rank by load alone
+
+
+def _load_key(strategy: str, total: int, free: int, count: int, tier: int) -> _Key:
+    """The rank of a node by its load, for the ``LOAD_STRATEGIES`` (``tier``: its cost tier's rank)."""
+    used = (total - free) / total  # equal fractions give equal floats: division is correctly rounded
+    if strategy == "binpack":
+        return (-used, free)
+    if strategy == "leastLoaded":
+        return (used, -free)
+    if strategy == "spread":
+        return (-free,)
+    if strategy == "bestFit":
+        return (free - count,)
+    # costOptimized
+    return (tier, -used, free)
+
+
 def _strategy_key(
     node: _Screened,
     ask: _Ask,
@@ -616,32 +569,28 @@ def _strategy_key(
     cost_label: str,
     cost_rank: Mapping[str, int],
 ) -> _Key:
-    total, free = node.total, node.free
-    used = (total - free) / total  # equal fractions give equal floats: division is correctly rounded
-    s = ask.strategy
-    if s == "binpack":
-        return (-used, free)
-    if s == "leastLoaded":
-        return (used, -free)
-    if s == "spread":
-        return (-free,)
-    if s == "bestFit":
-        return (free - ask.count,)
-    if s == "random":
+    if ask.strategy == "random":
         return (random_rank[node.view.name],)
-    if s == "roundRobin":
+    if ask.strategy == "roundRobin":
         return ((node.position - cursor) % n_nodes,)
-    # costOptimized
     tier = cost_rank.get(node.view.labels.get(cost_label, ""), len(cost_rank))
-    return (tier, -used, free)
+    return _load_key(ask.strategy, node.total, node.free, ask.count, tier)
+
+
+def _cost_rank(cost_preference: Sequence[str]) -> dict[str, int]:
+    return {tier: r for r, tier in reversed(list(enumerate(cost_preference)))}
 
 
 def _quality_bound(node: _Screened, ask: _Ask) -> _Key:
     """A key no worse than ``(*_quality(best set), name)`` for any set on this node."""
+    return _bound(ask, node.view.name, node.position, node.prep.max_bw)
+
+
+def _bound(ask: _Ask, name: str, position: int, max_bw: int) -> _Key:
     if ask.mode == "Ignore":
-        return (node.view.name, node.position)
-    least = _NO_PAIRS if ask.count == 1 else node.prep.max_bw
-    return (-least, 1, node.view.name, node.position)
+        return (name, position)
+    least = _NO_PAIRS if ask.count == 1 else max_bw
+    return (-least, 1, name, position)
 
 
 def _quality(choice: _Choice, ask: _Ask) -> _Key:
@@ -652,7 +601,7 @@ def _quality(choice: _Choice, ask: _Ask) -> _Key:
 
 def allocate(
     claim: models.GpuClaim,
-    nodes: Sequence[NodeView],
+    nodes: Sequence[NodeView] | NodeIndex,
     *,
     seed: int = 0,
     round_robin_cursor: int = 0,
@@ -660,12 +609,22 @@ def allocate(
     cost_preference: Sequence[str] = ("low", "medium", "high"),
     explain: bool = False,
 ) -> Decision:
-    """Place every replica of ``claim`` on ``nodes`` or none; see the module docstring."""
+    """Place every replica of ``claim`` on ``nodes`` or none; see the module docstring.
 
-    def place(c: models.GpuClaim, views: Sequence[NodeView]) -> Decision:
+    ``nodes`` as a ``NodeIndex`` gives the same decision, found without
+    screening every node where the claim allows (see "Indexed nodes").
+    """
+    index = nodes if isinstance(nodes, NodeIndex) else None
+    views: Sequence[NodeView] = nodes.views() if isinstance(nodes, NodeIndex) else nodes
+
+    def place(c: models.GpuClaim, candidates: Sequence[NodeView]) -> Decision:
+        if index is not None and candidates is views and not explain and index.cost_label == cost_label:
+            found = _allocate_indexed(c, index, cost_preference)
+            if found is not None:
+                return found
         return _allocate(
             c,
-            views,
+            candidates,
             seed=seed,
             round_robin_cursor=round_robin_cursor,
             cost_label=cost_label,
@@ -675,8 +634,8 @@ def allocate(
 
     def route(c: models.GpuClaim) -> Decision:
         if c.spec.topology.same_node_label and c.spec.replicas > 1:
-            return _allocate_in_domains(c, nodes, place)
-        return place(c, nodes)
+            return _allocate_in_domains(c, views, place)
+        return place(c, views)
 
     topology = claim.spec.topology
     if topology.mode == "Preferred" and topology.min_bandwidth_gbps > 0 and claim.spec.devices.count > 1:
@@ -819,12 +778,11 @@ def _allocate(
     if not views:
         return Decision(allocations=(), reason="0/0 nodes fit: no GPU nodes are known", per_node={})
 
-    cost_rank = {tier: r for r, tier in reversed(list(enumerate(cost_preference)))}
+    cost_rank = _cost_rank(cost_preference)
     rng = random.Random(seed)
     extra: dict[str, set[str]] = {v.name: set() for v in views}
-    memo_limit = max(_PREPARED_MIN, 2 * len(views))
     screened: list[_Screened | _Miss] = [
-        _screen(v, ask, i, extra[v.name], memo_limit) for i, v in enumerate(views)
+        _screen(v, ask, i, extra[v.name], len(views)) for i, v in enumerate(views)
     ]
     chosen_notes: dict[str, list[str]] = {}
     results: dict[str, _Choice | _Miss] = {}
@@ -895,25 +853,93 @@ def _allocate(
 
         node, choice = winner
         name = node.view.name
-        allocations.append(
-            models.Allocation(
-                replica=replica,
-                node_name=name,
-                devices=tuple(
-                    models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in choice.devices
-                ),
-                min_bandwidth_gbps=choice.reported_bw,
-            )
-        )
+        allocations.append(_allocation(replica, name, choice))
         chosen_notes.setdefault(name, []).append(f"replica {replica} took {choice.describe()}")
         extra[name].update(d.uuid for d in choice.devices)
-        screened[node.position] = _screen(node.view, ask, node.position, extra[name], memo_limit)
+        screened[node.position] = _screen(node.view, ask, node.position, extra[name], len(views))
         cursor = (node.position + 1) % len(views)
 
     per_node = _lines(names, screened, results, ask)
     for name, notes in chosen_notes.items():
         per_node[name] = "chosen: " + "; ".join(notes)
     return Decision(allocations=tuple(allocations), reason="", per_node=per_node)
+
+
+def _allocation(replica: int, node: str, choice: _Choice) -> models.Allocation:
+    return models.Allocation(
+        replica=replica,
+        node_name=node,
+        devices=tuple(models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in choice.devices),
+        min_bandwidth_gbps=choice.reported_bw,
+    )
+
+
+# ------------------------------------------------------------------ indexed nodes
+
+
+def _allocate_indexed(
+    claim: models.GpuClaim, index: NodeIndex, cost_preference: Sequence[str]
+) -> Decision | None:
+    """``_allocate``'s decision for a one-replica claim ranked by load, when it places the claim;
+    None when it would not, or for a claim this search does not cover (the caller then runs
+    ``_allocate``, which says why).
+
+    ``_allocate`` screens every node, ranks those that pass by strategy key, and
+    searches the tied nodes of the best key in order of their quality bound,
+    stopping once no node left can beat the best set found; the first key with
+    a set wins. This visits nodes in that same order without screening the
+    rest: the index's buckets give each node's key and bound (they depend only
+    on its GPUs, free GPUs, fastest link and cost tier), buckets with fewer
+    free GPUs than the claim asks are never visited, and a node is screened
+    only when its turn comes. Nodes that fail screening are skipped, as
+    ``_allocate`` leaves them out of the ranking.
+    """
+    ask = _parse(claim)
+    if (
+        isinstance(ask, str)
+        or claim.spec.replicas != 1
+        or ask.strategy not in LOAD_STRATEGIES
+        or ask.node_name is not None
+    ):
+        return None
+    cost_rank = _cost_rank(cost_preference)
+    groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}
+    for bucket, names in index.buckets().items():
+        if bucket.free < ask.count:
+            continue
+        tier = cost_rank.get(bucket.tier, len(cost_rank))
+        key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
+        groups.setdefault(key, []).append((bucket.max_bw, names))
+    n_nodes = len(index)
+
+    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[_Key, str]]:
+        for name in names:
+            yield _bound(ask, name, index.position(name), max_bw), name
+
+    for key in sorted(groups):
+        best: tuple[_Key, _Screened, _Choice] | None = None
+        for bound, name in heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key])):
+            if best is not None and bound >= best[0]:
+                break
+            view = index.get(name)
+            assert view is not None
+            screened = _screen(view, ask, index.position(name), set(), n_nodes)
+            if isinstance(screened, _Miss):
+                continue
+            found = _best_set(screened, ask)
+            if isinstance(found, _Choice):
+                candidate = ((*_quality(found, ask), name, screened.position), screened, found)
+                if best is None or candidate[0] < best[0]:
+                    best = candidate
+        if best is not None:
+            _, node, choice = best
+            name = node.view.name
+            return Decision(
+                allocations=(_allocation(0, name, choice),),
+                reason="",
+                per_node={name: f"chosen: replica 0 took {choice.describe()}"},
+            )
+    return None
 
 
 def _lines(

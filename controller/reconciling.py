@@ -55,6 +55,7 @@ from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
 from controller.ledger import Ledger
+from controller.nodes import NodeIndex
 from controller.state import State
 from gpualloc.api import codecs, constants, leases, models, timestamps
 from gpualloc.kube import errors, watching
@@ -265,16 +266,16 @@ class Reconciler:
         result: locking.LockResult | None = None
         decision: allocator.Decision | None = None
         for _ in range(LOCK_ATTEMPTS):
-            node_views = self.state.node_views()
+            node_index = self.state.node_index()
             decision = allocator.allocate(
                 claim,
-                node_views,
+                node_index,
                 seed=views.seed_for(uid),
                 round_robin_cursor=self._rr_cursor,
                 cost_label=self.settings.cost_label,
             )
             if not decision.allocations:
-                preempting = await self._preempt(claim, node_views)
+                preempting = await self._preempt(claim, node_index.views())
                 if preempting is None:
                     await self._unfit(claim, decision.reason, leftovers)
                 else:
@@ -293,19 +294,17 @@ class Reconciler:
             names = [item.lease for item in plan]
             # Planned and reserved without an await in between: two workers of this process never
             # pick the same device; another process is stopped by the Lease itself.
-            self.state.reserved.update(dict.fromkeys(names, uid))
+            self.state.reserve(names, uid)
             try:
                 result = await locking.acquire(
                     self.cluster, self.settings.namespace, plan, claim, now=self._now()
                 )
             finally:
-                for name in names:
-                    if self.state.reserved.get(name) == uid:
-                        del self.state.reserved[name]
+                self.state.unreserve(names, uid)
             for raw in result.created.values():
                 self.state.remember("leases", raw, reconciling=claim.key)
             if result.ok:
-                self._advance_cursor(node_views, decision.allocations)
+                self._advance_cursor(node_index, decision.allocations)
                 break
             self.metrics.allocation_failures.labels(reason="LockConflict").inc()
         if result is None or decision is None or not result.ok:
@@ -334,13 +333,10 @@ class Reconciler:
         self.emit(raw_claim, "Allocated", f"{status['message']}: devices {status['devices']}", "Normal")
         await self.gate.ungate(written)
 
-    def _advance_cursor(
-        self, node_views: list[allocator.NodeView], allocations: Iterable[models.Allocation]
-    ) -> None:
-        names = [v.name for v in node_views]
+    def _advance_cursor(self, node_index: NodeIndex, allocations: Iterable[models.Allocation]) -> None:
         last = list(allocations)[-1].node_name
-        if last in names:
-            self._rr_cursor = names.index(last) + 1
+        if node_index.get(last) is not None:
+            self._rr_cursor = node_index.position(last) + 1
 
     async def _unfit(
         self,

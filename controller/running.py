@@ -73,6 +73,7 @@ class Controller:
             node_stale_after=settings.node_stale_after,
             wake=self._wake,
             now=now,
+            cost_label=settings.cost_label,
         )
         self.gate = PodGate(
             cluster,

@@ -20,6 +20,11 @@ Lease (atomic), a claim's status is written only at the resourceVersion its
 decision was made from, and Leases are released only under the rules in
 ``locking``. A cache that lags only costs a conflict and a retry.
 
+The allocator's view of the nodes is a ``nodes.NodeIndex`` kept here: an event
+marks the nodes it changes (a status, a Node, a Lease or reservation of one of
+its devices, a claim listing one), and ``node_index`` rebuilds only those, and
+the ready nodes whose heartbeat has just grown too old.
+
 "Taken", for planning, is the union of: every device Lease in the cache,
 whoever holds it (Leases the claim being planned holds but does not record
 are left over from another attempt and are not adopted, see ``locking``); the
@@ -31,13 +36,15 @@ from __future__ import annotations
 
 import collections
 import datetime
+import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from controller import allocator, gates, views
+from controller import gates, views
 from controller import metrics as controller_metrics
+from controller.nodes import NodeIndex, NodeView
 from gpualloc.api import codecs, constants, leases, models
 from gpualloc.kube import watching
 
@@ -108,6 +115,7 @@ class State:
         wake: Callable[[str], None],
         now: Callable[[], datetime.datetime],
         monotonic: Callable[[], float] = time.monotonic,
+        cost_label: str = constants.LABEL_COST_TIER,
     ) -> None:
         self.feeds = {name: feeds[name] for name in FEEDS}
         self.lease_namespace = lease_namespace
@@ -140,6 +148,14 @@ class State:
         self.facts: dict[str, views.NodeFacts] = {}
         self.ready_nodes: dict[str, bool] = {}
         self._beats: dict[str, tuple[str, float]] = {}  # node -> (heartbeat text, monotonic when it changed)
+        self._devices_of: dict[str, tuple[str, ...]] = {}  # node -> its device UUIDs
+        self._device_node: dict[str, str] = {}  # device UUID -> node
+        self._lease_node: dict[str, str] = {}  # device Lease name -> node
+        # The allocator's view of every GPU node (``node_index``), rebuilt node by node: the nodes
+        # an event changed are marked stale, and so is a ready node once its heartbeat is too old.
+        self._index = NodeIndex(cost_label=cost_label)
+        self._stale: set[str] = set()
+        self._ready_until: list[tuple[float, str]] = []  # heap: (monotonic, node)
         # Leases.
         self.leases: dict[str, leases.LeaseInfo] = {}  # lease name -> info
         self._held: dict[str, dict[str, leases.LeaseInfo]] = collections.defaultdict(dict)  # holder uid ->
@@ -232,21 +248,65 @@ class State:
             status.status, heartbeat_age=self.heartbeat_age(node), stale_after=self.node_stale_after
         )
 
-    def node_views(self) -> list[allocator.NodeView]:
-        """Every GPU node as the allocator sees it, with every taken device marked (module docstring)."""
+    def node_index(self) -> NodeIndex:
+        """Every GPU node as the allocator sees it, with every taken device marked (module
+        docstring). Only the nodes changed since the last call are rebuilt."""
+        now = self.monotonic()
+        while self._ready_until and self._ready_until[0][0] < now:
+            self._stale.add(heapq.heappop(self._ready_until)[1])
+        if not self._stale:
+            return self._index
         held, listed, reserved = self.leases, self._listed, self.reserved
 
         def is_taken(uuid: str) -> bool:
             name = constants.lease_name(uuid)
             return name in held or name in reserved or uuid in listed
 
-        return views.build_node_views(
-            statuses=self.statuses,
-            nodes=self.facts,
-            is_taken=is_taken,
-            heartbeat_ages={node: self.heartbeat_age(node) for node in self.statuses},
-            stale_after=self.node_stale_after,
-        )
+        for node in sorted(self._stale):
+            status = self.statuses.get(node)
+            if status is None:
+                self._index.remove(node)
+                continue
+            age = self.heartbeat_age(node)
+            view = views.node_view(
+                node,
+                status,
+                self.facts.get(node),
+                is_taken=is_taken,
+                heartbeat_age=age,
+                stale_after=self.node_stale_after,
+            )
+            self._index.put(view)
+            if view.ready and age is not None:  # not ready any more once the heartbeat is too old
+                heapq.heappush(self._ready_until, (now - age + self.node_stale_after, node))
+        self._stale.clear()
+        return self._index
+
+    def node_views(self) -> list[NodeView]:
+        return self.node_index().views()
+
+    def reserve(self, names: Iterable[str], uid: str) -> None:
+        """Device Leases claim ``uid`` is acquiring: taken for this process's other workers."""
+        for name in names:
+            self.reserved[name] = uid
+            self._mark_lease_node(name)
+
+    def unreserve(self, names: Iterable[str], uid: str) -> None:
+        for name in names:
+            if self.reserved.get(name) == uid:
+                del self.reserved[name]
+                self._mark_lease_node(name)
+
+    def _mark_lease_node(self, lease_name: str, label: str = "") -> None:
+        node = self._lease_node.get(lease_name, label)
+        if node:
+            self._stale.add(node)
+
+    def _mark_device_nodes(self, uuids: Iterable[str]) -> None:
+        for uuid in uuids:
+            node = self._device_node.get(uuid)
+            if node is not None:
+                self._stale.add(node)
 
     def device_counts(self) -> Iterable[tuple[str, str, int]]:
         """(node, state, count) for ``gpualloc_devices``."""
@@ -332,6 +392,7 @@ class State:
         for uuid in old_listed:
             if self._listed.get(uuid) == old_uid:
                 del self._listed[uuid]
+        self._mark_device_nodes(old_listed)
         if type_ == watching.DELETED:
             self._bury(uid)
             self._parsed.pop(key, None)
@@ -355,6 +416,7 @@ class State:
                 self._claim_listed[key] = (uid, listed)
                 for uuid in listed:
                     self._listed[uuid] = uid
+                self._mark_device_nodes(listed)
             nodes = frozenset(a.node_name for a in claim.status.allocations)
             if nodes:
                 self._claim_nodes[key] = nodes
@@ -366,6 +428,7 @@ class State:
 
     def _on_lease(self, type_: str, raw: Obj) -> None:
         info = leases.parse(raw)
+        self._mark_lease_node(info.name, info.node)
         old = self.leases.pop(info.name, None)
         if old is not None:
             held = self._held.get(old.holder)
@@ -411,6 +474,8 @@ class State:
         node = node or name
         if node not in self.statuses:
             self._beats.pop(node, None)
+        self._index_devices(node)
+        self._stale.add(node)
         status = self.statuses.get(node)
         fingerprint = None
         if status is not None:
@@ -422,12 +487,28 @@ class State:
             self.ready_nodes[node] = ready
             self.node_changed(node)
 
+    def _index_devices(self, node: str) -> None:
+        """Which node each device (and its Lease) of ``node``'s GpuNodeStatus is on."""
+        for uuid in self._devices_of.pop(node, ()):
+            if self._device_node.get(uuid) == node:
+                del self._device_node[uuid]
+                self._lease_node.pop(constants.lease_name(uuid), None)
+        status = self.statuses.get(node)
+        if status is None:
+            return
+        uuids = tuple(d.uuid for d in status.status.devices)
+        self._devices_of[node] = uuids
+        for uuid in uuids:
+            self._device_node[uuid] = node
+            self._lease_node[constants.lease_name(uuid)] = node
+
     def _on_node(self, type_: str, raw: Obj) -> None:
         facts = views.node_facts(raw)
         old = self.facts.pop(facts.name, None)
         if type_ != watching.DELETED:
             self.facts[facts.name] = facts
         if old != self.facts.get(facts.name):
+            self._stale.add(facts.name)
             self.node_changed(facts.name)
 
     def node_changed(self, node: str) -> None:

@@ -74,24 +74,40 @@ def build_node_views(
     whether a device (by UUID) is taken. Nodes without a GpuNodeStatus have no
     GPUs and are left out.
     """
-    views: list[allocator.NodeView] = []
-    for name in sorted(statuses):
-        inventory = statuses[name].status
-        facts = nodes.get(name)
-        taken = frozenset(device.uuid for device in inventory.devices if is_taken(device.uuid))
-        views.append(
-            allocator.NodeView(
-                name=name,
-                labels=facts.labels if facts else {},
-                unschedulable=facts.unschedulable if facts else False,
-                taints=facts.taints if facts else (),
-                node_present=facts is not None,
-                ready=node_ready(inventory, heartbeat_age=heartbeat_ages.get(name), stale_after=stale_after),
-                inventory=inventory,
-                taken=taken,
-            )
+    return [
+        node_view(
+            name,
+            statuses[name],
+            nodes.get(name),
+            is_taken=is_taken,
+            heartbeat_age=heartbeat_ages.get(name),
+            stale_after=stale_after,
         )
-    return views
+        for name in sorted(statuses)
+    ]
+
+
+def node_view(
+    name: str,
+    status: models.GpuNodeStatus,
+    facts: NodeFacts | None,
+    *,
+    is_taken: Callable[[str], bool],
+    heartbeat_age: float | None,
+    stale_after: float,
+) -> allocator.NodeView:
+    """The ``NodeView`` of one GPU node (see ``build_node_views``)."""
+    inventory = status.status
+    return allocator.NodeView(
+        name=name,
+        labels=facts.labels if facts else {},
+        unschedulable=facts.unschedulable if facts else False,
+        taints=facts.taints if facts else (),
+        node_present=facts is not None,
+        ready=node_ready(inventory, heartbeat_age=heartbeat_age, stale_after=stale_after),
+        inventory=inventory,
+        taken=frozenset(device.uuid for device in inventory.devices if is_taken(device.uuid)),
+    )
 
 
 def seed_for(uid: str) -> int:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pytest
 
 from controller import allocator
+from controller import nodes as node_tables
 from gpualloc.api import models
 
 # ------------------------------------------------------------------ builders
@@ -639,11 +643,38 @@ def test_the_memo_keeps_one_inventory_per_node_however_often_each_is_parsed_anew
     # The controller parses every GpuNodeStatus heartbeat into a new inventory object: the memo
     # must not keep the old ones (the 1-hour soak's controller grew by 14 MiB/h until it held 1024).
     names = ("n0", "n1", "n2", "n3")
-    allocator._PREPARED.clear()  # other tests' nodes
+    node_tables.PREPARED.clear()  # other tests' nodes
     for _ in range(300):
         views = [node(name, nvswitch(name)) for name in names]  # new objects each time
         assert allocator.allocate(claim(2), views).allocations
-    assert len(allocator._PREPARED) <= len(names)
+    assert len(node_tables.PREPARED) <= len(names)
     assert all(
-        allocator._PREPARED[name].inventory is v.inventory for name, v in zip(names, views, strict=True)
+        node_tables.PREPARED[name].inventory is v.inventory for name, v in zip(names, views, strict=True)
     )
+
+
+def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1,000 nodes: the even ones have 2 GPUs free, the odd ones 8 (binpack takes the fullest).
+    views = [
+        node(f"n{i:04d}", nvswitch(f"n{i:04d}"), taken=range(6) if i % 2 == 0 else ()) for i in range(1000)
+    ]
+    index = node_tables.NodeIndex(views)
+    screened: list[str] = []
+    real = allocator._screen
+
+    def counting(view: allocator.NodeView, *args: Any) -> Any:
+        screened.append(view.name)
+        return real(view, *args)
+
+    monkeypatch.setattr(allocator, "_screen", counting)
+    by_index = allocator.allocate(claim(2), index)
+    assert picked(by_index) == ("n0000", (6, 7))
+    assert screened == ["n0000"]
+    # Three GPUs fit only the odd nodes: the even ones' bucket is never visited.
+    screened.clear()
+    assert picked(allocator.allocate(claim(3), index)) == ("n0001", (0, 1, 2))
+    assert screened == ["n0001"]
+    # The full search screens them all, and decides the same.
+    screened.clear()
+    assert picked(allocator.allocate(claim(3), views)) == ("n0001", (0, 1, 2))
+    assert len(set(screened)) == 1000

@@ -554,11 +554,19 @@ class FakeFeed:
     def get(self, key: str) -> Any:
         return self.cache.get(key)
 
-    def put(self, obj: dict[str, Any]) -> None:
-        type_ = "MODIFIED" if obj["metadata"]["name"] in self.cache else "ADDED"
-        self.cache[obj["metadata"]["name"]] = obj
+    def put(self, obj: dict[str, Any], key: str | None = None) -> None:
+        """Store ``obj`` under ``key`` (default: its name) and deliver its event."""
+        key = key or obj["metadata"]["name"]
+        type_ = "MODIFIED" if key in self.cache else "ADDED"
+        self.cache[key] = obj
         assert self.on_event is not None
         self.on_event(type_, obj)
+
+    def delete(self, key: str) -> None:
+        obj = self.cache.pop(key, None)
+        if obj is not None:
+            assert self.on_event is not None
+            self.on_event("DELETED", obj)
 
 
 def state_on_fake_feeds(monotonic: Callable[[], float] = lambda: 0.0) -> tuple[Any, dict[str, FakeFeed]]:

@@ -1,0 +1,193 @@
+"""A GPU node as the allocator sees it, and every node indexed for the allocator's search (pure).
+
+``NodeView`` is what the caller knows of one node. ``prepare`` turns its
+inventory into the tables screening and set search need, once per inventory
+object. ``NodeIndex`` keeps every node's view, changed one node at a time, and
+groups the nodes by ``Bucket``: what the ranking strategies and the quality
+bound look at. With it ``allocator.allocate`` visits nodes in the strategy's
+order, best first, and stops at the winner, instead of screening every node
+(see ``allocator``, "Indexed nodes").
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from controller import topology
+from gpualloc.api import constants, models
+
+MIG_MODE = "in MIG mode (use a MIG claim)"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeView:
+    """What the allocator may know about one node, assembled by the caller."""
+
+    name: str
+    labels: Mapping[str, str]
+    unschedulable: bool
+    node_present: bool
+    ready: bool
+    inventory: models.NodeInventory | None
+    taken: frozenset[str]
+    taints: tuple[models.Taint, ...] = ()  # the blocking ones (NoSchedule, NoExecute)
+
+
+def in_mig_mode(device: models.Device) -> bool:
+    return device.mig is not None and device.mig.enabled
+
+
+@dataclasses.dataclass(slots=True)
+class Prepared:
+    """What screening and set search need from an inventory, computed once per inventory object."""
+
+    inventory: models.NodeInventory
+    healthy: tuple[models.Device, ...]  # healthy and not in MIG mode (whole GPUs to give), by index
+    in_mig: int  # GPUs in MIG mode: never given whole, a CUDA program would see no usable device
+    by_index: Mapping[int, models.Device]
+    max_bw: int  # the fastest link on the node: no set can have a higher least bandwidth
+    # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
+    matrix: Mapping[int, Mapping[int, int]] | None = None
+    island: Mapping[int, int] | None = None
+
+    def topology(self) -> tuple[Mapping[int, Mapping[int, int]], Mapping[int, int]]:
+        if self.matrix is None or self.island is None:
+            ordered = sorted(self.by_index)
+            table = topology.bandwidths(self.inventory.links)
+            self.matrix = {
+                a: {b: topology.bandwidth(table, a, b) if a != b else 0 for b in ordered} for a in ordered
+            }
+            self.island = topology.island_ids(self.inventory)
+        return self.matrix, self.island
+
+    def free(self, taken: frozenset[str]) -> int:
+        """Healthy GPUs not in MIG mode whose UUID is not in ``taken``."""
+        return sum(1 for d in self.healthy if d.uuid not in taken)
+
+
+# A memo of one entry per node name, used while the node's inventory is the very
+# same object. Inventories are frozen, so decisions depend only on the arguments;
+# the memo saves rebuilding the same tables for every decision when the caller
+# keeps its parsed inventories between decisions. A node's new inventory (every
+# GpuNodeStatus heartbeat is parsed anew) replaces its old one, so the memo never
+# holds more than one inventory per node name; it is emptied when it holds more
+# than twice the nodes of the current call (at least PREPARED_MIN), which bounds
+# what nodes that went away leave behind.
+PREPARED: dict[str, Prepared] = {}
+PREPARED_MIN = 1024
+
+
+def prepare(name: str, inv: models.NodeInventory, nodes: int) -> Prepared:
+    """The tables of node ``name``'s inventory ``inv``, for a caller that looks at ``nodes`` nodes."""
+    cached = PREPARED.get(name)
+    if cached is not None and cached.inventory is inv:
+        return cached
+    by_index: dict[int, models.Device] = {}
+    for d in inv.devices:
+        by_index.setdefault(d.index, d)
+    ordered = sorted(by_index.values(), key=lambda d: d.index)
+    prepared = Prepared(
+        inventory=inv,
+        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY and not in_mig_mode(d)),
+        in_mig=sum(1 for d in ordered if in_mig_mode(d)),
+        by_index=by_index,
+        max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
+    )
+    if name not in PREPARED and len(PREPARED) >= max(PREPARED_MIN, 2 * nodes):
+        PREPARED.clear()
+    PREPARED[name] = prepared
+    return prepared
+
+
+# ------------------------------------------------------------------ the index
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class Bucket:
+    """Nodes alike for ranking: as many GPUs, as many free, the same fastest link and cost tier."""
+
+    total: int
+    free: int  # healthy, not in MIG mode, not taken
+    max_bw: int
+    tier: str  # the value of the cost label ("" without it)
+
+
+class NodeIndex:
+    """Every GPU node's ``NodeView``, by name, and the nodes with an inventory by ``Bucket``.
+
+    ``put`` and ``remove`` change one node in O(log n) (plus a short list
+    insert); ``views`` is the sorted list ``allocator.allocate`` would take.
+    ``cost_label`` is the label whose value ``costOptimized`` ranks by: an index
+    answers only for that label (``allocate`` searches every node otherwise).
+    """
+
+    def __init__(
+        self, views: Iterable[NodeView] = (), *, cost_label: str = constants.LABEL_COST_TIER
+    ) -> None:
+        self.cost_label = cost_label
+        self._views: dict[str, NodeView] = {}
+        self._names: list[str] = []  # sorted
+        self._bucket_of: dict[str, Bucket] = {}
+        self._buckets: dict[Bucket, list[str]] = {}  # names, sorted
+        self._sorted: list[NodeView] | None = None
+        for view in views:
+            self.put(view)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def put(self, view: NodeView) -> None:
+        """Add node ``view.name``, or replace what the index knew of it."""
+        name = view.name
+        if name in self._views:
+            self._leave_bucket(name)
+        else:
+            bisect.insort(self._names, name)
+        self._views[name] = view
+        self._sorted = None
+        if view.inventory is None:
+            return
+        prep = prepare(name, view.inventory, len(self._views))
+        bucket = Bucket(
+            total=len(prep.by_index),
+            free=prep.free(view.taken),
+            max_bw=prep.max_bw,
+            tier=view.labels.get(self.cost_label, ""),
+        )
+        self._bucket_of[name] = bucket
+        bisect.insort(self._buckets.setdefault(bucket, []), name)
+
+    def remove(self, name: str) -> None:
+        if name not in self._views:
+            return
+        self._leave_bucket(name)
+        del self._views[name]
+        del self._names[bisect.bisect_left(self._names, name)]
+        self._sorted = None
+
+    def _leave_bucket(self, name: str) -> None:
+        bucket = self._bucket_of.pop(name, None)
+        if bucket is None:
+            return
+        names = self._buckets[bucket]
+        del names[bisect.bisect_left(names, name)]
+        if not names:
+            del self._buckets[bucket]
+
+    def get(self, name: str) -> NodeView | None:
+        return self._views.get(name)
+
+    def views(self) -> list[NodeView]:
+        """Every node's view, sorted by name (the same list until the index changes)."""
+        if self._sorted is None:
+            self._sorted = [self._views[name] for name in self._names]
+        return self._sorted
+
+    def position(self, name: str) -> int:
+        """The node's place among the sorted names (as in ``views``)."""
+        return bisect.bisect_left(self._names, name)
+
+    def buckets(self) -> Mapping[Bucket, Sequence[str]]:
+        return self._buckets
