@@ -7,6 +7,7 @@ reports p50/p99 in milliseconds; ``--explain`` cases search every node, as
 ``gpualloc explain`` does. Writes ``bench/results/allocator_decision.json``.
 
     .venv/bin/python bench/allocator_decision.py [--nodes 1000] [--decisions 200]
+    .venv/bin/python bench/allocator_decision.py --sweep 100,300,1000,3000,10000 --decisions 100
 
 The box builders here are reused by ``bench/quality_study.py``.
 """
@@ -26,6 +27,7 @@ import sys
 import time
 
 from controller import allocator
+from controller.nodes import NodeIndex
 from gpualloc.api import models
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -129,23 +131,137 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[pos]
 
 
+def measure(
+    claim: models.GpuClaim,
+    states: list[list[allocator.NodeView]],
+    decisions: int,
+    *,
+    indexed: bool = False,
+    explain: bool = False,
+    cold: bool = False,
+) -> dict[str, object]:
+    """``decisions`` allocate() calls cycling over ``states``: wall and CPU ms per call.
+
+    ``indexed``: each state as a ``NodeIndex``, built once (the controller keeps
+    one up to date from watch events), as the controller calls allocate().
+    """
+    inputs: list[list[allocator.NodeView] | NodeIndex] = [NodeIndex(s) if indexed else s for s in states]
+    allocator.allocate(claim, inputs[0], explain=explain)  # warm-up
+    samples: list[float] = []
+    cpu: list[float] = []
+    placed = 0
+    for i in range(decisions):
+        nodes = inputs[i % len(inputs)]
+        if cold:
+            assert isinstance(nodes, list)
+            nodes = [
+                dataclasses.replace(v, inventory=dataclasses.replace(v.inventory)) if v.inventory else v
+                for v in nodes
+            ]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        decision = allocator.allocate(claim, nodes, explain=explain)
+        cpu.append((time.thread_time() - c0) * 1000)
+        samples.append((time.perf_counter() - t0) * 1000)
+        placed += bool(decision.allocations)
+    return {
+        "search": "index" if indexed else "full",
+        "explain": explain,
+        "cold": cold,
+        "decisions": decisions,
+        "placed": placed,
+        "p50_ms": round(statistics.median(samples), 3),
+        "p99_ms": round(_percentile(samples, 0.99), 3),
+        "mean_ms": round(statistics.fmean(samples), 3),
+        "cpu_p50_ms": round(statistics.median(cpu), 3),
+        "cpu_p99_ms": round(_percentile(cpu, 0.99), 3),
+    }
+
+
+def taken_states(boxes: list[tuple[str, models.NodeInventory]], count: int) -> list[list[allocator.NodeView]]:
+    """``count`` clusters with half of all devices taken at random."""
+    states = []
+    for s in range(count):
+        rng = random.Random(s)
+        taken = {name: frozenset(d.uuid for d in inv.devices if rng.random() < 0.5) for name, inv in boxes}
+        states.append(views(boxes, taken))
+    return states
+
+
+def sweep(sizes: list[int], decisions: int, out: pathlib.Path) -> None:
+    """Decision time against node count, full search and index, for a 1- and a 4-GPU claim; a plot."""
+    rows = []
+    for n in sizes:
+        states = taken_states(cluster(n), 3)
+        for label, claim in (("1 GPU", gpu_claim(1)), ("4 GPUs", gpu_claim(4))):
+            for indexed in (False, True):
+                row = {"nodes": n, "case": label, **measure(claim, states, decisions, indexed=indexed)}
+                rows.append(row)
+                print(
+                    f"{n:6d} nodes  {label:7s} {row['search']:5s}  cpu p50 {row['cpu_p50_ms']:8.3f} ms"
+                    f"  p99 {row['cpu_p99_ms']:8.3f} ms"
+                )
+    result = {
+        "benchmark": "allocator_scaling",
+        "note": "CPU ms per allocate() call (thread_time); half of all GPUs taken; 8 GPUs per node",
+        "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg()[0],
+        "results": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in ("1 GPU", "4 GPUs"):
+        for search, style in (("full", "--"), ("index", "-")):
+            points = [
+                (r["nodes"], r["cpu_p99_ms"]) for r in rows if r["case"] == label and r["search"] == search
+            ]
+            xs, ys = zip(*points, strict=True)
+            name = "full search (before)" if search == "full" else "node index (now)"
+            ax.plot(xs, ys, style, marker="o", label=f"{label}, {name}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("GPU nodes (8 GPUs each, half taken)")
+    ax.set_ylabel("CPU per decision, p99 (ms)")
+    ax.set_title("allocator decision time against cluster size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    print(f"wrote {out.with_suffix('.png')}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=200)
     parser.add_argument("--states", type=int, default=5, help="distinct random taken-sets to cycle over")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "allocator_decision.json")
+    parser.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated node counts: decision time against cluster size, with a plot "
+        "(bench/results/allocator_scaling.json and .png)",
+    )
     args = parser.parse_args(argv)
+    if args.sweep:
+        sizes = [int(n) for n in args.sweep.split(",")]
+        sweep(sizes, args.decisions, RESULTS / "allocator_scaling.json")
+        return 0
 
     boxes = cluster(args.nodes)
-    states = []
-    for s in range(args.states):
-        rng = random.Random(s)
-        taken = {name: frozenset(d.uuid for d in inv.devices if rng.random() < 0.5) for name, inv in boxes}
-        states.append(views(boxes, taken))
+    states = taken_states(boxes, args.states)
 
     # (label, claim, explain, cold): cold = fresh inventory objects every decision, so the
     # allocator's per-inventory memo never hits (a caller that re-parses every GpuNodeStatus).
+    # Each case is measured with the full search (a list of views) and, where it applies, with
+    # the index the controller keeps (explain and cold always search every node).
     cases: list[tuple[str, models.GpuClaim, bool, bool]] = [
         ("1 GPU", gpu_claim(1), False, False),
         ("2 GPUs", gpu_claim(2), False, False),
@@ -159,40 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows = []
     for label, claim, explain, cold in cases:
-        allocator.allocate(claim, states[0], explain=explain)  # warm-up
-        samples: list[float] = []
-        cpu: list[float] = []
-        placed = 0
-        for i in range(args.decisions):
-            nodes = states[i % len(states)]
-            if cold:
-                nodes = [
-                    dataclasses.replace(v, inventory=dataclasses.replace(v.inventory)) if v.inventory else v
-                    for v in nodes
-                ]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            decision = allocator.allocate(claim, nodes, explain=explain)
-            cpu.append((time.thread_time() - c0) * 1000)
-            samples.append((time.perf_counter() - t0) * 1000)
-            placed += bool(decision.allocations)
-        row = {
-            "case": label,
-            "explain": explain,
-            "cold": cold,
-            "decisions": args.decisions,
-            "placed": placed,
-            "p50_ms": round(statistics.median(samples), 2),
-            "p99_ms": round(_percentile(samples, 0.99), 2),
-            "mean_ms": round(statistics.fmean(samples), 2),
-            "cpu_p50_ms": round(statistics.median(cpu), 2),
-            "cpu_p99_ms": round(_percentile(cpu, 0.99), 2),
-        }
-        rows.append(row)
-        print(
-            f"{label:40s} wall p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
-            f"cpu p50 {row['cpu_p50_ms']:7.2f} ms  p99 {row['cpu_p99_ms']:7.2f} ms  "
-            f"placed {placed}/{args.decisions}"
-        )
+        for indexed in (False, True) if not (explain or cold) else (False,):
+            row = {
+                "case": label,
+                **measure(claim, states, args.decisions, indexed=indexed, explain=explain, cold=cold),
+            }
+            rows.append(row)
+            print(
+                f"{label:40s} {row['search']:5s} "
+                f"wall p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
+                f"cpu p50 {row['cpu_p50_ms']:8.3f} ms  p99 {row['cpu_p99_ms']:8.3f} ms  "
+                f"placed {row['placed']}/{args.decisions}"
+            )
 
     free = sum(len(inv.devices) - len(v.taken) for v, (_, inv) in zip(states[0], boxes, strict=True))
     result = {
@@ -209,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "note": (
             "per allocate() call: wall clock (perf_counter) and the thread's CPU time (thread_time), "
             "on a shared 2-core machine with other work running, so wall p99 includes waiting for a CPU; "
-            "explain=True searches every node; cold = fresh inventory objects (no memo hits)"
+            "explain=True searches every node; cold = fresh inventory objects (no memo hits); "
+            "search=index: the NodeIndex the controller keeps, built once per state"
         ),
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "results": rows,
