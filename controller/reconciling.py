@@ -329,8 +329,8 @@ class Reconciler:
             "allocated",
             extra={"claim": key, "nodes": status["nodes"], "devices": status["devices"], "uid": uid},
         )
-        raw_claim = self.state.raw_claim(key) or {}
-        self.emit(raw_claim, "Allocated", f"{status['message']}: devices {status['devices']}", "Normal")
+        # No Event: the status written just now says the same (condition Allocated, its message and
+        # transition time), and an Event would be one more write per allocation (issue 20).
         await self.gate.ungate(written)
 
     def _advance_cursor(self, node_index: NodeIndex, allocations: Iterable[models.Allocation]) -> None:
