@@ -31,6 +31,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import procfs
+
 from agent import health, inventory, nvml, publishing, simulated
 from gpualloc.api import codecs
 
@@ -74,21 +77,6 @@ def scan_figures(rounds: int) -> dict[str, float]:
     }
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])  # kB
-    return out
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-
-
 def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
     from gpualloc.devcluster import binaries, cluster
 
@@ -130,14 +118,14 @@ def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
                     raise RuntimeError("the agent did not publish within 60 s")
                 time.sleep(0.2)
             time.sleep(settle)
-            cpu_start, wall_start = _cpu_seconds(proc.pid), time.monotonic()
+            cpu_start, wall_start = procfs.cpu_seconds(proc.pid), time.monotonic()
             rss = []
             while time.monotonic() - wall_start < window:
-                rss.append(_proc_status(proc.pid)["VmRSS"])
+                rss.append(procfs.memory_kib(proc.pid)["VmRSS"])
                 time.sleep(1.0)
-            cpu_used = _cpu_seconds(proc.pid) - cpu_start
+            cpu_used = procfs.cpu_seconds(proc.pid) - cpu_start
             wall = time.monotonic() - wall_start
-            status = _proc_status(proc.pid)
+            status = procfs.memory_kib(proc.pid)
             return {
                 "rss_mib_last": status["VmRSS"] / 1024,
                 "rss_mib_max": max(rss) / 1024,

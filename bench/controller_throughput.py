@@ -1,11 +1,16 @@
 """End-to-end controller throughput against a real local kube-apiserver.
 
-Starts a control plane (``gpualloc.devcluster``), publishes N simulated GPU
-nodes (a Node plus a GpuNodeStatus each, default 100 x 8 GPUs), measures the
-Lease-create ceiling of this client library against this API server, then
-starts ``gpualloc controller`` as a process and creates M claims (default 400,
-sizes 1/2/4/8) at ``--rate`` per second, open loop. A client-side watch
-records when each claim is first seen Allocated.
+Starts a control plane (``gpualloc.devcluster``) with the chart's
+claim-finalizer MutatingAdmissionPolicy, publishes N simulated GPU nodes (a
+Node plus a GpuNodeStatus each, default 100 x 8 GPUs) that heartbeat every
+``--heartbeat`` seconds as the agents do, measures the Lease-create ceiling of
+this client library against this API server, then starts ``gpualloc
+controller`` as a process and creates M claims (default 400, sizes 1/2/4/8).
+By default they are created as fast as the API server takes them
+(``--concurrency`` in flight): the controller works through a backlog, so the
+figures are its capacity. ``--rate`` creates them at that rate instead, open
+loop, for latency at a given load. A client-side watch records when each claim
+is first seen Allocated.
 
 Reported (``bench/results/controller_throughput.json`` and stdout):
 
@@ -16,8 +21,15 @@ Reported (``bench/results/controller_throughput.json`` and stdout):
 * API requests per allocation: the controller's requests in the audit log
   (matched by its user agent), all and writes only, per allocated claim;
 * the ceiling: Lease creates per second with ``--ceiling-concurrency`` in
-  flight, through the same ``gpualloc.kube.leases`` calls the controller uses.
+  flight, through the same ``gpualloc.kube.leases`` calls the controller uses,
+  and the controller's writes per second as a fraction of it;
+* CPU seconds per allocation of each process (the controller, kube-apiserver,
+  etcd, and this script, which creates the claims and the heartbeats) over the
+  measured span, and the controller's peak resident memory: which process is
+  the limit.
 
+    .venv/bin/python bench/controller_throughput.py --nodes 100 --claims 400
+    .venv/bin/python bench/controller_throughput.py --nodes 1000 --claims 5000
     .venv/bin/python bench/controller_throughput.py --nodes 100 --claims 400 --rate 50
 """
 
@@ -41,14 +53,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes_asyncio.client import ApiClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import procfs
 
 from gpualloc.api import constants
 from gpualloc.devcluster import binaries, cluster
 from gpualloc.kube import client, errors, leases, resources, transport, watching
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CRD_DIR = REPO_ROOT / "helm" / "gpualloc" / "crds"
+CHART = REPO_ROOT / "helm" / "gpualloc"
+CRD_DIR = CHART / "crds"
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "controller_throughput.json"
 CONTROLLER_AGENT = "gpualloc-controller"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
@@ -145,6 +162,57 @@ async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
             return await job()
 
     return await asyncio.gather(*(one(job) for job in jobs))
+
+
+async def heartbeats(api: ApiClient, names: list[str], interval: float) -> None:
+    """Each node's agent heartbeat every ``interval`` seconds, spread evenly, until cancelled."""
+    crs = resources.CustomResources(api)
+    gap = interval / max(1, len(names))
+    while True:
+        for name in names:
+            started = time.monotonic()
+            now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            with contextlib.suppress(errors.KubeError):
+                await crs.patch_node_status_status(name, {"status": {"lastHeartbeatTime": now}})
+            await asyncio.sleep(max(0.0, gap - (time.monotonic() - started)))
+
+
+def render_finalizer_policy() -> list[dict[str, Any]]:
+    """The chart's claim-finalizer MutatingAdmissionPolicy, as ``helm install`` renders it on 1.36."""
+    helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
+    template = "templates/claim-finalizer-policy.yaml"
+    served = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+    rendered = subprocess.run(
+        [helm, "template", "bench", str(CHART), "--show-only", template, "--api-versions", served],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    return [obj for obj in yaml.safe_load_all(rendered) if obj]
+
+
+async def install_policy(api: ApiClient, objects: list[dict[str, Any]], claims_ns: str) -> None:
+    """Create the policy and its binding, and wait until a claim created gets the finalizer."""
+    plurals = {
+        "MutatingAdmissionPolicy": "mutatingadmissionpolicies",
+        "MutatingAdmissionPolicyBinding": "mutatingadmissionpolicybindings",
+    }
+    for obj in objects:
+        path = transport.collection_path("admissionregistration.k8s.io", "v1", plurals[obj["kind"]])
+        await retrying(lambda obj=obj, path=path: transport.request(api, "POST", path, body=obj))
+    # The API server sees a new policy a moment later: wait until a dry-run create carries it.
+    path = transport.collection_path(constants.GROUP, constants.VERSION, "gpuclaims", claims_ns)
+    deadline = time.monotonic() + 60
+    while True:
+        stored = await retrying(
+            lambda: transport.request(api, "POST", path, body=claim("probe", 1), query=[("dryRun", "All")])
+        )
+        if constants.FINALIZER in (stored["metadata"].get("finalizers") or []):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the claim-finalizer policy did not take effect in 60 s")
+        await asyncio.sleep(0.2)
 
 
 # ------------------------------------------------------------------ measurements
@@ -263,11 +331,12 @@ def start_controller(
 
 
 async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Path) -> dict[str, Any]:
-    api = await client.connect(str(plane.kubeconfig))
+    api = await client.connect(str(plane.kubeconfig), connections=args.concurrency + 8)
     rng = random.Random(args.seed)
     claims_ns, lease_ns, scratch_ns = "bench", "gpualloc-system", "bench-ceiling"
     controller: subprocess.Popen[bytes] | None = None
     watcher: asyncio.Task[None] | None = None
+    beating: asyncio.Task[None] | None = None
     try:
         for ns in (claims_ns, lease_ns, scratch_ns):
             await retrying(
@@ -275,8 +344,13 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                     api, "POST", "/api/v1/namespaces", body={"metadata": {"name": ns}}
                 )
             )
-        node_names = [f"bench-node-{i:03d}" for i in range(args.nodes)]
+        if args.finalizer_policy:
+            await install_policy(api, render_finalizer_policy(), claims_ns)
+        node_names = [f"bench-node-{i:04d}" for i in range(args.nodes)]
         await bounded(16, [(lambda n=n: create_node(api, n, args.gpus)) for n in node_names])
+        print(f"{args.nodes} nodes published", flush=True)
+        if args.heartbeat > 0:
+            beating = asyncio.create_task(heartbeats(api, node_names, args.heartbeat))
         ceiling = await lease_ceiling(api, scratch_ns, args.ceiling_leases, args.ceiling_concurrency)
         print(f"lease-create ceiling: {ceiling['creates_per_second']} creates/s", flush=True)
 
@@ -307,19 +381,28 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             await asyncio.sleep(0.05)
 
         audit_offset = plane.audit_log.stat().st_size
+        pids = {"controller": controller.pid, **plane.running()}
+        pids = {name: pid for name, pid in pids.items() if name in ("controller", "kube-apiserver", "etcd")}
+        cpu_before = {name: procfs.cpu_seconds(pid) for name, pid in pids.items()}
+        cpu_before["bench"] = time.process_time()
         sizes = rng.choices([1, 2, 4, 8], weights=args.weights, k=args.claims)
         sent_at: dict[str, float] = {}
         crs = resources.CustomResources(api)
         start = time.time()
 
         async def create(i: int) -> None:
-            await asyncio.sleep(max(0.0, start + i / args.rate - time.time()))
-            name = f"claim-{i:04d}"
+            if args.rate:
+                await asyncio.sleep(max(0.0, start + i / args.rate - time.time()))
+            name = f"claim-{i:05d}"
             sent_at[name] = time.time()
             await crs.create_claim(claims_ns, claim(name, sizes[i]))
 
-        await asyncio.gather(*(create(i) for i in range(args.claims)))
+        if args.rate:
+            await asyncio.gather(*(create(i) for i in range(args.claims)))
+        else:
+            await bounded(args.concurrency, [(lambda i=i: create(i)) for i in range(args.claims)])
         created_all = time.time()
+        print(f"{args.claims} claims created in {created_all - start:.1f} s", flush=True)
         # Wait for the last allocations: until every claim is Allocated or nothing moved for a while.
         last_count, last_change = -1, time.time()
         while True:
@@ -329,6 +412,9 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             if count == len(sent_at) or time.time() - last_change > args.quiet:
                 break
             await asyncio.sleep(0.1)
+        cpu_used = {name: procfs.cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+        cpu_used["bench"] = time.process_time() - cpu_before["bench"]
+        peak_rss = procfs.memory_kib(controller.pid).get("VmHWM", 0)
         await asyncio.sleep(1.0)  # let the audit log catch up
         audit = audit_counts(plane.audit_log, audit_offset)
 
@@ -343,6 +429,15 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         last = max((allocated_at[n] for n in done), default=start)
         span = last - start
         demand = sum(sizes)
+        writes_per_s = audit["writes"] / span if span > 0 else None
+        processes = {
+            name: {
+                "cpu_seconds": round(used, 2),
+                "cores_busy": round(used / span, 2) if span > 0 else None,
+                "cpu_ms_per_allocation": round(1000 * used / len(done), 2) if done else None,
+            }
+            for name, used in cpu_used.items()
+        }
         result = {
             "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": {
@@ -354,7 +449,10 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                 "nodes": args.nodes,
                 "gpus_per_node": args.gpus,
                 "claims": args.claims,
-                "rate_per_second": args.rate,
+                "rate_per_second": args.rate or "saturation",
+                "create_concurrency": None if args.rate else args.concurrency,
+                "heartbeat_seconds": args.heartbeat,
+                "finalizer_policy": args.finalizer_policy,
                 "size_weights_1_2_4_8": args.weights,
                 "gpus_demanded": demand,
                 "gpus_supplied": args.nodes * args.gpus,
@@ -371,10 +469,20 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             "controller_requests": audit,
             "requests_per_allocation": round(audit["total"] / len(done), 2) if done else None,
             "writes_per_allocation": round(audit["writes"] / len(done), 2) if done else None,
+            "writes_per_second": round(writes_per_s, 1) if writes_per_s is not None else None,
+            "writes_per_second_over_ceiling": (
+                round(writes_per_s / ceiling["creates_per_second"], 2) if writes_per_s is not None else None
+            ),
             "lease_create_ceiling": ceiling,
+            "processes": processes,
+            "controller_peak_rss_mib": round(peak_rss / 1024, 1),
         }
         return result
     finally:
+        if beating is not None:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -405,7 +513,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--claims", type=int, default=400)
-    parser.add_argument("--rate", type=float, default=50.0, help="claims created per second")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="claims created per second, open loop (default: as fast as they are taken, a backlog)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="creates in flight when there is no --rate"
+    )
+    parser.add_argument(
+        "--heartbeat", type=float, default=30.0, help="seconds between a node's heartbeats (0: none)"
+    )
+    parser.add_argument(
+        "--finalizer-policy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="install the chart's claim-finalizer MutatingAdmissionPolicy (default: yes)",
+    )
     parser.add_argument(
         "--weights",
         type=lambda s: [float(x) for x in s.split(",")],
@@ -449,7 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(writes {result['writes_per_allocation']}); "
         f"by request: {result['controller_requests']['by_request']}\n"
         f"lease-create ceiling: {result['lease_create_ceiling']['creates_per_second']} creates/s "
-        f"at concurrency {args.ceiling_concurrency}\n"
+        f"at concurrency {args.ceiling_concurrency}; controller writes/s "
+        f"{result['writes_per_second']} = {result['writes_per_second_over_ceiling']} of it\n"
+        f"CPU ms per allocation: "
+        + ", ".join(f"{name} {p['cpu_ms_per_allocation']}" for name, p in result["processes"].items())
+        + f"; controller peak RSS {result['controller_peak_rss_mib']} MiB\n"
         f"wrote {args.out}"
     )
     return 0

@@ -81,6 +81,9 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio.client import ApiClient
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import procfs
+
 from agent import simulated
 from gpualloc import demo
 from gpualloc.api import constants
@@ -228,18 +231,6 @@ def start_controller_and_webhook(
 # ------------------------------------------------------------------ RSS
 
 
-def rss_kib(pid: int) -> int | None:
-    """VmRSS of ``pid`` in KiB (None when it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return None
-
-
 class Sampler:
     """component -> [(seconds since churn began, pid, RSS KiB)]."""
 
@@ -250,7 +241,7 @@ class Sampler:
     def take(self, pids: dict[str, int]) -> None:
         at = round(time.monotonic() - self.started, 2)
         for component, pid in sorted(pids.items()):
-            kib = rss_kib(pid)
+            kib = procfs.rss_kib(pid)
             if kib is not None:
                 self.series[component].append((at, pid, kib))
 

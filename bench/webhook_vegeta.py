@@ -78,6 +78,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import procfs  # noqa: E402
 import webhook_request as request_shape  # noqa: E402
 
 from gpualloc.devcluster import binaries, cluster  # noqa: E402
@@ -94,12 +95,6 @@ TARGET_RATIO = 2.0
 
 
 # ------------------------------------------------------------------ processes
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pin_all_threads(pid: int, cpu: int) -> None:
@@ -212,10 +207,10 @@ def attack(
         assert workers is not None
         argv += ["-rate=0", f"-workers={workers}", f"-max-workers={workers}"]
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu0, t0 = cpu_seconds(server_pid), time.monotonic()
+    cpu0, t0 = procfs.cpu_seconds(server_pid), time.monotonic()
     subprocess.run(argv, check=True)
     elapsed = time.monotonic() - t0
-    server_cpu = cpu_seconds(server_pid) - cpu0
+    server_cpu = procfs.cpu_seconds(server_pid) - cpu0
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     client_cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     report = json.loads(
