@@ -559,6 +559,10 @@ class Reconciler:
         scope = self.settings.preemption_scope
         if claim.spec.preemption_policy == constants.PREEMPT_NEVER or scope == "None":
             return None
+        if self._priority(claim) <= 0:
+            # Nobody has a lower priority (the CRD's minimum is 0): no need to look at every claim,
+            # which the many claims of priority 0 that fit nowhere would each do at every retry.
+            return None
         every = [c for c in (self.state.claim(key) for key in self.state.claim_keys()) if c is not None]
         waiting = sorted(
             c.key
