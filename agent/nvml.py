@@ -260,28 +260,43 @@ class NvmlSource:
                 continue
             uuid = _text(self.nvml.nvmlDeviceGetUUID(mig_handle))
             mem = self._optional("nvmlDeviceGetMemoryInfo", mig_handle)
+            attrs = self._optional("nvmlDeviceGetAttributes", mig_handle)
+            start, size = self._mig_placement(handle, mig_handle)
             found.append(
                 models.MigDevice(
                     index=j,
                     uuid=uuid,
-                    profile=self._mig_profile(mig_handle),
+                    profile=self._mig_profile(mig_handle, attrs),
                     memory_mib=int(mem.total) // MIB if mem is not None else 0,
+                    placement_start=start,
+                    memory_slices=size,
+                    compute_slices=int(attrs.gpuInstanceSliceCount) if attrs is not None else 0,
                 )
             )
         return models.MigInfo(enabled=True, devices=tuple(found))
 
-    def _mig_profile(self, mig_handle: Any) -> str:
+    def _mig_profile(self, mig_handle: Any, attrs: Any) -> str:
         """``1g.10gb``: from the MIG device's name, else from its attributes."""
         name = self._optional("nvmlDeviceGetName", mig_handle)
         if name is not None:
             text = _text(name)
             if " MIG " in text:
                 return text.rsplit(" MIG ", 1)[1].strip()[:64]
-        attrs = self._optional("nvmlDeviceGetAttributes", mig_handle)
         if attrs is not None:
             gb = round(int(attrs.memorySizeMB) / 1024)
             return f"{int(attrs.gpuInstanceSliceCount)}g.{gb}gb"
         return ""
+
+    def _mig_placement(self, handle: Any, mig_handle: Any) -> tuple[int, int]:
+        """(first memory slice, memory slices) of the MIG device's GPU instance; (-1, 0) if unknown."""
+        gi_id = self._optional("nvmlDeviceGetGpuInstanceId", mig_handle)
+        gpu_instance = (
+            None if gi_id is None else self._optional("nvmlDeviceGetGpuInstanceById", handle, gi_id)
+        )
+        info = None if gpu_instance is None else self._optional("nvmlGpuInstanceGetInfo", gpu_instance)
+        if info is None:
+            return -1, 0
+        return int(info.placement.start), int(info.placement.size)
 
     def _nvlinks(self, handle: Any) -> tuple[inventory.NvLinkEndpoint, ...]:
         nvml = self.nvml

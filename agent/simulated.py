@@ -52,6 +52,43 @@ class ProfileError(ValueError):
 class SimMig:
     profile: str
     memory_mib: int
+    placement_start: int
+    memory_slices: int
+    compute_slices: int
+
+
+MEMORY_SLICES = 8  # of an A100 or H100
+
+
+def place_mig(profiles: list[dict[str, object]], where: str) -> tuple[SimMig, ...]:
+    """The MIG devices of a profile's GPU, placed as NVML would: each GPU instance on the first free
+    run of memory slices aligned to its size, in the order given (``start`` and ``memorySlices``
+    in the profile override). ``3g.20gb`` has 3 compute slices and takes 4 memory slices: the
+    smallest power of two that holds its compute slices, as on an A100 or H100."""
+    used = [False] * MEMORY_SLICES
+    out = []
+    for j, m in enumerate(profiles):
+        profile = str(m["profile"])
+        head = profile.split("g.", 1)[0]
+        if not head.isdigit():
+            raise ProfileError(f"{where}: mig[{j}]: profile {profile!r} is not of the form 3g.20gb")
+        compute = int(head)
+        size = int(str(m.get("memorySlices", 1 << (compute - 1).bit_length())))
+        starts = [int(str(m["start"]))] if "start" in m else range(0, MEMORY_SLICES - size + 1, size)
+        start = next((s for s in starts if not any(used[s : s + size])), None)
+        if start is None or start + size > MEMORY_SLICES:
+            raise ProfileError(f"{where}: mig[{j}]: no room for {profile} ({size} memory slices)")
+        used[start : start + size] = [True] * size
+        out.append(
+            SimMig(
+                profile=profile,
+                memory_mib=int(str(m.get("memoryMiB", 0))),
+                placement_start=start,
+                memory_slices=size,
+                compute_slices=compute,
+            )
+        )
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,11 +175,7 @@ def parse_profile(raw: Any, *, origin: str = "<profile>") -> Profile:
             raise ProfileError(f"{where}: expected a mapping")
         merged = {**defaults, **d}
         mig_raw = merged.get("mig")
-        mig = None
-        if mig_raw is not None:
-            mig = tuple(
-                SimMig(profile=str(m["profile"]), memory_mib=int(m.get("memoryMiB", 0))) for m in mig_raw
-            )
+        mig = None if mig_raw is None else place_mig(list(mig_raw), where)
         devices.append(
             SimDevice(
                 bus_id=inventory.normalize_bus_id(str(_need(merged, "busId", where))),
@@ -286,6 +319,9 @@ class SimulatedSource:
                     uuid=mig_uuid(self.node_name, index, j),
                     profile=m.profile,
                     memory_mib=m.memory_mib,
+                    placement_start=m.placement_start,
+                    memory_slices=m.memory_slices,
+                    compute_slices=m.compute_slices,
                 )
                 for j, m in enumerate(device.mig)
             ),

@@ -184,10 +184,20 @@ class GpuClaim:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MigDevice:
+    """A MIG device of a GPU in MIG mode: one compute instance of one GPU instance.
+
+    Its GPU instance takes ``memory_slices`` memory slices of the parent GPU
+    from ``placement_start`` on (NVML's placement: A100 and H100 have 8) and
+    ``compute_slices`` compute slices (the 3 of ``3g.20gb``; 7 in all).
+    """
+
     index: int
     uuid: str
     profile: str
     memory_mib: int = dataclasses.field(default=0, metadata=json_name("memoryMiB"))
+    placement_start: int = -1  # -1: not known
+    memory_slices: int = 0
+    compute_slices: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -124,6 +124,39 @@ def test_mig_devices_match_nvidia_smi(source: nvml.NvmlSource, smi_xml: ET.Eleme
             assert device.mig is not None and device.mig.enabled == (mode == "Enabled")
 
 
+def _gpu_instances(table: str) -> set[tuple[int, str, int, int]]:
+    """(GPU index, profile, placement start, size) of each row of ``nvidia-smi mig -lgi``:
+    ``|   0  MIG 1g.10gb          19        9          2:1     |``."""
+    row = re.compile(r"^\|\s*(\d+)\s+MIG\s+(\S+)\s+\d+\s+\d+\s+(\d+):(\d+)\s*\|")
+    found = set()
+    for line in table.splitlines():
+        match = row.match(line)
+        if match:
+            gpu, profile, start, size = match.groups()
+            found.add((int(gpu), profile, int(start), int(size)))
+    return found
+
+
+def test_mig_instances_match_nvidia_smi_mig_lgi(source: nvml.NvmlSource) -> None:
+    """MIG UUIDs as ``nvidia-smi -L`` lists them; each GPU instance's profile and placement as
+    ``nvidia-smi mig -lgi`` prints them."""
+    inv = inventory.derive(source.scan())
+    in_mig = [d for d in inv.devices if d.mig is not None and d.mig.enabled]
+    if not in_mig:
+        pytest.skip("no GPU is in MIG mode (nvidia-smi -i N -mig 1, then create instances)")
+    listed = set(re.findall(r"UUID: (MIG-[0-9A-Za-z/-]+)\)", smi.run("-L")))
+    ours = {m.uuid for d in in_mig for m in d.mig.devices}  # type: ignore[union-attr]
+    assert ours == listed
+    theirs = _gpu_instances(smi.run("mig", "-lgi"))
+    placed = {
+        (d.index, m.profile, m.placement_start, m.memory_slices)
+        for d in in_mig
+        for m in d.mig.devices  # type: ignore[union-attr]
+    }
+    assert placed == theirs
+    assert all(m.compute_slices >= 1 for d in in_mig for m in d.mig.devices)  # type: ignore[union-attr]
+
+
 async def test_health_events_can_be_registered_and_the_thread_stops(source: nvml.NvmlSource) -> None:
     source.scan()
     waiter = source.open_events()

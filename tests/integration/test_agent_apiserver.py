@@ -290,3 +290,25 @@ async def test_nvml_init_failure_is_published_as_nvml_ready_false_then_recovers(
 @pytest.fixture(autouse=True)
 def _control_plane_alive(control_plane: Any) -> None:
     control_plane.check_alive()
+
+
+async def test_mig_instances_are_stored_with_placement_and_slices_nothing_pruned(
+    control_plane: Any, kubeconfig: str
+) -> None:
+    node = _node_name("agent-mig")
+    _create_node(control_plane, node)
+    flags = ["--source", "simulated", "--profile", "a100-mig"]
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        obj = await _until(control_plane, node, _published(2), 15)
+        # Unknown fields would be pruned by the CRD's structural schema: compare with what was derived.
+        parsed = codecs.parse_node_status(obj)
+        assert publishing.comparable(parsed.status) == publishing.comparable(agent.desired())
+        stored = _device(obj, 0)["mig"]["devices"]
+        assert [
+            (m["profile"], m["placementStart"], m["memorySlices"], m["computeSlices"]) for m in stored
+        ] == [
+            ("3g.20gb", 0, 4, 3),
+            ("2g.10gb", 4, 2, 2),
+            ("1g.5gb", 6, 1, 1),
+            ("1g.5gb", 7, 1, 1),
+        ]

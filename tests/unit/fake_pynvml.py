@@ -148,7 +148,9 @@ class FakeMig:
     uuid: str
     profile: str
     memory_mib: int
-    slices: int = 1
+    slices: int = 1  # compute slices of its GPU instance
+    start: int = 0  # its GPU instance's placement: first memory slice, and how many
+    size: int = 1
 
 
 @dataclasses.dataclass
@@ -349,6 +351,35 @@ class FakeNvml:
         if index >= len(gpu.mig):
             raise NVMLError(NVML_ERROR_NOT_FOUND)
         return Handle(handle.index, mig=index)
+
+    def _mig_of(self, handle: Handle) -> FakeMig:
+        gpu = self._gpu(handle)
+        if handle.mig is None or gpu.mig is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.mig[handle.mig]
+
+    def nvmlDeviceGetAttributes(self, handle: Handle) -> Any:
+        mig = self._mig_of(handle)
+        return types.SimpleNamespace(
+            gpuInstanceSliceCount=mig.slices,
+            computeInstanceSliceCount=mig.slices,
+            memorySizeMB=mig.memory_mib,
+        )
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: Handle) -> int:
+        self._mig_of(handle)
+        assert handle.mig is not None
+        return 10 + handle.mig  # GPU instance ids are not the MIG device indices
+
+    def nvmlDeviceGetGpuInstanceById(self, handle: Handle, gi_id: int) -> Handle:
+        if handle.mig is not None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # asked of the parent GPU
+        return Handle(handle.index, mig=gi_id - 10)
+
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: Handle) -> Any:
+        mig = self._mig_of(gpu_instance)
+        placement = types.SimpleNamespace(start=mig.start, size=mig.size)
+        return types.SimpleNamespace(id=10 + (gpu_instance.mig or 0), placement=placement)
 
     # -- NVLink and topology -----------------------------------------------
 
@@ -570,10 +601,19 @@ def a100_mig_box() -> FakeMachine:
         nvlinks=[],
         mig=[
             FakeMig(
-                uuid="MIG-11111111-2222-3333-4444-555555555555", profile="3g.20gb", memory_mib=19968, slices=3
+                uuid="MIG-11111111-2222-3333-4444-555555555555",
+                profile="3g.20gb",
+                memory_mib=19968,
+                slices=3,
+                start=4,
+                size=4,
             ),
-            FakeMig(uuid="MIG-11111111-2222-3333-4444-666666666666", profile="1g.5gb", memory_mib=4864),
-            FakeMig(uuid="MIG-11111111-2222-3333-4444-777777777777", profile="1g.5gb", memory_mib=4864),
+            FakeMig(
+                uuid="MIG-11111111-2222-3333-4444-666666666666", profile="1g.5gb", memory_mib=4864, start=0
+            ),
+            FakeMig(
+                uuid="MIG-11111111-2222-3333-4444-777777777777", profile="1g.5gb", memory_mib=4864, start=1
+            ),
         ],
         mig_enabled=True,
     )

@@ -114,16 +114,30 @@ def test_optional_calls_that_are_not_supported_leave_fields_unknown() -> None:
     assert samples[0].memory_total_bytes == 24564 * 1024 * 1024
 
 
-def test_mig_devices_are_read_with_uuid_profile_and_memory() -> None:
+def test_mig_devices_are_read_with_uuid_profile_memory_placement_and_slices() -> None:
     source, _ = _source(fake.a100_mig_box())
     device = inventory.derive(source.scan()).devices[0]
     assert device.mig is not None and device.mig.enabled
-    assert [(m.index, m.profile, m.memory_mib) for m in device.mig.devices] == [
-        (0, "3g.20gb", 19968),
-        (1, "1g.5gb", 4864),
-        (2, "1g.5gb", 4864),
+    # (index, profile, MiB, first memory slice, memory slices, compute slices): the placement comes
+    # from the GPU instance (its id is not the MIG device's index), asked of the parent GPU.
+    assert [
+        (m.index, m.profile, m.memory_mib, m.placement_start, m.memory_slices, m.compute_slices)
+        for m in device.mig.devices
+    ] == [
+        (0, "3g.20gb", 19968, 4, 4, 3),
+        (1, "1g.5gb", 4864, 0, 1, 1),
+        (2, "1g.5gb", 4864, 1, 1, 1),
     ]
     assert device.mig.devices[0].uuid == "MIG-11111111-2222-3333-4444-555555555555"
+
+
+def test_mig_placement_is_unknown_where_the_driver_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    source, lib = _source(fake.a100_mig_box())
+    monkeypatch.delattr(type(lib), "nvmlGpuInstanceGetInfo")
+    device = inventory.derive(source.scan()).devices[0]
+    assert device.mig is not None
+    assert {(m.placement_start, m.memory_slices) for m in device.mig.devices} == {(-1, 0)}
+    assert [m.compute_slices for m in device.mig.devices] == [3, 1, 1]
 
 
 def test_mig_capable_gpu_with_mig_off_says_disabled() -> None:

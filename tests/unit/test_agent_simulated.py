@@ -48,6 +48,11 @@ nvlink:
         ("[1, 2]", "expected a mapping"),
         ("devices: [{busId: '0000:01:00.0'}]\nnvlink: {version: '9.9'}", "nvlink.version"),
         ("devices: [{busId: '0000:01:00.0'}]\nnvlink: {bridges: [{a: 0, b: 3, links: 1}]}", "bridge 0-3"),
+        ("devices: [{busId: '0000:01:00.0', mig: [{profile: big}]}]", "not of the form 3g.20gb"),
+        (
+            "devices: [{busId: '0000:01:00.0', mig: [{profile: 7g.40gb}, {profile: 1g.5gb}]}]",
+            "no room for 1g.5gb",
+        ),
     ],
 )
 def test_malformed_profiles_are_rejected_with_a_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -178,3 +183,19 @@ async def test_sigusr1_rereads_the_injection_file_at_once(tmp_path: Path) -> Non
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_mig_instances_are_published_with_placement_and_slices_as_nvml_places_them() -> None:
+    inv = inventory.derive(_source("a100-mig", "mig-node").scan())
+    mig = inv.devices[0].mig
+    assert mig is not None and mig.enabled
+    # 3g.20gb takes 4 memory slices from 0, 2g.10gb 2 from 4, each 1g.5gb one after that.
+    assert [(m.profile, m.placement_start, m.memory_slices, m.compute_slices) for m in mig.devices] == [
+        ("3g.20gb", 0, 4, 3),
+        ("2g.10gb", 4, 2, 2),
+        ("1g.5gb", 6, 1, 1),
+        ("1g.5gb", 7, 1, 1),
+    ]
+    assert len({m.uuid for m in mig.devices}) == 4
+    assert all(m.uuid.startswith("MIG-") for m in mig.devices)
+    assert inv.devices[1].mig is None  # GPU 1 runs without MIG
