@@ -197,6 +197,8 @@ def order_pending(claims: Iterable[models.GpuClaim]) -> list[models.GpuClaim]:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class _Ask:
     count: int
+    exclusivity: str  # Exclusive: whole GPUs; MIG: MIG instances
+    mig_profiles: tuple[str, ...]  # MIG: the acceptable profiles (empty: any)
     policy: str
     prefer_ids: tuple[int, ...]
     product: str | None
@@ -226,8 +228,10 @@ def _parse(claim: models.GpuClaim) -> _Ask | str:
         return f"devices.count must be at least 1 (got {dev.count})"
     if spec.replicas < 1:
         return f"replicas must be at least 1 (got {spec.replicas})"
-    if dev.exclusivity != "Exclusive":
-        return f"exclusivity {dev.exclusivity} is not supported yet; use Exclusive"
+    if dev.exclusivity not in ("Exclusive", "MIG"):
+        return f"exclusivity {dev.exclusivity} is not supported yet; use Exclusive or MIG"
+    if dev.exclusivity == "MIG" and dev.policy == "preferIds":
+        return "policy preferIds names whole GPUs; a MIG claim cannot use it"
     if dev.policy not in constants.POLICIES:
         return f"unknown devices.policy {dev.policy!r}; use one of {', '.join(constants.POLICIES)}"
     if spec.strategy not in constants.STRATEGIES:
@@ -255,15 +259,20 @@ def _parse(claim: models.GpuClaim) -> _Ask | str:
         filters.append(f">={dev.min_memory_mib} MiB")
     if min_cc is not None:
         filters.append(f"compute capability >={min_cc[0]}.{min_cc[1]}")
+    mig = dev.exclusivity == "MIG"
+    if mig and dev.mig_profiles:
+        filters.insert(0, f"MIG profile {' or '.join(dev.mig_profiles)}")
     return _Ask(
         count=dev.count,
+        exclusivity=dev.exclusivity,
+        mig_profiles=dev.mig_profiles if mig else (),
         policy=dev.policy,
         prefer_ids=prefer_ids,
         product=dev.product or None,
         min_memory_mib=dev.min_memory_mib or None,
         min_cc=min_cc,
-        mode=mode,
-        min_bw=max(0, spec.topology.min_bandwidth_gbps),
+        mode="Ignore" if mig else mode,  # instances of one GPU have no links to rank
+        min_bw=0 if mig else max(0, spec.topology.min_bandwidth_gbps),
         strategy=spec.strategy,
         node_name=spec.node_name or None,
         selector=spec.selector,
@@ -322,6 +331,8 @@ class _Choice:
         return 0 if self.least_bw == _NO_PAIRS else self.least_bw
 
     def describe(self) -> str:
+        if self.devices[0].uuid.startswith("MIG-"):
+            return ", ".join(f"{d.product} of gpu {d.index}" for d in self.devices)
         idx = ",".join(str(d.index) for d in self.devices)
         if len(self.devices) == 1:
             return f"gpu {idx}"
@@ -331,32 +342,13 @@ class _Choice:
 def _screen(
     view: NodeView, ask: _Ask, position: int, extra_taken: set[str], n_nodes: int
 ) -> _Screened | _Miss:
-    if not view.node_present:
-        return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
-    if view.unschedulable:
-        return _Miss(1, "is cordoned", "are cordoned", "cordoned (spec.unschedulable)")
-    taint = taints.untolerated(view.taints, ask.tolerations)
-    if taint is not None:
-        phrase = f"tainted {taint}"
-        return _Miss(1, f"is {phrase}", f"are {phrase}", f"{phrase}, which the claim does not tolerate")
-    inv = view.inventory
-    if inv is None:
-        return _Miss(
-            2, "has no GpuNodeStatus", "have no GpuNodeStatus", "no GpuNodeStatus (agent not running?)"
-        )
-    if not view.ready:
-        return _Miss(
-            3, "is not ready", "are not ready", "GpuNodeStatus not Ready or heartbeat stale (agent down?)"
-        )
-    if ask.node_name is not None and view.name != ask.node_name:
-        phrase = f'the requested nodeName "{ask.node_name}"'
-        return _Miss(4, f"is not {phrase}", f"are not {phrase}", f"not {phrase}")
-    if not matches_selector(ask.selector, view.labels):
-        return _Miss(
-            5, "does not match the selector", "do not match the selector", "labels do not match selector"
-        )
-
-    prep = nodes.prepare(view.name, inv, n_nodes)
+    miss = _node_miss(view, ask)
+    if miss is not None:
+        return miss
+    assert view.inventory is not None
+    if ask.exclusivity == "MIG":
+        return _screen_mig(view, ask, position, extra_taken, n_nodes)
+    prep = nodes.prepare(view.name, view.inventory, n_nodes)
     taken = view.taken
     if extra_taken:
         free_devs = [d for d in prep.healthy if d.uuid not in taken and d.uuid not in extra_taken]
@@ -385,6 +377,77 @@ def _screen(
             f"{len(usable)} of {total} GPUs usable{extra}; need {ask.count}",
         )
     return _Screened(view, prep, position, total, free, usable)
+
+
+def _node_miss(view: NodeView, ask: _Ask) -> _Miss | None:
+    """Why the node itself cannot take the claim, before its devices are looked at."""
+    if not view.node_present:
+        return _Miss(0, "has no Node object", "have no Node object", "the Node object does not exist")
+    if view.unschedulable:
+        return _Miss(1, "is cordoned", "are cordoned", "cordoned (spec.unschedulable)")
+    taint = taints.untolerated(view.taints, ask.tolerations)
+    if taint is not None:
+        phrase = f"tainted {taint}"
+        return _Miss(1, f"is {phrase}", f"are {phrase}", f"{phrase}, which the claim does not tolerate")
+    inv = view.inventory
+    if inv is None:
+        return _Miss(
+            2, "has no GpuNodeStatus", "have no GpuNodeStatus", "no GpuNodeStatus (agent not running?)"
+        )
+    if not view.ready:
+        return _Miss(
+            3, "is not ready", "are not ready", "GpuNodeStatus not Ready or heartbeat stale (agent down?)"
+        )
+    if ask.node_name is not None and view.name != ask.node_name:
+        phrase = f'the requested nodeName "{ask.node_name}"'
+        return _Miss(4, f"is not {phrase}", f"are not {phrase}", f"not {phrase}")
+    if not matches_selector(ask.selector, view.labels):
+        return _Miss(
+            5, "does not match the selector", "do not match the selector", "labels do not match selector"
+        )
+    return None
+
+
+def _screen_mig(
+    view: NodeView, ask: _Ask, position: int, extra_taken: set[str], n_nodes: int
+) -> _Screened | _Miss:
+    """A MIG claim's screening: the node's free MIG instances that match, as pseudo-devices (the
+    parent's index and minor, the instance's UUID, "MIG <profile>" as product), parent by parent
+    in placement order, so that a claim of several packs onto one GPU."""
+    assert view.inventory is not None
+    taken = view.taken
+    total = 0
+    free: list[tuple[models.Device, models.MigDevice]] = []
+    for parent in sorted(view.inventory.devices, key=lambda d: d.index):
+        if parent.mig is None or not parent.mig.enabled:
+            continue
+        total += len(parent.mig.devices)
+        if parent.health != constants.HEALTHY:
+            continue  # (held whole, every instance of it is in ``taken``: views.taken_on)
+        for m in sorted(parent.mig.devices, key=lambda m: (m.placement_start, m.index)):
+            if m.uuid not in taken and m.uuid not in extra_taken:
+                free.append((parent, m))
+    usable = [
+        models.Device(
+            index=parent.index,
+            minor=parent.minor,
+            uuid=m.uuid,
+            product=f"MIG {m.profile}",
+            memory_mib=m.memory_mib,
+            compute_capability=parent.compute_capability,
+        )
+        for parent, m in free
+        if (not ask.mig_profiles or m.profile in ask.mig_profiles)
+        and _matches(ask, dataclasses.replace(parent, memory_mib=m.memory_mib))
+    ]
+    if len(usable) < ask.count:
+        if total == 0:
+            return _Miss(6, "has no GPU in MIG mode", "have no GPU in MIG mode", "no GPU in MIG mode")
+        phrase = f"fewer than {ask.count} free MIG instances{ask.filters}"
+        detail = f"{len(usable)} of {total} MIG instances usable ({total - len(free)} taken or unhealthy)"
+        return _Miss(6, f"has {phrase}", f"have {phrase}", f"{detail}; need {ask.count}")
+    prep = nodes.prepare(view.name, view.inventory, n_nodes)
+    return _Screened(view, prep, position, total, len(free), usable)
 
 
 def _screen_prefer_ids(
@@ -431,6 +494,8 @@ def _screen_prefer_ids(
 
 
 def _best_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
+    if ask.exclusivity == "MIG":  # instances in placement order, packed onto the fewest GPUs
+        return _Choice(tuple(node.usable[: ask.count]), _NO_PAIRS, 1, 1, ())
     devs = node.usable
     m, k = len(devs), ask.count
     matrix, isl = node.prep.topology()

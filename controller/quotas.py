@@ -51,7 +51,8 @@ def products_of(
     names: set[str] = set()
     for alloc in allocations:
         status = statuses.get(alloc.node_name)
-        by_uuid = {d.uuid: d.product for d in status.status.devices} if status is not None else {}
+        devices = status.status.devices if status is not None else ()
+        by_uuid = {uuid: d.product for d in devices for uuid in d.uuids}  # a MIG instance: its GPU's
         names.update(by_uuid.get(d.uuid, "") for d in alloc.devices)
     names.discard("")
     return ",".join(sorted(names))

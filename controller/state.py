@@ -480,7 +480,7 @@ class State:
         fingerprint = None
         if status is not None:
             inv = status.status
-            fingerprint = (tuple((d.uuid, d.health, d.index) for d in inv.devices), inv.links)
+            fingerprint = (tuple((d.uuid, d.health, d.index, d.mig) for d in inv.devices), inv.links)
         ready = self.node_ready(node)
         if self._fingerprints.get(node) != fingerprint or self.ready_nodes.get(node) != ready:
             self._fingerprints[node] = fingerprint
@@ -496,7 +496,7 @@ class State:
         status = self.statuses.get(node)
         if status is None:
             return
-        uuids = tuple(d.uuid for d in status.status.devices)
+        uuids = tuple(uuid for d in status.status.devices for uuid in d.uuids)
         self._devices_of[node] = uuids
         for uuid in uuids:
             self._device_node[uuid] = node

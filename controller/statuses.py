@@ -214,7 +214,8 @@ def allocation_problems(
     for alloc in sorted(allocations, key=lambda a: a.replica):
         node = alloc.node_name
         status = statuses.get(node)
-        by_uuid = {d.uuid: d for d in status.status.devices} if status else {}
+        # A MIG instance stands or falls with its parent GPU (its health is the GPU's).
+        by_uuid = {uuid: d for d in (status.status.devices if status else ()) for uuid in d.uuids}
         for ref in alloc.devices:
             reason = REASON_DEVICES_MISSING
             if node not in nodes:

@@ -106,8 +106,22 @@ def node_view(
         node_present=facts is not None,
         ready=node_ready(inventory, heartbeat_age=heartbeat_age, stale_after=stale_after),
         inventory=inventory,
-        taken=frozenset(device.uuid for device in inventory.devices if is_taken(device.uuid)),
+        taken=taken_on(inventory, is_taken),
     )
+
+
+def taken_on(inventory: models.NodeInventory, is_taken: Callable[[str], bool]) -> frozenset[str]:
+    """The taken UUIDs of a node's GPUs and MIG instances. A GPU and its MIG instances are the same
+    silicon: a GPU is taken when one of its instances is, and every instance when the GPU is."""
+    taken: set[str] = set()
+    for device in inventory.devices:
+        if is_taken(device.uuid):
+            taken.update(device.uuids)
+            continue
+        instances = {uuid for uuid in device.uuids[1:] if is_taken(uuid)}
+        if instances:
+            taken |= instances | {device.uuid}
+    return frozenset(taken)
 
 
 def seed_for(uid: str) -> int:

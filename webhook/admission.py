@@ -453,8 +453,9 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
 def device_env(
     devices: Sequence[models.DeviceRef], device_ids: DeviceIdMode = "uuid"
 ) -> list[dict[str, Any]]:
-    """The env entries that give a container ``devices``, as UUIDs or as host indices."""
-    if device_ids == "index":
+    """The env entries that give a container ``devices``, as UUIDs or as host indices (MIG
+    instances always by UUID: an index names a whole GPU)."""
+    if device_ids == "index" and not any(d.uuid.startswith("MIG-") for d in devices):
         return [
             mutations.value_env(mutations.ENV_CUDA_VISIBLE_DEVICES, ",".join(str(d.index) for d in devices)),
             mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),

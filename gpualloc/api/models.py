@@ -32,6 +32,11 @@ class DeviceRequest:
     product: str | None = None
     min_memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("minMemoryMiB"))
     min_compute_capability: str | None = None
+    mig_profile: str = ""  # exclusivity MIG: the acceptable profiles, comma-separated ("" any)
+
+    @property
+    def mig_profiles(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.mig_profile.split(",") if p.strip())
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,6 +226,11 @@ class Device:
     pcie_generation: int = 0
     pcie_width: int = 0
     mig: MigInfo | None = None
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        """Its UUID, then its MIG instances': one piece of silicon, whichever is handed out."""
+        return (self.uuid, *(m.uuid for m in (self.mig.devices if self.mig is not None else ())))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

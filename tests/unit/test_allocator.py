@@ -143,6 +143,7 @@ def claim(
     node_name: str | None = None,
     created: str = "2025-01-01T00:00:00Z",
     exclusivity: str = "Exclusive",
+    mig_profile: str = "",
 ) -> models.GpuClaim:
     return models.GpuClaim(
         metadata=models.ObjectMeta(name=name, namespace=namespace, creation_timestamp=created),
@@ -150,6 +151,7 @@ def claim(
             devices=models.DeviceRequest(
                 count=count,
                 exclusivity=exclusivity,
+                mig_profile=mig_profile,
                 policy=policy,
                 prefer_ids=tuple(prefer_ids),
                 product=product,
@@ -442,6 +444,83 @@ def test_a_gpu_in_mig_mode_is_never_given_whole_and_the_reason_says_so() -> None
     assert pinned.per_node["n"] == "preferIds 2: 2 in MIG mode (use a MIG claim); 0 usable, need 1"
 
 
+def mig_box(name: str, taken_whole: Iterable[int] = ()) -> models.NodeInventory:
+    """Four GPUs; 0 and 1 in MIG mode, as the a100-mig profile splits a GPU: 3g.20gb at 0,
+    2g.10gb at 4, two 1g.5gb at 6 and 7 (listed out of placement order)."""
+    inv = nvswitch(name, 4)
+    split = (
+        ("1g.5gb", 7, 1, 4864),
+        ("3g.20gb", 0, 4, 19968),
+        ("2g.10gb", 4, 2, 9856),
+        ("1g.5gb", 6, 1, 4864),
+    )
+
+    def instances(gpu: int) -> models.MigInfo:
+        return models.MigInfo(
+            enabled=True,
+            devices=tuple(
+                models.MigDevice(
+                    index=j,
+                    uuid=f"MIG-{name}-{gpu}-{j}",
+                    profile=profile,
+                    memory_mib=mib,
+                    placement_start=start,
+                    memory_slices=size,
+                    compute_slices=int(profile[0]),
+                )
+                for j, (profile, start, size, mib) in enumerate(split)
+            ),
+        )
+
+    return dataclasses.replace(
+        inv,
+        devices=tuple(
+            dataclasses.replace(d, mig=instances(d.index)) if d.index < 2 else d for d in inv.devices
+        ),
+    )
+
+
+def mig_picked(decision: allocator.Decision, replica: int = 0) -> tuple[str, tuple[str, ...]]:
+    alloc = decision.allocations[replica]
+    return alloc.node_name, tuple(d.uuid for d in alloc.devices)
+
+
+def test_a_mig_claim_gets_instances_of_its_profile_packed_in_placement_order() -> None:
+    views = [node("m", mig_box("m"))]
+    one = allocator.allocate(claim(1, exclusivity="MIG", mig_profile="1g.5gb"), views)
+    assert mig_picked(one) == ("m", ("MIG-m-0-3",))  # the 1g.5gb at slice 6 before the one at 7
+    assert one.allocations[0].devices[0].index == 0  # the parent GPU
+    two = allocator.allocate(claim(2, exclusivity="MIG", mig_profile="1g.5gb"), views)
+    assert mig_picked(two) == ("m", ("MIG-m-0-3", "MIG-m-0-0"))  # both of GPU 0 first
+    either = allocator.allocate(claim(1, exclusivity="MIG", mig_profile="2g.10gb, 3g.20gb"), views)
+    assert mig_picked(either) == ("m", ("MIG-m-0-1",))  # 3g.20gb is placed first on GPU 0
+    anything = allocator.allocate(claim(1, exclusivity="MIG"), views)
+    assert mig_picked(anything) == ("m", ("MIG-m-0-1",))
+    # Taken instances are skipped (the caller marks every instance of a GPU held whole taken).
+    held = {"MIG-m-0-3", "MIG-m-0-0", *mig_box("m").devices[1].uuids}
+    busy = [dataclasses.replace(views[0], taken=frozenset(held))]
+    assert not allocator.allocate(claim(1, exclusivity="MIG", mig_profile="1g.5gb"), busy).ok
+    spare = [dataclasses.replace(views[0], taken=frozenset({"MIG-m-0-3", "MIG-m-0-0", "GPU-m-0"}))]
+    assert mig_picked(allocator.allocate(claim(1, exclusivity="MIG", mig_profile="1g.5gb"), spare)) == (
+        "m",
+        ("MIG-m-1-3",),
+    )
+    # Whole-GPU claims still never get a GPU in MIG mode.
+    assert picked(allocator.allocate(claim(2), views)) == ("m", (2, 3))
+
+
+def test_a_mig_claim_that_fits_nowhere_says_why() -> None:
+    views = [node("m", mig_box("m")), node("plain", nvswitch("plain"))]
+    d = allocator.allocate(claim(5, exclusivity="MIG", mig_profile="1g.5gb"), views)
+    assert d.reason == (
+        "0/2 nodes fit: 1 has fewer than 5 free MIG instances matching MIG profile 1g.5gb, "
+        "1 has no GPU in MIG mode"
+    )
+    assert d.per_node["m"] == "4 of 8 MIG instances usable (0 taken or unhealthy); need 5"
+    pinned = allocator.allocate(claim(1, exclusivity="MIG", policy="preferIds", prefer_ids=[0]), views)
+    assert pinned.reason == "policy preferIds names whole GPUs; a MIG claim cannot use it"
+
+
 def test_a_node_tainted_against_the_claim_is_skipped_and_explained() -> None:
     gpu_pool = models.Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule")
     reserved = models.Taint(key="team", value="ml", effect="NoExecute")
@@ -532,7 +611,7 @@ def test_no_nodes_and_invalid_claims_give_actionable_reasons() -> None:
     assert allocator.allocate(claim(1), []).reason == "0/0 nodes fit: no GPU nodes are known"
     nodes = [node("n", nvswitch("n"))]
     assert allocator.allocate(claim(1, exclusivity="Shared"), nodes).reason == (
-        "exclusivity Shared is not supported yet; use Exclusive"
+        "exclusivity Shared is not supported yet; use Exclusive or MIG"
     )
     assert allocator.allocate(claim(0), nodes).reason == "devices.count must be at least 1 (got 0)"
     assert "minComputeCapability" in allocator.allocate(claim(1, min_cc="nine"), nodes).reason

@@ -655,3 +655,17 @@ def test_a_deleted_claim_never_comes_back_into_the_cache_through_a_late_answer(e
     assert st.raw_claim(key) is None and st.claim(key) is None
     st.remember("claims", _claim_raw("7", finalizers=[constants.FINALIZER]), reconciling=key)
     assert st.raw_claim(key) is None, "an older answer of the same claim stays out too"
+
+
+def test_a_gpu_and_its_mig_instances_are_taken_together_as_one_piece_of_silicon() -> None:
+    instances = tuple(
+        models.MigDevice(index=j, uuid=f"MIG-0000000{j}-0000-0000-0000-000000000000", profile="1g.5gb")
+        for j in range(3)
+    )
+    split = models.Device(index=0, minor=0, uuid="GPU-a", mig=models.MigInfo(enabled=True, devices=instances))
+    inv = models.NodeInventory(devices=(split, models.Device(index=1, minor=1, uuid="GPU-b")))
+    # An instance held: it and its GPU (never handed out whole meanwhile), not its siblings.
+    assert views.taken_on(inv, {instances[1].uuid}.__contains__) == {instances[1].uuid, "GPU-a"}
+    # The GPU held whole: every instance with it.
+    assert views.taken_on(inv, {"GPU-a"}.__contains__) == {"GPU-a", *(m.uuid for m in instances)}
+    assert views.taken_on(inv, {"GPU-b"}.__contains__) == {"GPU-b"}

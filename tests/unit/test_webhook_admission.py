@@ -235,6 +235,14 @@ def test_index_mode_writes_host_indices_and_pci_bus_order() -> None:
     assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids(), "the record stays UUIDs"
 
 
+@pytest.mark.parametrize("device_ids", ["uuid", "index"])
+def test_mig_instances_are_given_by_uuid_in_every_mode(device_ids: admission.DeviceIdMode) -> None:
+    # An index names a whole GPU: a MIG instance (here on GPU 0) only has its MIG- UUID.
+    mig = [models.DeviceRef(index=0, minor=0, uuid="MIG-11111111-2222-3333-4444-555555555555")]
+    env = {e["name"]: e["value"] for e in admission.device_env(mig, device_ids)}
+    assert env == {"CUDA_VISIBLE_DEVICES": mig[0].uuid, "NVIDIA_VISIBLE_DEVICES": mig[0].uuid}
+
+
 def test_pod_already_pinned_to_the_allocated_node_is_admitted() -> None:
     pod = make_pod(spec={"nodeName": "gpu-node-1", "nodeSelector": {constants.HOSTNAME_LABEL: "gpu-node-1"}})
     out = patched(pod, answer(pod, make_claim()))
