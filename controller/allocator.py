@@ -947,7 +947,8 @@ def _allocate_indexed(
 ) -> Decision | None:
     """``_allocate``'s decision for a one-replica claim ranked by load, when it places the claim;
     None when it would not, or for a claim this search does not cover (the caller then runs
-    ``_allocate``, which says why).
+    ``_allocate``, which says why). A claim of whole GPUs asking more than any node has free is
+    refused at once, with a reason of its own.
 
     ``_allocate`` screens every node, ranks those that pass by strategy key, and
     searches the tied nodes of the best key in order of their quality bound,
@@ -960,12 +961,16 @@ def _allocate_indexed(
     ``_allocate`` leaves them out of the ranking.
     """
     ask = _parse(claim)
-    if (
-        isinstance(ask, str)
-        or claim.spec.replicas != 1
-        or ask.strategy not in LOAD_STRATEGIES
-        or ask.node_name is not None
-    ):
+    if isinstance(ask, str) or ask.exclusivity != "Exclusive":
+        return None  # buckets count whole GPUs
+    most = index.most_free()
+    if most < ask.count:
+        # No node has that many free GPUs, so none passes screening: say so without visiting any.
+        n = len(index)
+        gpus = f"{ask.count} free healthy GPU{'s' if ask.count != 1 else ''}"
+        reason = f"0/{n} nodes fit: none has {gpus} (at most {most} on one node)"
+        return Decision(allocations=(), reason=reason, per_node={})
+    if claim.spec.replicas != 1 or ask.strategy not in LOAD_STRATEGIES or ask.node_name is not None:
         return None
     cost_rank = _cost_rank(cost_preference)
     groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}

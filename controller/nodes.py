@@ -191,3 +191,7 @@ class NodeIndex:
 
     def buckets(self) -> Mapping[Bucket, Sequence[str]]:
         return self._buckets
+
+    def most_free(self) -> int:
+        """The most free GPUs on any one node."""
+        return max((bucket.free for bucket in self._buckets), default=0)

@@ -106,7 +106,7 @@ async def test_a_mig_claim_gets_an_instance_uuid_its_lease_and_its_pod_while_who
                 message = (found or {}).get("status", {}).get("message", "")
                 return (
                     found
-                    if message.startswith("0/1 nodes fit: 1 has fewer than 1 free healthy GPUs")
+                    if message == "0/1 nodes fit: none has 1 free healthy GPU (at most 0 on one node)"
                     else None
                 )
 

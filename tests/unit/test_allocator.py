@@ -753,6 +753,13 @@ def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pyt
     screened.clear()
     assert picked(allocator.allocate(claim(3), index)) == ("n0001", (0, 1, 2))
     assert screened == ["n0001"]
+    # More than any node has free: refused at once, without screening a node.
+    crowded = node_tables.NodeIndex([node("x", nvswitch("x"), taken=range(5))])
+    screened.clear()
+    assert allocator.allocate(claim(4), crowded).reason == (
+        "0/1 nodes fit: none has 4 free healthy GPUs (at most 3 on one node)"
+    )
+    assert screened == []
     # The full search screens them all, and decides the same.
     screened.clear()
     assert picked(allocator.allocate(claim(3), views)) == ("n0001", (0, 1, 2))
