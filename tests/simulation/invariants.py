@@ -1,6 +1,7 @@
 """What must hold in the simulated cluster: after every step (1-3), and once settled (4).
 
-1. No device is listed by two live claims' statuses.
+1. No device is listed by two live claims' statuses, nor one piece of silicon: a GPU
+   listed whole by one live claim and a MIG instance of it by another.
 2. Every device a live Allocated claim lists has a Lease (Terminating counts)
    held by it (``holderIdentity`` is the claim's uid).
 3. No claim in use is released: while a pod that was given a claim's devices is
@@ -48,6 +49,16 @@ def listed_devices(claim: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
     for alloc in (claim.get("status") or {}).get("allocations") or []:
         for device in alloc.get("devices") or []:
             yield str(device.get("uuid")), str(alloc.get("nodeName")), int(device.get("index", -1))
+
+
+def _mig_parents(server: model.ApiServer) -> dict[str, str]:
+    """MIG instance UUID -> its GPU's UUID, from the published GpuNodeStatuses."""
+    out = {}
+    for status in server.objects["node_statuses"].values():
+        for device in (status.get("status") or {}).get("devices") or []:
+            for instance in (device.get("mig") or {}).get("devices") or []:
+                out[str(instance["uuid"])] = str(device["uuid"])
+    return out
 
 
 def _holder(lease: dict[str, Any]) -> str:
@@ -107,6 +118,8 @@ def _product_matches(uuid: str, pattern: str) -> bool:
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
     owners: dict[str, str] = {}
+    parent = _mig_parents(server)
+    silicon: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing it or one of its instances
     for key, claim in sorted(server.objects["claims"].items()):
         if model.meta(claim).get("deletionTimestamp"):
             continue
@@ -118,6 +131,7 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
                     1, f"device {label.get(uuid, uuid)} is listed by both {other} and {key} ({uid})"
                 )
             owners[uuid] = key
+            silicon.setdefault(parent.get(uuid, uuid), set()).add(key)
         if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED:
             for uuid, _, _ in listed_devices(claim):
                 problem = _lease_problem(server, uuid, uid)
@@ -127,6 +141,13 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
                         f"Allocated claim {key} ({uid}) lists device {label.get(uuid, uuid)}, "
                         f"which {problem}",
                     )
+    for gpu, keys in sorted(silicon.items()):
+        if gpu in owners and len(keys) > 1:
+            raise Violation(
+                1,
+                f"GPU {label.get(gpu, gpu)} is listed whole by {owners[gpu]} while "
+                f"{', '.join(sorted(keys - {owners[gpu]}))} list MIG instances of it",
+            )
     for pod_key, pod in sorted(server.objects["pods"].items()):
         phase = (pod.get("status") or {}).get("phase")
         if phase in model.TERMINAL_PHASES or model.is_gated(pod):

@@ -104,18 +104,33 @@ def gpu_uuid(node: str, index: int) -> str:
     return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
+def mig_uuid(node: str, index: int, instance: int) -> str:
+    digest = hashlib.sha256(f"{node}/{index}/mig/{instance}".encode()).hexdigest()
+    return f"MIG-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+# Each GPU in MIG mode is split the same way: a 1g.5gb at slice 0 and a 3g.20gb at slice 4.
+MIG_SPLIT = (("1g.5gb", 0, 1, 4864), ("3g.20gb", 4, 4, 19968))
+
+
 def _stamp(when: datetime.datetime) -> str:
     return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def inventory(
-    node: str, gpus: int, *, now: datetime.datetime, ready: bool = True, unhealthy: Sequence[int] = ()
+    node: str,
+    gpus: int,
+    *,
+    now: datetime.datetime,
+    ready: bool = True,
+    unhealthy: Sequence[int] = (),
+    mig: Sequence[int] = (),
 ) -> Obj:
     """The ``status`` of a GpuNodeStatus as the agent writes it, kept small: every controller parses
     it on start and on each change, and the locking races do not depend on the topology (one
-    NVLink island, no per-pair links)."""
+    NVLink island, no per-pair links). The GPUs ``mig`` are in MIG mode, split as ``MIG_SPLIT``."""
     bad = set(unhealthy)
-    devices = [
+    devices: list[Obj] = [
         {
             "index": i,
             "minor": i,
@@ -126,6 +141,22 @@ def inventory(
         }
         for i in range(gpus)
     ]
+    for i in mig:
+        devices[i]["mig"] = {
+            "enabled": True,
+            "devices": [
+                {
+                    "index": j,
+                    "uuid": mig_uuid(node, i, j),
+                    "profile": profile,
+                    "memoryMiB": mib,
+                    "placementStart": start,
+                    "memorySlices": size,
+                    "computeSlices": int(profile[0]),
+                }
+                for j, (profile, start, size, mib) in enumerate(MIG_SPLIT)
+            ],
+        }
     stamp = _stamp(now)
     return {
         "source": "simulated",
@@ -195,6 +226,7 @@ class ApiServer:
         # pod the claim of its name when it was un-gated ("" when there was none).
         self.pod_claim_uid: dict[str, str] = {}
         self.events_emitted = 0
+        self.mig_gpus: dict[str, tuple[int, ...]] = {}  # node -> its GPUs in MIG mode (fixed)
 
     # ------------------------------------------------------------------ store and watches
 
@@ -571,7 +603,7 @@ class ApiServer:
 
     # ------------------------------------------------------------------ nodes
 
-    def add_gpu_node(self, name: str, gpus: int) -> None:
+    def add_gpu_node(self, name: str, gpus: int, mig: Sequence[int] = ()) -> None:
         node = self._created(
             "nodes", {"metadata": {"name": name, "labels": {constants.HOSTNAME_LABEL: name}}}, "node"
         )
@@ -579,7 +611,8 @@ class ApiServer:
         status = self._created(
             "node_statuses", {"metadata": {"name": name}, "spec": {"nodeName": name}}, "gns"
         )
-        status["status"] = inventory(name, gpus, now=self.clock())
+        self.mig_gpus[name] = tuple(mig)
+        status["status"] = inventory(name, gpus, now=self.clock(), mig=self.mig_gpus[name])
         self._write("node_statuses", name, status)
 
     def set_node_status(self, name: str, *, ready: bool, unhealthy: Sequence[int]) -> None:
@@ -587,7 +620,9 @@ class ApiServer:
         old = self.objects["node_statuses"][name]
         gpus = int(old["status"]["total"])
         new = dict(old)
-        new["status"] = inventory(name, gpus, now=self.clock(), ready=ready, unhealthy=unhealthy)
+        new["status"] = inventory(
+            name, gpus, now=self.clock(), ready=ready, unhealthy=unhealthy, mig=self.mig_gpus.get(name, ())
+        )
         self._write("node_statuses", name, new)
 
     # ------------------------------------------------------------------ events

@@ -76,6 +76,7 @@ ACTIONS = frozenset(
         "release",
         "reallocate",
         "preempt",
+        "mig",
         "tick",
     }
 )
@@ -482,6 +483,12 @@ class Simulation:
         self._node_loss_rng = None if "reallocate" in without else random.Random(seed ^ 0x10577)
         # Claim priorities (0-3 for half of them, so that some preempt others), likewise.
         self._priority_rng = None if "preempt" in without else random.Random(seed ^ 0x9E3779B9)
+        # MIG (GPU 0 of n1 in MIG mode in half the schedules; a third of the claims then ask for
+        # MIG instances), likewise.
+        self._mig_rng = None if "mig" in without else random.Random(seed ^ 0x3160)
+        self._mig_gpus: tuple[int, ...] = (
+            (0,) if self._mig_rng is not None and self._mig_rng.random() < 0.5 else ()
+        )
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -675,10 +682,16 @@ class Simulation:
             f"{sc.controllers} controllers, {sc.steps} steps",
         )
         for node in sc.nodes:
-            self.server.add_gpu_node(node, sc.gpus)
+            mig = self._mig_gpus if node == "n1" else ()
+            self.server.add_gpu_node(node, sc.gpus, mig)
             for i in range(sc.gpus):
                 uuid = model.gpu_uuid(node, i)
                 self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}"
+                for j, (profile, *_) in enumerate(model.MIG_SPLIT if i in mig else ()):
+                    uuid = model.mig_uuid(node, i, j)
+                    self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}/{profile}"
+        if self._mig_gpus:
+            self.log("sched", f"n1's GPU {self._mig_gpus[0]} is in MIG mode: {model.MIG_SPLIT}")
         if self.quota is not None:
             self.server.create_quota("ns-a", "quota", self.quota)
             self.log("sched", f"ns-a has GpuQuota {self.quota}")
@@ -917,9 +930,16 @@ class Simulation:
             spec["nodeLossGracePeriodSeconds"] = self._node_loss_rng.randint(0, 5)
         if self._priority_rng is not None and self._priority_rng.random() < 0.5:
             spec["priority"] = self._priority_rng.randint(0, 3)
+        if self._mig_gpus and self._mig_rng is not None and self._mig_rng.random() < 0.35:
+            spec["devices"] = {"count": self._mig_rng.randint(1, 2), "exclusivity": "MIG"}
+            profile = self._mig_rng.choice(("", "1g.5gb", "3g.20gb"))
+            if profile:
+                spec["devices"]["migProfile"] = profile
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
         release = f", release {spec['release']}" if "release" in spec else ""
+        if spec["devices"].get("exclusivity") == "MIG":  # type: ignore[attr-defined]
+            release += f", MIG {spec['devices'].get('migProfile') or 'any profile'}"  # type: ignore[attr-defined]
         if "onNodeLoss" in spec:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
         if "priority" in spec:

@@ -255,6 +255,46 @@ def test_the_invariants_catch_a_device_listed_twice() -> None:
     assert caught.value.number == 1 and "n0/0 is listed by both ns/a and ns/b" in caught.value.message
 
 
+def test_the_invariants_catch_a_gpu_listed_whole_and_its_mig_instance_by_another_claim() -> None:
+    server = _server()
+    server.add_gpu_node("n1", 2, mig=[0])
+    gpu, instance = model.gpu_uuid("n1", 0), model.mig_uuid("n1", 0, 1)
+    for name, uuid in (("whole", gpu), ("slice", instance)):
+        claim = server.create_claim("ns", name, {"devices": {"count": 1}})
+        status = {
+            "phase": "Pending",
+            "allocations": [
+                {"replica": 0, "nodeName": "n1", "devices": [{"index": 0, "minor": 0, "uuid": uuid}]}
+            ],
+        }
+        server.patch_claim_status(
+            "ns", name, {"status": status}, resource_version=claim["metadata"]["resourceVersion"]
+        )
+    with pytest.raises(invariants.Violation) as caught:
+        invariants.check_step(server, {gpu: "n1/0"})
+    assert caught.value.number == 1
+    assert (
+        caught.value.message == "GPU n1/0 is listed whole by ns/whole while ns/slice list MIG instances of it"
+    )
+    # Two instances of one GPU, each to its own claim, are fine.
+    server.delete_claim("ns", "whole")
+    claim = server.create_claim("ns", "other-slice", {"devices": {"count": 1}})
+    status = {
+        "phase": "Pending",
+        "allocations": [
+            {
+                "replica": 0,
+                "nodeName": "n1",
+                "devices": [{"index": 0, "minor": 0, "uuid": model.mig_uuid("n1", 0, 0)}],
+            }
+        ],
+    }
+    server.patch_claim_status(
+        "ns", "other-slice", {"status": status}, resource_version=claim["metadata"]["resourceVersion"]
+    )
+    invariants.check_step(server, {})
+
+
 def test_no_schedule_breaks_an_invariant() -> None:
     """``SCHEDULES`` seeded schedules on up to two processes; the first violation fails the test."""
     ranges = [
@@ -289,10 +329,10 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # ------------------------------------------------------------------ regressions (issue 18)
 
 # (seed, actions left out, what the old controller (commit cf09560) did in that schedule).
-# Every seed below was found before the simulation drew quotas, OnPodsCompleted and Reallocate claims: it runs
-# without them, so that it still names the schedule it was found as (both are drawn from RNGs of
-# their own).
-_PINNED = frozenset({"quota", "release", "reallocate", "preempt"})
+# Every seed below was found before the simulation drew quotas, OnPodsCompleted, Reallocate and MIG
+# claims: it runs without them, so that it still names the schedule it was found as (each is drawn
+# from an RNG of its own).
+_PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig"})
 _NO_ADMIN_NO_DELETE = _PINNED | {"admin-delete-lease", "delete-claim", "fail-call"}
 _NO_ADMIN = _PINNED | {"admin-delete-lease", "fail-call", "crash"}
 _NO_DELETE = _PINNED | {"delete-claim", "fail-call", "crash"}
