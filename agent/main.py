@@ -164,7 +164,13 @@ class Agent:
     def desired(self) -> models.NodeInventory:
         facts = self.facts or inventory.NodeFacts(source=self.source.name)
         uuids = [d.uuid for d in facts.devices]
-        allocated = sum(1 for u in uuids if u in self.metrics.leases)
+        # A GPU is allocated when its Lease or the Lease of one of its MIG instances is held.
+        held = self.metrics.leases
+        allocated = sum(
+            1
+            for d in facts.devices
+            if d.uuid in held or any(m.uuid in held for m in (d.mig.devices if d.mig is not None else ()))
+        )
         inv = inventory.derive(facts, unhealthy=self.tracker.marks(uuids), allocated=allocated)
         conds = publishing.conditions(
             source=self.source.name, source_error=self.source_error, devices=inv.devices
@@ -184,7 +190,11 @@ class Agent:
         if self.leases is None:
             return
         facts = self.facts
-        by_lease = {constants.lease_name(d.uuid): d.uuid for d in (facts.devices if facts else ())}
+        by_lease = {
+            constants.lease_name(uuid): uuid
+            for d in (facts.devices if facts else ())
+            for uuid in (d.uuid, *(m.uuid for m in (d.mig.devices if d.mig is not None else ())))
+        }
         holders: dict[str, agent_metrics.LeaseHolder] = {}
         for lease in self.leases.cache.values():
             meta = lease.get("metadata") or {}

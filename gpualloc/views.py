@@ -54,9 +54,23 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
     rows = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
         inv = node.status
-        used = sum(1 for d in inv.devices if d.uuid in held)
+        # A GPU is allocated when it or one of its MIG instances is; FREE counts the GPUs a claim of
+        # whole GPUs could get (healthy, not in MIG mode), MIG the free instances of the others.
+        used = sum(1 for d in inv.devices if any(u in held for u in d.uuids))
         healthy = sum(1 for d in inv.devices if d.health == constants.HEALTHY)
-        free = sum(1 for d in inv.devices if d.health == constants.HEALTHY and d.uuid not in held)
+        in_mig = [d for d in inv.devices if d.mig is not None and d.mig.enabled]
+        free = sum(
+            1
+            for d in inv.devices
+            if d.health == constants.HEALTHY and d not in in_mig and not any(u in held for u in d.uuids)
+        )
+        instances = [(d, m) for d in in_mig for m in (d.mig.devices if d.mig is not None else ())]
+        open_instances = sum(
+            1
+            for d, m in instances
+            if d.health == constants.HEALTHY and m.uuid not in held and d.uuid not in held
+        )
+        mig = f"{open_instances}/{len(instances)}" if in_mig else "-"
         islands = " ".join("[" + ",".join(map(str, i)) + "]" for i in inv.islands if len(i) > 1) or "-"
         rows.append(
             [
@@ -65,12 +79,23 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
                 str(healthy),
                 str(used),
                 str(free),
+                mig,
                 inv.product or "-",
                 islands,
                 age(inv.last_heartbeat_time, now),
             ]
         )
-    headers = ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE", "PRODUCT", "NVLINK ISLANDS", "HEARTBEAT"]
+    headers = [
+        "NODE",
+        "GPUS",
+        "HEALTHY",
+        "ALLOCATED",
+        "FREE",
+        "MIG",
+        "PRODUCT",
+        "NVLINK ISLANDS",
+        "HEARTBEAT",
+    ]
     return table(headers, rows)
 
 

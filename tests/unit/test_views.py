@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -65,9 +66,25 @@ def test_nodes_table_counts_allocated_free_and_unhealthy_devices() -> None:
     node = _node("gpu-a", 4, unhealthy=3)
     out = views.format_nodes([node], {_uuid(0): "ns/c"}, NOW)
     header, row = out.splitlines()
-    assert header.split()[:5] == ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE"]
-    assert row.split()[:5] == ["gpu-a", "4", "3", "1", "2"]
+    assert header.split()[:6] == ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE", "MIG"]
+    assert row.split()[:6] == ["gpu-a", "4", "3", "1", "2", "-"]
     assert "[0,1]" in row and "30s" in row
+
+
+def test_nodes_table_counts_a_gpu_with_a_held_mig_instance_allocated_and_its_free_instances() -> None:
+    node = _node("gpu-m", 3)
+    instances = tuple(
+        models.MigDevice(index=j, uuid=f"MIG-0000000{j}-0000-0000-0000-000000000000", profile="1g.5gb")
+        for j in range(4)
+    )
+    split = dataclasses.replace(node.status.devices[0], mig=models.MigInfo(enabled=True, devices=instances))
+    node = dataclasses.replace(
+        node, status=dataclasses.replace(node.status, devices=(split, *node.status.devices[1:]))
+    )
+    out = views.format_nodes([node], {instances[2].uuid: "ns/small", _uuid(1): "ns/whole"}, NOW)
+    row = out.splitlines()[1].split()
+    # GPU 0 (split, one instance held) and GPU 1 (whole) allocated; GPU 2 free; 3 of 4 instances open.
+    assert row[:6] == ["gpu-m", "3", "3", "2", "1", "3/4"]
 
 
 def test_claims_table_shows_reason_only_while_not_allocated() -> None:
