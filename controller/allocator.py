@@ -680,16 +680,19 @@ def allocate(
     screening every node where the claim allows (see "Indexed nodes").
     """
     index = nodes if isinstance(nodes, NodeIndex) else None
-    views: Sequence[NodeView] = nodes.views() if isinstance(nodes, NodeIndex) else nodes
 
-    def place(c: models.GpuClaim, candidates: Sequence[NodeView]) -> Decision:
-        if index is not None and candidates is views and not explain and index.cost_label == cost_label:
+    def every_view() -> Sequence[NodeView]:  # an index's list is built only when it is needed
+        return nodes.views() if isinstance(nodes, NodeIndex) else nodes
+
+    def place(c: models.GpuClaim, candidates: Sequence[NodeView] | None) -> Decision:
+        """``c`` on ``candidates``, or on every node (None), through the index where it serves."""
+        if index is not None and candidates is None and not explain and index.cost_label == cost_label:
             found = _allocate_indexed(c, index, cost_preference)
             if found is not None:
                 return found
         return _allocate(
             c,
-            candidates,
+            every_view() if candidates is None else candidates,
             seed=seed,
             round_robin_cursor=round_robin_cursor,
             cost_label=cost_label,
@@ -699,8 +702,8 @@ def allocate(
 
     def route(c: models.GpuClaim) -> Decision:
         if c.spec.topology.same_node_label and c.spec.replicas > 1:
-            return _allocate_in_domains(c, views, place)
-        return place(c, views)
+            return _allocate_in_domains(c, every_view(), place)
+        return place(c, None)
 
     topology = claim.spec.topology
     if topology.mode == "Preferred" and topology.min_bandwidth_gbps > 0 and claim.spec.devices.count > 1:
