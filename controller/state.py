@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from controller import gates, views
 from controller import metrics as controller_metrics
-from controller.nodes import NodeIndex, NodeView
+from controller.nodes import NodeIndex
 from gpualloc.api import codecs, constants, leases, models
 from gpualloc.kube import watching
 
@@ -281,9 +281,6 @@ class State:
                 heapq.heappush(self._ready_until, (now - age + self.node_stale_after, node))
         self._stale.clear()
         return self._index
-
-    def node_views(self) -> list[NodeView]:
-        return self.node_index().views()
 
     def reserve(self, names: Iterable[str], uid: str) -> None:
         """Device Leases claim ``uid`` is acquiring: taken for this process's other workers."""
