@@ -84,6 +84,15 @@ Reasons
     the same either way. Per-inventory tables (bandwidth matrix, islands) are
     memoised by object identity: keep parsed inventories between decisions.
 
+MIG claims
+    ``exclusivity: MIG`` asks for ``count`` MIG instances per replica: free
+    instances (of a healthy GPU in MIG mode) of an accepted profile
+    (``migProfile``; any when absent), taken in placement order GPU by GPU, so
+    several pack onto one GPU. ``minMemoryMiB`` applies to the instance,
+    ``product`` and ``minComputeCapability`` to its GPU; topology does not
+    apply. The caller marks a GPU's instances taken when the GPU is held whole,
+    and the GPU taken when one of its instances is (``views.taken_on``).
+
 Indexed nodes
     Given a ``nodes.NodeIndex`` instead of a list, a one-replica claim ranked by
     load (binpack, leastLoaded, spread, bestFit, costOptimized, without
@@ -419,8 +428,9 @@ def _screen_mig(
     total = 0
     free: list[tuple[models.Device, models.MigDevice]] = []
     for parent in sorted(view.inventory.devices, key=lambda d: d.index):
-        if parent.mig is None or not parent.mig.enabled:
+        if not in_mig_mode(parent):
             continue
+        assert parent.mig is not None
         total += len(parent.mig.devices)
         if parent.health != constants.HEALTHY:
             continue  # (held whole, every instance of it is in ``taken``: views.taken_on)
