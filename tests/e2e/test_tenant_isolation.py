@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import re
@@ -896,9 +895,12 @@ def claims_path(namespace: str) -> str:
 async def purge_claim(admin: ApiClient, namespace: str, name: str) -> None:
     """Delete a claim for good where no controller runs to release it: its finalizers go first."""
     path = f"{claims_path(namespace)}/{name}"
-    with contextlib.suppress(errors.NotFound):
-        await call(admin, "PATCH", path, body={"metadata": {"finalizers": None}}, content_type=MERGE)
-        await call(admin, "DELETE", path)
+    for method, body in (("PATCH", {"metadata": {"finalizers": None}}), ("DELETE", None)):
+        try:  # a Terminating claim is gone once its finalizers are
+            await call(admin, method, path, body=body, content_type=MERGE if body else "application/json")
+        except errors.KubeError as exc:
+            if exc.status != 404:
+                raise
 
 
 def quota_body(name: str, gpus: int = 8, max_priority: int | None = None) -> dict[str, Any]:
