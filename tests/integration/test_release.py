@@ -108,12 +108,15 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
             lambda: _two(job_pods(api, namespace, "train")), what="the Job's two pods", within=60
         )
 
+        # The Job's pods are created one after the other, so a sweep may record one pod before the
+        # next sweep records both: wait for the condition to name both.
         async def recorded() -> dict[str, Any] | None:
             got = await get_claim(api, namespace, "train")
-            return got if condition(got, "InUse").get("status") == "True" else None
+            in_use = condition(got, "InUse")
+            return got if in_use.get("status") == "True" and "used by 2 pods" in in_use["message"] else None
 
-        used = await wait_for(recorded, within=4 * SWEEP + 10, what="the claim to record its pods")
-        assert "used by 2 pods" in condition(used, "InUse")["message"]
+        used = await wait_for(recorded, within=4 * SWEEP + 10, what="the claim to record both of its pods")
+        assert all(pod["metadata"]["name"] in condition(used, "InUse")["message"] for pod in pods)
         assert used["status"]["phase"] == "Allocated"
 
         # Another claim waits for the same GPUs.
