@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from gpualloc.api import constants, islands, models
@@ -154,6 +154,31 @@ class DeviceSample:
     memory_total_bytes: int | None = None
     temperature_celsius: float | None = None
     power_watts: float | None = None
+
+
+def parse_sharing(text: str) -> models.DeviceSharing | None:
+    """The agent's ``--sharing``: ``""`` (none), or ``<strategy>:<slots>`` such as ``TimeSlicing:4``
+    or ``MPS:2``; ValueError with what is wrong otherwise."""
+    if not text.strip():
+        return None
+    strategy, _, slots = text.strip().partition(":")
+    known = ", ".join(constants.SHARING_STRATEGIES)
+    if strategy not in constants.SHARING_STRATEGIES:
+        raise ValueError(f"sharing strategy {strategy!r} is not one of {known} (as in TimeSlicing:4)")
+    if not slots.isdigit() or not 1 <= int(slots) <= constants.MAX_SHARING_SLOTS:
+        raise ValueError(
+            f"sharing slots {slots!r} must be a number from 1 to {constants.MAX_SHARING_SLOTS}"
+            f" (as in {strategy}:4)"
+        )
+    return models.DeviceSharing(strategy=strategy, replicas=int(slots))
+
+
+def parse_sharing_label(value: str) -> models.DeviceSharing | None:
+    """A Node's ``gpu.scheduling/sharing`` label (a label value has no ``:``): ``None`` for whole
+    GPUs, else ``<strategy>-<slots>`` such as ``TimeSlicing-4`` or ``MPS-2``."""
+    if value == "None":
+        return None
+    return parse_sharing(value.replace("-", ":", 1))
 
 
 class SourceUnavailable(Exception):
@@ -329,12 +354,23 @@ def derive(
     facts: NodeFacts,
     *,
     unhealthy: Mapping[str, str] | None = None,
-    allocated: int = 0,
+    held: Collection[str] = (),
+    sharing: models.DeviceSharing | None = None,
 ) -> models.NodeInventory:
-    """The status to publish. ``unhealthy`` maps UUID -> reason (from health events)."""
+    """The status to publish. ``unhealthy`` maps UUID -> reason (from health events); ``held`` has
+    the lock ids (``Device.lock_ids``) whose device Lease exists; every GPU not in MIG mode is
+    offered for ``sharing``, when given."""
     marks = unhealthy or {}
     devices: list[models.Device] = []
     for d in sorted(facts.devices, key=lambda d: d.index):
+        offered = None
+        if sharing is not None and not (d.mig is not None and d.mig.enabled):
+            slots = [constants.slot_id(d.uuid, k) for k in range(sharing.replicas)]
+            offered = models.DeviceSharing(
+                strategy=sharing.strategy,
+                replicas=sharing.replicas,
+                in_use=sum(1 for slot in slots if slot in held),
+            )
         if d.lost:
             health, reason = constants.UNHEALTHY, d.lost
         elif d.uuid in marks:
@@ -356,6 +392,7 @@ def derive(
                 pcie_generation=d.pcie_generation,
                 pcie_width=d.pcie_width,
                 mig=d.mig,
+                sharing=offered,
             )
         )
     links = derive_links(facts)
@@ -368,6 +405,6 @@ def derive(
         islands=islands.islands((d.index for d in devices), ((ln.a, ln.b) for ln in links if ln.nvlinks > 0)),
         total=len(devices),
         healthy=sum(1 for d in devices if d.health == constants.HEALTHY),
-        allocated=allocated,
+        allocated=sum(1 for d in devices if any(lock_id in held for lock_id in d.lock_ids)),
         product=product_summary(devices),
     )

@@ -52,6 +52,13 @@ def _xids(text: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated XID numbers: {exc}") from exc
 
 
+def _sharing(text: str) -> models.DeviceSharing | None:
+    try:
+        return inventory.parse_sharing(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -101,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="label the Node with gpu.scheduling/gpu.count, gpu.product, gpu.memory",
     )
     parser.add_argument(
+        "--sharing",
+        type=_sharing,
+        default=None,
+        help="offer each GPU not in MIG mode to Shared claims: TimeSlicing:N or MPS:N (N slots)",
+    )
+    parser.add_argument(
         "--lease-namespace",
         default=None,
         help="namespace of the device Leases (default $POD_NAMESPACE; empty: do not track Leases)",
@@ -148,6 +161,7 @@ class Agent:
         self.tracker = health.HealthTracker(args.ignored_xids)
         self.metrics = agent_metrics.AgentMetrics(self.node_name)
         self.facts: inventory.NodeFacts | None = None
+        self.sharing: models.DeviceSharing | None = args.sharing  # the Node's label may override it
         self.source_error = ""
         self.scans = 0
         self.wake = asyncio.Event()  # publisher: something changed
@@ -164,14 +178,9 @@ class Agent:
     def desired(self) -> models.NodeInventory:
         facts = self.facts or inventory.NodeFacts(source=self.source.name)
         uuids = [d.uuid for d in facts.devices]
-        # A GPU is allocated when its Lease or the Lease of one of its MIG instances is held.
-        held = self.metrics.leases
-        allocated = sum(
-            1
-            for d in facts.devices
-            if d.uuid in held or any(m.uuid in held for m in (d.mig.devices if d.mig is not None else ()))
+        inv = inventory.derive(
+            facts, unhealthy=self.tracker.marks(uuids), held=self.metrics.leases, sharing=self.sharing
         )
-        inv = inventory.derive(facts, unhealthy=self.tracker.marks(uuids), allocated=allocated)
         conds = publishing.conditions(
             source=self.source.name, source_error=self.source_error, devices=inv.devices
         )
@@ -189,12 +198,8 @@ class Agent:
     def _recount_leases(self) -> None:
         if self.leases is None:
             return
-        facts = self.facts
-        by_lease = {
-            constants.lease_name(uuid): uuid
-            for d in (facts.devices if facts else ())
-            for uuid in (d.uuid, *(m.uuid for m in (d.mig.devices if d.mig is not None else ())))
-        }
+        offered = inventory.derive(self.facts, sharing=self.sharing).devices if self.facts else ()
+        by_lease = {constants.lease_name(lock_id): lock_id for d in offered for lock_id in d.lock_ids}
         holders: dict[str, agent_metrics.LeaseHolder] = {}
         for lease in self.leases.cache.values():
             meta = lease.get("metadata") or {}
@@ -294,6 +299,33 @@ class Agent:
         node = await transport.request(self._api, "GET", _node_path(name))
         return node if isinstance(node, dict) else None
 
+    async def read_sharing_label(self) -> None:
+        """The Node's ``gpu.scheduling/sharing`` label, read once at start, overrides ``--sharing`` on
+        this node (``inventory.parse_sharing_label``). A label that cannot be read or parsed leaves
+        ``--sharing`` in force, and says so."""
+        try:
+            node = await self.lookup_node(self.node_name)
+        except errors.KubeError as exc:
+            log.warning(
+                "cannot read the Node's sharing label", extra={"node": self.node_name, "error": str(exc)}
+            )
+            return
+        value = ((node or {}).get("metadata") or {}).get("labels", {}).get(constants.LABEL_SHARING)
+        if value is None:
+            return
+        try:
+            self.sharing = inventory.parse_sharing_label(str(value))
+        except ValueError as exc:
+            log.error(
+                "the Node's sharing label is wrong; --sharing applies",
+                extra={"node": self.node_name, "label": constants.LABEL_SHARING, "error": str(exc)},
+            )
+            return
+        log.info(
+            "sharing set by the Node's label",
+            extra={"node": self.node_name, "label": constants.LABEL_SHARING, "value": value},
+        )
+
     async def _label_node(self) -> None:
         if not self.args.node_labels or self._api is None or self.facts is None:
             return
@@ -331,6 +363,7 @@ class Agent:
                 return EXIT_INIT_FAILED
             if self._api is None:
                 self._api = await client.connect(self.args.kubeconfig)
+            await self.read_sharing_label()
             self.publisher = publishing.Publisher(
                 resources.CustomResources(self._api),
                 self.node_name,

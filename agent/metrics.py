@@ -117,7 +117,7 @@ class _GpuCollector(Collector):
             labels = owner.gpu_labels(device)
             health.add_metric(labels, 1.0 if device.health == constants.HEALTHY else 0.0)
             # Its own Lease, else the first of its MIG instances' (the GPU is as allocated).
-            holder = next((owner.leases[u] for u in device.uuids if u in owner.leases), None)
+            holder = next((owner.leases[u] for u in device.lock_ids if u in owner.leases), None)
             allocated.add_metric(labels, 1.0 if holder else 0.0)
             if holder:
                 lease_info.add_metric(

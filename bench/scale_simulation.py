@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     server.create_lease(
                         leases.device_lease(
                             model.NAMESPACE,
-                            uuid=device.uuid,
+                            lock_id=device.lock_id,
                             node=alloc.node_name,
                             claim_namespace="bench",
                             claim_name=claim.metadata.name,

@@ -12,7 +12,7 @@ Nodes
     ``spec.nodeName`` when set and ``spec.selector`` (``matches_selector``).
 
 Devices
-    A device is a candidate when it is Healthy, not in MIG mode, its UUID is not in ``taken``,
+    A device is a candidate when it is Healthy, not in MIG mode, not shared, its UUID is not in ``taken``,
     and it matches ``product`` (``fnmatch.fnmatchcase``: shell glob,
     case-sensitive, as NVML reports the name, like label values),
     ``minMemoryMiB`` and ``minComputeCapability`` (compared as ``(major, minor)``
@@ -93,6 +93,16 @@ MIG claims
     apply. The caller marks a GPU's instances taken when the GPU is held whole,
     and the GPU taken when one of its instances is (``views.taken_on``).
 
+Shared claims
+    ``exclusivity: Shared`` asks for one slot on each of ``count`` different
+    GPUs per replica, of GPUs the node's agent offers for sharing
+    (``Device.sharing``: a strategy and a number of slots) with the claim's
+    ``sharing.strategy`` and at most ``sharing.maxClaimsPerGPU`` slots. Each
+    slot has its own Lease (``constants.slot_id``), so at most that many
+    claims ever hold the GPU. The fullest GPUs are taken first; ``total`` and
+    *free* count slots for the strategies. A shared GPU is never handed out
+    whole, a GPU in MIG mode is never shared, and topology does not apply.
+
 Indexed nodes
     Given a ``nodes.NodeIndex`` instead of a list, a one-replica claim ranked by
     load (binpack, leastLoaded, spread, bestFit, costOptimized, without
@@ -116,7 +126,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from controller import nodes
-from controller.nodes import MIG_MODE, NodeIndex, in_mig_mode
+from controller.nodes import MIG_MODE, SHARED, NodeIndex, in_mig_mode
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
 from gpualloc.api import constants, models, taints
 
@@ -206,8 +216,9 @@ def order_pending(claims: Iterable[models.GpuClaim]) -> list[models.GpuClaim]:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class _Ask:
     count: int
-    exclusivity: str  # Exclusive: whole GPUs; MIG: MIG instances
+    exclusivity: str  # Exclusive: whole GPUs; MIG: MIG instances; Shared: slots of shared GPUs
     mig_profiles: tuple[str, ...]  # MIG: the acceptable profiles (empty: any)
+    sharing: models.SharingRequest  # Shared: the strategy and most sharers it accepts
     policy: str
     prefer_ids: tuple[int, ...]
     product: str | None
@@ -237,10 +248,14 @@ def _parse(claim: models.GpuClaim) -> _Ask | str:
         return f"devices.count must be at least 1 (got {dev.count})"
     if spec.replicas < 1:
         return f"replicas must be at least 1 (got {spec.replicas})"
-    if dev.exclusivity not in ("Exclusive", "MIG"):
-        return f"exclusivity {dev.exclusivity} is not supported yet; use Exclusive or MIG"
-    if dev.exclusivity == "MIG" and dev.policy == "preferIds":
-        return "policy preferIds names whole GPUs; a MIG claim cannot use it"
+    if dev.exclusivity not in constants.EXCLUSIVITIES:
+        return f"unknown exclusivity {dev.exclusivity!r}; use one of {', '.join(constants.EXCLUSIVITIES)}"
+    if dev.exclusivity != "Exclusive" and dev.policy == "preferIds":
+        return f"policy preferIds names whole GPUs; a {dev.exclusivity} claim cannot use it"
+    sharing = dev.sharing or models.SharingRequest()
+    if dev.exclusivity == "Shared" and sharing.strategy not in constants.SHARING_STRATEGIES:
+        known = ", ".join(constants.SHARING_STRATEGIES)
+        return f"unknown sharing.strategy {sharing.strategy!r}; use one of {known}"
     if dev.policy not in constants.POLICIES:
         return f"unknown devices.policy {dev.policy!r}; use one of {', '.join(constants.POLICIES)}"
     if spec.strategy not in constants.STRATEGIES:
@@ -271,17 +286,19 @@ def _parse(claim: models.GpuClaim) -> _Ask | str:
     mig = dev.exclusivity == "MIG"
     if mig and dev.mig_profiles:
         filters.insert(0, f"MIG profile {' or '.join(dev.mig_profiles)}")
+    whole = dev.exclusivity == "Exclusive"  # topology ranks sets of whole GPUs only
     return _Ask(
         count=dev.count,
         exclusivity=dev.exclusivity,
         mig_profiles=dev.mig_profiles if mig else (),
+        sharing=sharing,
         policy=dev.policy,
         prefer_ids=prefer_ids,
         product=dev.product or None,
         min_memory_mib=dev.min_memory_mib or None,
         min_cc=min_cc,
-        mode="Ignore" if mig else mode,  # instances of one GPU have no links to rank
-        min_bw=0 if mig else max(0, spec.topology.min_bandwidth_gbps),
+        mode=mode if whole else "Ignore",  # instances and slots are not ranked by links
+        min_bw=max(0, spec.topology.min_bandwidth_gbps) if whole else 0,
         strategy=spec.strategy,
         node_name=spec.node_name or None,
         selector=spec.selector,
@@ -340,6 +357,9 @@ class _Choice:
         return 0 if self.least_bw == _NO_PAIRS else self.least_bw
 
     def describe(self) -> str:
+        if isinstance(self.devices[0], _SlotDevice):
+            slots = [d for d in self.devices if isinstance(d, _SlotDevice)]
+            return ", ".join(f"slot {d.slot} of gpu {d.index}" for d in slots)
         if self.devices[0].uuid.startswith("MIG-"):
             return ", ".join(f"{d.product} of gpu {d.index}" for d in self.devices)
         idx = ",".join(str(d.index) for d in self.devices)
@@ -357,6 +377,8 @@ def _screen(
     assert view.inventory is not None
     if ask.exclusivity == "MIG":
         return _screen_mig(view, ask, position, extra_taken, n_nodes)
+    if ask.exclusivity == "Shared":
+        return _screen_shared(view, ask, position, extra_taken, n_nodes)
     prep = nodes.prepare(view.name, view.inventory, n_nodes)
     taken = view.taken
     if extra_taken:
@@ -372,8 +394,9 @@ def _screen(
     if len(usable) < ask.count:
         counts = (
             (len(prep.healthy) - free, "taken"),
-            (total - len(prep.healthy) - prep.in_mig, "unhealthy"),
+            (total - len(prep.healthy) - prep.in_mig - prep.shared, "unhealthy"),
             (prep.in_mig, MIG_MODE),
+            (prep.shared, SHARED),
             (free - len(usable), "not" + ask.filters if ask.filters else "not matching"),
         )
         parts = [f"{n} {what}" for n, what in counts if n]
@@ -460,6 +483,58 @@ def _screen_mig(
     return _Screened(view, prep, position, total, len(free), usable)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _SlotDevice(models.Device):
+    """A slot of a shared GPU, as screening offers it: the GPU, and which of its slots."""
+
+    slot: int
+
+
+def _screen_shared(
+    view: NodeView, ask: _Ask, position: int, extra_taken: set[str], n_nodes: int
+) -> _Screened | _Miss:
+    """A Shared claim's screening: one free slot (the lowest) of each healthy shared GPU whose
+    strategy is the claim's and whose slots are at most its ``maxClaimsPerGPU``, fullest GPU first,
+    so claims pack onto GPUs already shared. A gang's replicas never share a GPU (``extra_taken``
+    holds the UUIDs of the GPUs its earlier replicas took). ``total`` and ``free`` count slots."""
+    assert view.inventory is not None
+    taken, most = view.taken, ask.sharing.max_claims_per_gpu
+    total, free, offered = 0, 0, []
+    for gpu in view.inventory.devices:
+        if not gpu.shared or gpu.health != constants.HEALTHY:
+            continue
+        assert gpu.sharing is not None
+        if gpu.sharing.strategy != ask.sharing.strategy or (most is not None and gpu.sharing.replicas > most):
+            continue
+        open_slots = [k for k, slot in enumerate(gpu.slot_ids) if slot not in taken]
+        total += gpu.sharing.replicas
+        free += len(open_slots)
+        if open_slots and gpu.uuid not in extra_taken and _matches(ask, gpu):
+            offered.append((len(open_slots), gpu.index, gpu, open_slots[0]))
+    usable: list[models.Device] = [
+        _SlotDevice(
+            index=gpu.index,
+            minor=gpu.minor,
+            uuid=gpu.uuid,
+            product=gpu.product,
+            memory_mib=gpu.memory_mib,
+            compute_capability=gpu.compute_capability,
+            slot=slot,
+        )
+        for _, _, gpu, slot in sorted(offered, key=lambda o: o[:2])
+    ]
+    if len(usable) < ask.count:
+        limit = f" of at most {most} claims" if most is not None else ""
+        if total == 0:
+            phrase = f"no GPU shared by {ask.sharing.strategy}{limit}"
+            return _Miss(6, f"has {phrase}", f"have {phrase}", phrase)
+        phrase = f"fewer than {ask.count} {ask.sharing.strategy} GPUs with a free slot{ask.filters}"
+        detail = f"{len(usable)} shared GPUs usable ({total - free} of {total} slots taken); need {ask.count}"
+        return _Miss(6, f"has {phrase}", f"have {phrase}", detail)
+    prep = nodes.prepare(view.name, view.inventory, n_nodes)
+    return _Screened(view, prep, position, total, free, usable)
+
+
 def _screen_prefer_ids(
     view: NodeView,
     prep: nodes.Prepared,
@@ -478,6 +553,7 @@ def _screen_prefer_ids(
     problems: dict[str, list[int]] = {
         "missing": [],
         MIG_MODE: [],
+        SHARED: [],
         "unhealthy": [],
         "taken": [],
         "not matching": [],
@@ -488,6 +564,8 @@ def _screen_prefer_ids(
             problems["missing"].append(i)
         elif in_mig_mode(d):
             problems[MIG_MODE].append(i)
+        elif d.shared:
+            problems[SHARED].append(i)
         elif d.health != constants.HEALTHY:
             problems["unhealthy"].append(i)
         elif d.uuid in view.taken or d.uuid in extra_taken:
@@ -504,7 +582,7 @@ def _screen_prefer_ids(
 
 
 def _best_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
-    if ask.exclusivity == "MIG":  # instances in placement order, packed onto the fewest GPUs
+    if ask.exclusivity != "Exclusive":  # instances and slots in screening's order (packing)
         return _Choice(tuple(node.usable[: ask.count]), _NO_PAIRS, 1, 1, ())
     devs = node.usable
     m, k = len(devs), ask.count
@@ -738,7 +816,7 @@ def _free_gpus(views: Iterable[NodeView]) -> int:
         for v in views
         if v.inventory is not None
         for d in v.inventory.devices
-        if d.health == constants.HEALTHY and not in_mig_mode(d) and d.uuid not in v.taken
+        if d.health == constants.HEALTHY and not in_mig_mode(d) and not d.shared and d.uuid not in v.taken
     )
 
 
@@ -947,7 +1025,12 @@ def _allocation(replica: int, node: str, choice: _Choice) -> models.Allocation:
     return models.Allocation(
         replica=replica,
         node_name=node,
-        devices=tuple(models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in choice.devices),
+        devices=tuple(
+            models.DeviceRef(
+                index=d.index, minor=d.minor, uuid=d.uuid, slot=d.slot if isinstance(d, _SlotDevice) else None
+            )
+            for d in choice.devices
+        ),
         min_bandwidth_gbps=choice.reported_bw,
     )
 

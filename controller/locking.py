@@ -62,24 +62,26 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LockItem:
-    uuid: str
+    lock_id: str  # the device's UUID, or a shared GPU's slot (``models.DeviceRef.lock_id``)
     lease: str
     node: str
 
 
 def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
-    """The Leases to hold for these allocations, sorted by device UUID (the acquisition order)."""
+    """The Leases to hold for these allocations, sorted by lock id (the acquisition order)."""
     items = {
-        device.uuid: LockItem(uuid=device.uuid, lease=constants.lease_name(device.uuid), node=alloc.node_name)
+        device.lock_id: LockItem(
+            lock_id=device.lock_id, lease=constants.lease_name(device.lock_id), node=alloc.node_name
+        )
         for alloc in allocations
         for device in alloc.devices
     }
-    return tuple(items[uuid] for uuid in sorted(items))
+    return tuple(items[lock_id] for lock_id in sorted(items))
 
 
 def recorded(claim: models.GpuClaim) -> frozenset[str]:
     """The Lease names of the devices a claim's status lists."""
-    return frozenset(constants.lease_name(d.uuid) for a in claim.status.allocations for d in a.devices)
+    return frozenset(constants.lease_name(d.lock_id) for a in claim.status.allocations for d in a.devices)
 
 
 def releasable(leftovers: Iterable[leases.LeaseInfo], view: models.GpuClaim) -> list[leases.LeaseInfo]:
@@ -108,7 +110,7 @@ async def acquire(
     *,
     now: datetime.datetime,
 ) -> LockResult:
-    """Create the Leases of ``plan`` (sorted by UUID) for this attempt at ``claim``'s version, all or none.
+    """Create the Leases of ``plan`` (sorted by lock id) for this attempt at ``claim``'s version, all or none.
 
     On ``AlreadyExists`` the Leases this call created are deleted again and the
     taken name reported. Other API errors propagate after the same rollback; a
@@ -120,7 +122,7 @@ async def acquire(
         for item in plan:
             body = leases.device_lease(
                 namespace,
-                uuid=item.uuid,
+                lock_id=item.lock_id,
                 node=item.node,
                 claim_namespace=meta.namespace,
                 claim_name=meta.name,

@@ -19,6 +19,7 @@ from controller import topology
 from gpualloc.api import constants, models
 
 MIG_MODE = "in MIG mode (use a MIG claim)"
+SHARED = "shared (use a Shared claim)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,8 +45,9 @@ class Prepared:
     """What screening and set search need from an inventory, computed once per inventory object."""
 
     inventory: models.NodeInventory
-    healthy: tuple[models.Device, ...]  # healthy and not in MIG mode (whole GPUs to give), by index
+    healthy: tuple[models.Device, ...]  # healthy, not in MIG mode, not shared (whole GPUs to give), by index
     in_mig: int  # GPUs in MIG mode: never given whole, a CUDA program would see no usable device
+    shared: int  # GPUs the agent offers for sharing (``--sharing``): never given whole
     by_index: Mapping[int, models.Device]
     max_bw: int  # the fastest link on the node: no set can have a higher least bandwidth
     # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
@@ -63,7 +65,7 @@ class Prepared:
         return self.matrix, self.island
 
     def free(self, taken: frozenset[str]) -> int:
-        """Healthy GPUs not in MIG mode whose UUID is not in ``taken``."""
+        """Healthy GPUs, not in MIG mode and not shared, whose UUID is not in ``taken``."""
         return sum(1 for d in self.healthy if d.uuid not in taken)
 
 
@@ -90,8 +92,11 @@ def prepare(name: str, inv: models.NodeInventory, nodes: int) -> Prepared:
     ordered = sorted(by_index.values(), key=lambda d: d.index)
     prepared = Prepared(
         inventory=inv,
-        healthy=tuple(d for d in ordered if d.health == constants.HEALTHY and not in_mig_mode(d)),
+        healthy=tuple(
+            d for d in ordered if d.health == constants.HEALTHY and not in_mig_mode(d) and not d.shared
+        ),
         in_mig=sum(1 for d in ordered if in_mig_mode(d)),
+        shared=sum(1 for d in ordered if d.shared),
         by_index=by_index,
         max_bw=max((link.bandwidth_gbps for link in inv.links), default=0),
     )

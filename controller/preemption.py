@@ -107,7 +107,7 @@ def _rank(plan: Plan, priority: Callable[[models.GpuClaim], int]) -> tuple[int, 
 def _freed(
     views: Sequence[allocator.NodeView], victims: Iterable[models.GpuClaim]
 ) -> list[allocator.NodeView]:
-    free = {d.uuid for v in victims for a in v.status.allocations for d in a.devices}
+    free = {d.lock_id for v in victims for a in v.status.allocations for d in a.devices}
     return [
         dataclasses.replace(view, taken=view.taken - free) if view.taken & free else view for view in views
     ]

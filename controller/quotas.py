@@ -52,7 +52,7 @@ def products_of(
     for alloc in allocations:
         status = statuses.get(alloc.node_name)
         devices = status.status.devices if status is not None else ()
-        by_uuid = {uuid: d.product for d in devices for uuid in d.uuids}  # a MIG instance: its GPU's
+        by_uuid = {uuid: d.product for d in devices for uuid in d.lock_ids}  # a MIG instance: its GPU's
         names.update(by_uuid.get(d.uuid, "") for d in alloc.devices)
     names.discard("")
     return ",".join(sorted(names))

@@ -458,13 +458,13 @@ class Reconciler:
             if info.holder != claim.metadata.uid:
                 holder = f"{info.claim_namespace}/{info.claim_name}" if info.claim_name else info.holder
                 taken[item.lease] = (
-                    f"gpu-{self._minor(claim, item.uuid)}/{item.uuid} is held by claim {holder}"
+                    f"gpu-{self._minor(claim, item.lock_id)}/{item.lock_id} is held by claim {holder}"
                 )
         return taken
 
     @staticmethod
-    def _minor(claim: models.GpuClaim, uuid: str) -> int:
-        return next(d.minor for a in claim.status.allocations for d in a.devices if d.uuid == uuid)
+    def _minor(claim: models.GpuClaim, lock_id: str) -> int:
+        return next(d.minor for a in claim.status.allocations for d in a.devices if d.lock_id == lock_id)
 
     # ------------------------------------------------------------------ work done
 

@@ -99,8 +99,8 @@ def _newer(cached: Mapping[str, Any] | None, obj: Mapping[str, Any]) -> bool:
 
 
 def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
-    """The device UUIDs a claim's status lists."""
-    return frozenset(d.uuid for a in claim.status.allocations for d in a.devices)
+    """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists."""
+    return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices)
 
 
 class State:
@@ -139,8 +139,8 @@ class State:
         self.pending: set[str] = set()
         self._allocated_on: dict[str, set[str]] = collections.defaultdict(set)  # node -> claim keys
         self._claim_nodes: dict[str, frozenset[str]] = {}
-        self._listed: dict[str, str] = {}  # device UUID -> uid of the claim whose status lists it
-        self._claim_listed: dict[str, tuple[str, frozenset[str]]] = {}  # key -> (uid, UUIDs)
+        self._listed: dict[str, str] = {}  # lock id -> uid of the claim whose status lists it
+        self._claim_listed: dict[str, tuple[str, frozenset[str]]] = {}  # key -> (uid, lock ids)
         # Nodes.
         self.statuses: dict[str, models.GpuNodeStatus] = {}  # node name -> parsed
         self._status_node: dict[str, str] = {}  # GpuNodeStatus name -> node name
@@ -212,9 +212,9 @@ class State:
         """Every holder's Leases (a copy: the caller may await while walking it)."""
         return {holder: dict(held) for holder, held in self._held.items()}
 
-    def listed_by(self, uuid: str) -> str | None:
-        """The uid of the live claim whose status lists device ``uuid``."""
-        return self._listed.get(uuid)
+    def listed_by(self, lock_id: str) -> str | None:
+        """The uid of the live claim whose status lists ``lock_id`` (a device UUID or a slot)."""
+        return self._listed.get(lock_id)
 
     def gated_pods(self, claim_key: str) -> Iterator[tuple[str, Obj]]:
         pods = self.feeds["pods"]
@@ -310,7 +310,10 @@ class State:
         for node, status in sorted(self.statuses.items()):
             counts = dict.fromkeys(controller_metrics.DEVICE_STATES, 0)
             for device in status.status.devices:
-                if constants.lease_name(device.uuid) in self.leases or device.uuid in self._listed:
+                if any(
+                    constants.lease_name(lock_id) in self.leases or lock_id in self._listed
+                    for lock_id in device.lock_ids
+                ):
                     counts["allocated"] += 1
                 elif device.health != constants.HEALTHY:
                     counts["unhealthy"] += 1
@@ -477,7 +480,8 @@ class State:
         fingerprint = None
         if status is not None:
             inv = status.status
-            fingerprint = (tuple((d.uuid, d.health, d.index, d.mig) for d in inv.devices), inv.links)
+            offered = [(d.sharing.strategy, d.sharing.replicas) if d.sharing else None for d in inv.devices]
+            fingerprint = (tuple((d.uuid, d.health, d.index, d.mig) for d in inv.devices), offered, inv.links)
         ready = self.node_ready(node)
         if self._fingerprints.get(node) != fingerprint or self.ready_nodes.get(node) != ready:
             self._fingerprints[node] = fingerprint
@@ -493,7 +497,7 @@ class State:
         status = self.statuses.get(node)
         if status is None:
             return
-        uuids = tuple(uuid for d in status.status.devices for uuid in d.uuids)
+        uuids = tuple(uuid for d in status.status.devices for uuid in d.lock_ids)
         self._devices_of[node] = uuids
         for uuid in uuids:
             self._device_node[uuid] = node

@@ -215,7 +215,7 @@ def allocation_problems(
         node = alloc.node_name
         status = statuses.get(node)
         # A MIG instance stands or falls with its parent GPU (its health is the GPU's).
-        by_uuid = {uuid: d for d in (status.status.devices if status else ()) for uuid in d.uuids}
+        by_uuid = {uuid: d for d in (status.status.devices if status else ()) for uuid in d.lock_ids}
         for ref in alloc.devices:
             reason = REASON_DEVICES_MISSING
             if node not in nodes:

@@ -111,14 +111,15 @@ def node_view(
 
 
 def taken_on(inventory: models.NodeInventory, is_taken: Callable[[str], bool]) -> frozenset[str]:
-    """The taken UUIDs of a node's GPUs and MIG instances. A GPU and its MIG instances are the same
-    silicon: a GPU is taken when one of its instances is, and every instance when the GPU is."""
+    """The taken lock ids of a node's GPUs, MIG instances and sharing slots (``Device.lock_ids``).
+    A GPU, its MIG instances and its slots are the same silicon: a GPU is taken when one of its
+    instances or slots is, and every instance and slot when the GPU is."""
     taken: set[str] = set()
     for device in inventory.devices:
         if is_taken(device.uuid):
-            taken.update(device.uuids)
+            taken.update(device.lock_ids)
             continue
-        instances = {uuid for uuid in device.uuids[1:] if is_taken(uuid)}
+        instances = {uuid for uuid in device.lock_ids[1:] if is_taken(uuid)}
         if instances:
             taken |= instances | {device.uuid}
     return frozenset(taken)

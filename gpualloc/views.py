@@ -41,12 +41,13 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def allocated_uuids(claims: Iterable[models.GpuClaim]) -> dict[str, str]:
-    """UUID -> ``namespace/claim`` for every device an Allocated claim holds."""
+    """Lock id (``DeviceRef.lock_id``: a UUID, or a shared GPU's slot) -> ``namespace/claim`` for
+    every device an Allocated claim holds."""
     held: dict[str, str] = {}
     for claim in claims:
         for allocation in claim.status.allocations:
             for device in allocation.devices:
-                held[device.uuid] = claim.key
+                held[device.lock_id] = claim.key
     return held
 
 
@@ -54,16 +55,24 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
     rows = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
         inv = node.status
-        # A GPU is allocated when it or one of its MIG instances is; FREE counts the GPUs a claim of
-        # whole GPUs could get (healthy, not in MIG mode), MIG the free instances of the others.
-        used = sum(1 for d in inv.devices if any(u in held for u in d.uuids))
+        # A GPU is allocated when it, one of its MIG instances or one of its slots is; FREE counts
+        # the GPUs a claim of whole GPUs could get (healthy, not in MIG mode, not shared), MIG the
+        # free instances of GPUs in MIG mode, SHARED the slots in use of shared GPUs.
+        used = sum(1 for d in inv.devices if any(u in held for u in d.lock_ids))
         healthy = sum(1 for d in inv.devices if d.health == constants.HEALTHY)
         in_mig = [d for d in inv.devices if d.mig is not None and d.mig.enabled]
+        sharing = [d for d in inv.devices if d.shared]
         free = sum(
             1
             for d in inv.devices
-            if d.health == constants.HEALTHY and d not in in_mig and not any(u in held for u in d.uuids)
+            if d.health == constants.HEALTHY
+            and d not in in_mig
+            and d not in sharing
+            and not any(u in held for u in d.lock_ids)
         )
+        slots = sum(len(d.slot_ids) for d in sharing)
+        slots_used = sum(1 for d in sharing for s in d.slot_ids if s in held or d.uuid in held)
+        shared = f"{slots_used}/{slots}" if sharing else "-"
         instances = [(d, m) for d in in_mig for m in (d.mig.devices if d.mig is not None else ())]
         open_instances = sum(
             1
@@ -80,6 +89,7 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
                 str(used),
                 str(free),
                 mig,
+                shared,
                 inv.product or "-",
                 islands,
                 age(inv.last_heartbeat_time, now),
@@ -92,6 +102,7 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
         "ALLOCATED",
         "FREE",
         "MIG",
+        "SHARED",
         "PRODUCT",
         "NVLINK ISLANDS",
         "HEARTBEAT",

@@ -422,7 +422,13 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Deci
             f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
             "remove the pin or use another claim",
         )
-    ops, replaced = edit_allocated(pod, allocation, options.device_ids, taints.claim_tolerations(claim.spec))
+    ops, replaced = edit_allocated(
+        pod,
+        allocation,
+        options.device_ids,
+        taints.claim_tolerations(claim.spec),
+        sharing_env(claim.spec),
+    )
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
@@ -447,7 +453,8 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
         if isinstance(replica, str):
             return _denied(uid, replica)
     wanted = taints.claim_tolerations(claim.spec) if claim is not None else taints.DEFAULT_TOLERATIONS
-    return Decision(answer=allow(uid, patch=edit_gated(pod, wanted)), outcome=GATED)
+    extra_env = sharing_env(claim.spec) if claim is not None else []
+    return Decision(answer=allow(uid, patch=edit_gated(pod, wanted, extra_env)), outcome=GATED)
 
 
 def device_env(
@@ -465,30 +472,53 @@ def device_env(
     return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
 
 
+def sharing_env(spec: models.GpuClaimSpec) -> list[dict[str, Any]]:
+    """The MPS client limits of a Shared MPS claim (``sharing.computePercent``, ``memoryMiB``), for
+    each of its ``count`` GPUs as the container numbers them (0, 1, ...); none for other claims."""
+    sharing = spec.devices.sharing
+    if spec.devices.exclusivity != "Shared" or sharing is None or sharing.strategy != "MPS":
+        return []
+    entries = []
+    if sharing.compute_percent is not None:
+        entries.append(mutations.value_env(mutations.ENV_MPS_THREAD_PERCENTAGE, str(sharing.compute_percent)))
+    if sharing.memory_mib is not None:
+        limits = ",".join(f"{i}={sharing.memory_mib}M" for i in range(spec.devices.count))
+        entries.append(mutations.value_env(mutations.ENV_MPS_MEMORY_LIMIT, limits))
+    return entries
+
+
 def edit_allocated(
     pod: objects.Pod[Any],
     allocation: models.Allocation,
     device_ids: DeviceIdMode = "uuid",
     tolerations: Sequence[models.Toleration] = (),
+    extra_env: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[mutations.Op], list[str]]:
-    """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``)."""
+    """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``).
+    ``extra_env``: more entries for every container (``sharing_env``)."""
     ops: list[mutations.Op] = []
     mutations.remove_scheduling_gate(pod, ops)
     mutations.add_tolerations(pod, tolerations, ops)
     mutations.pin_to_node(pod, allocation.node_name, ops)
-    replaced = mutations.set_env_everywhere(pod, device_env(allocation.devices, device_ids), ops)
+    entries = [*device_env(allocation.devices, device_ids), *extra_env]
+    replaced = mutations.set_env_everywhere(pod, entries, ops)
     uuids = ",".join(d.uuid for d in allocation.devices)
     mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
     return ops, replaced
 
 
-def edit_gated(pod: objects.Pod[Any], tolerations: Sequence[models.Toleration] = ()) -> list[mutations.Op]:
-    """The patch for a claim not allocated yet, in gate mode."""
+def edit_gated(
+    pod: objects.Pod[Any],
+    tolerations: Sequence[models.Toleration] = (),
+    extra_env: Sequence[dict[str, Any]] = (),
+) -> list[mutations.Op]:
+    """The patch for a claim not allocated yet, in gate mode. ``extra_env``: as ``edit_allocated``'s
+    (a claim that does not exist yet has none: its pod gets no MPS limits)."""
     ops: list[mutations.Op] = []
     mutations.add_tolerations(pod, tolerations, ops)
     # Only the controller may say which devices the pod gets: drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
     mutations.add_scheduling_gate(pod, ops)
     mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
-    mutations.set_env_everywhere(pod, _GATED_ENV, ops)
+    mutations.set_env_everywhere(pod, [*_GATED_ENV, *extra_env], ops)
     return ops

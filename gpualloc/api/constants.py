@@ -43,6 +43,7 @@ ANNOTATION_JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 # The node label strategy costOptimized reads by default (low, then medium, then high).
 LABEL_COST_TIER = f"{GROUP}/cost-tier"
+LABEL_SHARING = f"{GROUP}/sharing"  # on a Node: how its agent offers its GPUs (TimeSlicing-4, MPS-2, None)
 
 # Enumerations.
 PHASE_PENDING = "Pending"
@@ -73,6 +74,8 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
 EXCLUSIVITIES = ("Exclusive", "Shared", "MIG")
+SHARING_STRATEGIES = ("TimeSlicing", "MPS")
+MAX_SHARING_SLOTS = 64  # claims on one shared GPU at most (the agent's --sharing, maxClaimsPerGPU)
 POLICIES = ("packed", "spread", "contiguous", "preferIds")
 TOPOLOGY_MODES = ("Required", "Preferred", "Ignore")
 STRATEGIES = ("binpack", "spread", "leastLoaded", "bestFit", "random", "roundRobin", "costOptimized")
@@ -98,6 +101,12 @@ def lease_name(uuid: str) -> str:
     of the old ``MIG-GPU-…/gi/ci`` form carry slashes, which are folded to ``-``.
     """
     return "gpu-" + _LEASE_UNSAFE.sub("-", uuid.lower())
+
+
+def slot_id(uuid: str, slot: int) -> str:
+    """The lock id of slot ``slot`` of a shared GPU: ``<uuid>-s<slot>``, so its Lease is
+    ``gpu-<uuid>-s<slot>`` (``lease_name``)."""
+    return f"{uuid}-s{slot}"
 
 
 LABEL_VALUE_MAX = 63

@@ -98,7 +98,7 @@ def body(
 def device_lease(
     namespace: str,
     *,
-    uuid: str,
+    lock_id: str,
     node: str,
     claim_namespace: str,
     claim_name: str,
@@ -106,10 +106,11 @@ def device_lease(
     claim_resource_version: str,
     now: datetime.datetime,
 ) -> Obj:
-    """The Lease that locks device ``uuid`` for a claim (created by one allocation attempt)."""
+    """The Lease that locks a device (its UUID, or a shared GPU's slot: ``models.DeviceRef.lock_id``)
+    for a claim (created by one allocation attempt)."""
     return body(
         namespace,
-        constants.lease_name(uuid),
+        constants.lease_name(lock_id),
         holder=claim_uid,
         labels={
             constants.LABEL_NODE: node,

@@ -24,6 +24,18 @@ def json_name(name: str) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SharingRequest:
+    """How a ``Shared`` claim shares its GPUs: the GPUs' strategy, and at most how many claims
+    (this one included) may hold each of them (None: as many as the GPU has slots)."""
+
+    strategy: str = "TimeSlicing"  # TimeSlicing | MPS
+    max_claims_per_gpu: int | None = dataclasses.field(default=None, metadata=json_name("maxClaimsPerGPU"))
+    compute_percent: int | None = None  # MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    # MPS: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for each of its GPUs
+    memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("memoryMiB"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceRequest:
     count: int
     exclusivity: str = "Exclusive"
@@ -33,6 +45,7 @@ class DeviceRequest:
     min_memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("minMemoryMiB"))
     min_compute_capability: str | None = None
     mig_profile: str = ""  # exclusivity MIG: the acceptable profiles, comma-separated ("" any)
+    sharing: SharingRequest | None = None  # exclusivity Shared: how (None: time-slicing, any sharers)
 
     @property
     def mig_profiles(self) -> tuple[str, ...]:
@@ -115,6 +128,12 @@ class DeviceRef:
     index: int
     minor: int
     uuid: str
+    slot: int | None = None  # a slot of a shared GPU (exclusivity Shared)
+
+    @property
+    def lock_id(self) -> str:
+        """What its Lease is named from: the UUID, or the UUID and slot of a shared GPU."""
+        return self.uuid if self.slot is None else constants.slot_id(self.uuid, self.slot)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +231,16 @@ class MigInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSharing:
+    """A GPU the node's agent offers to ``Shared`` claims: up to ``replicas`` of them at once, by
+    ``strategy`` (the agent's ``--sharing``). Such a GPU is never handed out whole."""
+
+    strategy: str  # TimeSlicing | MPS
+    replicas: int
+    in_use: int = 0  # slots whose Lease is held, as the agent saw last
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Device:
     index: int
     minor: int
@@ -226,11 +255,24 @@ class Device:
     pcie_generation: int = 0
     pcie_width: int = 0
     mig: MigInfo | None = None
+    sharing: DeviceSharing | None = None  # shared by up to ``replicas`` Shared claims (not in MIG mode)
 
     @property
-    def uuids(self) -> tuple[str, ...]:
-        """Its UUID, then its MIG instances': one piece of silicon, whichever is handed out."""
-        return (self.uuid, *(m.uuid for m in (self.mig.devices if self.mig is not None else ())))
+    def shared(self) -> bool:
+        return self.sharing is not None and not (self.mig is not None and self.mig.enabled)
+
+    @property
+    def lock_ids(self) -> tuple[str, ...]:
+        """What its Leases are named from: its UUID, then its MIG instances' UUIDs, then its sharing
+        slots (``constants.slot_id``). One piece of silicon, whichever is handed out."""
+        instances = tuple(m.uuid for m in (self.mig.devices if self.mig is not None else ()))
+        slots = tuple(self.slot_ids) if self.shared else ()
+        return (self.uuid, *instances, *slots)
+
+    @property
+    def slot_ids(self) -> tuple[str, ...]:
+        replicas = self.sharing.replicas if self.sharing is not None else 0
+        return tuple(constants.slot_id(self.uuid, k) for k in range(replicas))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from kubernetes_asyncio.client import ApiClient
 
 from controller import main as controller_main
-from gpualloc.api import constants
+from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors, leases, resources, transport
 
 T = TypeVar("T")
@@ -166,6 +166,36 @@ async def create_ready_node(api: ApiClient, name: str, labels: dict[str, str]) -
         content_type=transport.MERGE_PATCH,
     )
     return node
+
+
+async def publish_simulated_node(
+    api: ApiClient, name: str, run: str, profile: str, sharing: models.DeviceSharing | None = None
+) -> models.NodeInventory:
+    """A ready Node and the GpuNodeStatus the simulated agent publishes for ``profile`` (with
+    ``--sharing``, when given); its inventory."""
+    from agent import inventory, simulated
+
+    await create_ready_node(api, name, {constants.HOSTNAME_LABEL: name, RUN_LABEL: run})
+    scanned = simulated.SimulatedSource(simulated.load_profile(profile), name).scan()
+    inv = inventory.derive(scanned, sharing=sharing)
+    crs = resources.CustomResources(api)
+    status = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.NODE_STATUS_KIND,
+        "metadata": {"name": name},
+        "spec": {"nodeName": name},
+    }
+    await retry_unavailable(lambda: crs.create_node_status(status))
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        **codecs.encode(inv),
+        "lastHeartbeatTime": now,
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "Publishing", "lastTransitionTime": now}
+        ],
+    }
+    await crs.patch_node_status_status(name, {"status": body})
+    return inv
 
 
 async def delete_gpu_node(api: ApiClient, name: str) -> None:

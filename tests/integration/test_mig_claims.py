@@ -3,24 +3,20 @@ publishes the a100-mig profile (GPU 0 split into 3g.20gb + 2g.10gb + 2 x 1g.5gb,
 
 from __future__ import annotations
 
-import datetime
 import uuid
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
-from agent import inventory, simulated
-from gpualloc.api import codecs, constants, leases
+from gpualloc.api import constants, leases, models
 from gpualloc.kube import resources, transport
 from tests.integration.controller_support import (
-    RUN_LABEL,
     claim_body,
     controller_argv,
-    create_ready_node,
     delete_gpu_node,
     device_leases,
     get_claim,
-    retry_unavailable,
+    publish_simulated_node,
     running_controller,
     wait_for,
     wait_phase,
@@ -28,28 +24,9 @@ from tests.integration.controller_support import (
 from tests.integration.test_controller_gate import gated_pod
 
 
-async def publish_mig_node(api: ApiClient, name: str, run: str) -> Any:
+async def publish_mig_node(api: ApiClient, name: str, run: str) -> models.NodeInventory:
     """The Node and the GpuNodeStatus the agent publishes for the a100-mig profile; its inventory."""
-    await create_ready_node(api, name, {constants.HOSTNAME_LABEL: name, RUN_LABEL: run})
-    inv = inventory.derive(simulated.SimulatedSource(simulated.load_profile("a100-mig"), name).scan())
-    crs = resources.CustomResources(api)
-    status = {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.NODE_STATUS_KIND,
-        "metadata": {"name": name},
-        "spec": {"nodeName": name},
-    }
-    await retry_unavailable(lambda: crs.create_node_status(status))
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = {
-        **codecs.encode(inv),
-        "lastHeartbeatTime": now,
-        "conditions": [
-            {"type": "Ready", "status": "True", "reason": "Publishing", "lastTransitionTime": now}
-        ],
-    }
-    await crs.patch_node_status_status(name, {"status": body})
-    return inv
+    return await publish_simulated_node(api, name, run, "a100-mig")
 
 
 def mig_claim(name: str, count: int, run: str, profile: str = "") -> dict[str, Any]:
@@ -136,17 +113,30 @@ async def test_a_mig_claim_gets_an_instance_uuid_its_lease_and_its_pod_while_who
         await delete_gpu_node(api, node)
 
 
-async def test_the_crd_keeps_mig_profiles_to_mig_claims_and_refuses_shared(
+async def test_the_crd_keeps_mig_profiles_to_mig_claims_and_sharing_to_shared_claims(
     api: ApiClient, namespace: str
 ) -> None:
     crs = resources.CustomResources(api)
     wrong = claim_body("wrong", 1, run="x")
     wrong["spec"]["devices"]["migProfile"] = "1g.5gb"
+
+    def asking(name: str, **devices: Any) -> dict[str, Any]:
+        return {**mig_claim(name, 1, "x"), "spec": {"devices": {"count": 1, **devices}}}
+
     for body, message in (
         (wrong, "migProfile is only used with exclusivity MIG"),
+        (asking("sharing", sharing={}), "sharing is only used with exclusivity Shared"),
         (
-            {**mig_claim("shared", 1, "x"), "spec": {"devices": {"count": 1, "exclusivity": "Shared"}}},
-            "Shared is reserved",
+            asking("limits", exclusivity="Shared", sharing={"computePercent": 50}),
+            "computePercent and memoryMiB are MPS limits; use them with strategy MPS",
+        ),
+        (
+            asking("pinned", exclusivity="Shared", policy="preferIds", preferIds=[0]),
+            "policy preferIds names whole GPUs; use it with exclusivity Exclusive",
+        ),
+        (
+            asking("crowd", exclusivity="Shared", sharing={"maxClaimsPerGPU": 65}),
+            "spec.devices.sharing.maxClaimsPerGPU",
         ),
         (mig_claim("bad", 1, "x", "one-slice"), "spec.devices.migProfile"),
     ):

@@ -11,12 +11,14 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from gpualloc.api import models
 from gpualloc.kube import transport
 from tests.integration.controller_support import (
     RUN_LABEL,
     controller_argv,
     create_gpu_node,
     delete_gpu_node,
+    publish_simulated_node,
     running_controller,
     wait_phase,
 )
@@ -51,6 +53,9 @@ SEED_CLAIMS: list[dict[str, Any]] = [
             "gangRef": "podgroup-a",
         },
     },
+    # "Advanced Usage": a shared GPU, and (its API reference) a MIG instance.
+    {"metadata": {"name": "shared-gpu"}, "spec": {"devices": {"count": 1, "exclusivity": "Shared"}}},
+    {"metadata": {"name": "mig-slice"}, "spec": {"devices": {"count": 1, "exclusivity": "MIG"}}},
 ]
 
 
@@ -65,6 +70,13 @@ async def test_seed_004_claims_apply_strictly_and_are_allocated(
     }
     for name, labels in nodes.items():
         await create_gpu_node(api, name, labels={RUN_LABEL: run, **labels})
+    # A node whose agent shares its GPUs by time-slicing, and one with a GPU in MIG mode.
+    shared, mig = f"s4-{run}-shared", f"s4-{run}-mig"
+    await publish_simulated_node(
+        api, shared, run, "a100-pcie-4-nvlink", models.DeviceSharing(strategy="TimeSlicing", replicas=2)
+    )
+    await publish_simulated_node(api, mig, run, "a100-mig")
+    nodes.update({shared: {}, mig: {}})
     try:
         async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
             path = f"/apis/gpu.scheduling/v1/namespaces/{namespace}/gpuclaims"
@@ -85,6 +97,9 @@ async def test_seed_004_claims_apply_strictly_and_are_allocated(
         assert sorted(d["index"] for d in placed["pinned-gpus"]["devices"]) == [0, 1]
         assert placed["tight"]["minBandwidthGBps"] >= 600
         assert len(placed["multi-gpu"]["devices"]) == 4
+        assert placed["shared-gpu"]["nodeName"] == shared and placed["shared-gpu"]["devices"][0]["slot"] == 0
+        assert placed["mig-slice"]["nodeName"] == mig
+        assert placed["mig-slice"]["devices"][0]["uuid"].startswith("MIG-")
     finally:
         for name in nodes:
             await delete_gpu_node(api, name)

@@ -74,7 +74,7 @@ def test_the_index_equals_views_built_afresh_after_every_event(steps: list[tuple
             node, index = args
             body = leases.device_lease(
                 "gpualloc-system",
-                uuid=uuid(node, index),
+                lock_id=uuid(node, index),
                 node=f"n{node}",
                 claim_namespace="ns",
                 claim_name="x",

@@ -319,3 +319,32 @@ def test_product_summary_counts_each_product_in_index_order() -> None:
         for i, p in enumerate(["A100", "A100", "H100", "A100"])
     ]
     assert inventory.product_summary(devices) == "3x A100, 1x H100"
+
+
+def test_sharing_offers_every_gpu_not_in_mig_mode_and_counts_its_held_slots() -> None:
+    source = simulated.SimulatedSource(simulated.load_profile("a100-mig"), "mig-node")
+    offered = inventory.parse_sharing("MPS:3")
+    assert offered == models.DeviceSharing(strategy="MPS", replicas=3)
+    split, whole = inventory.derive(source.scan(), sharing=offered).devices
+    assert split.sharing is None and not split.shared  # in MIG mode: its instances, never slots
+    assert whole.sharing == offered and whole.shared
+    assert whole.lock_ids == (whole.uuid, *(constants.slot_id(whole.uuid, k) for k in range(3)))
+    held = {constants.slot_id(whole.uuid, 0), constants.slot_id(whole.uuid, 2)}
+    inv = inventory.derive(source.scan(), sharing=offered, held=held)
+    assert inv.devices[1].sharing == models.DeviceSharing(strategy="MPS", replicas=3, in_use=2)
+    assert inv.allocated == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("Fair:4", "sharing strategy 'Fair' is not one of TimeSlicing, MPS"),
+        ("MPS", "sharing slots '' must be a number from 1 to 64"),
+        ("TimeSlicing:0", "sharing slots '0' must be a number from 1 to 64"),
+        ("TimeSlicing:65", "sharing slots '65' must be a number from 1 to 64"),
+    ],
+)
+def test_a_wrong_sharing_setting_is_refused_saying_what_is_wrong(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        inventory.parse_sharing(text)
+    assert inventory.parse_sharing("") is None

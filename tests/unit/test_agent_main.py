@@ -10,7 +10,7 @@ import prometheus_client
 import pytest
 
 from agent import health, main, nvml, simulated
-from gpualloc.api import constants
+from gpualloc.api import constants, models
 from tests.unit import fake_pynvml as fake
 
 
@@ -160,6 +160,52 @@ async def test_leases_of_this_nodes_devices_set_allocated_and_the_lease_gauges()
         f'gpualloc_gpu_allocated{{gpu="0",node="sim-1",product="NVIDIA A100 80GB PCIe",'
         f'uuid="{uuids[0]}"}} 0.0' in text
     )
+
+
+def _slot_lease(uuid: str, slot: int, claim: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": constants.lease_name(constants.slot_id(uuid, slot)),
+            "labels": {constants.LABEL_NODE: "sim-1", constants.LABEL_CLAIM_NAME: claim},
+        },
+        "spec": {"holderIdentity": f"uid-{claim}"},
+    }
+
+
+async def test_slot_leases_of_a_shared_gpu_are_counted_in_use_and_the_gpu_allocated() -> None:
+    agent = _sim_agent("--sharing", "MPS:4")
+    await agent.scan_once()
+    gpu = agent.desired().devices[2]
+    assert gpu.sharing == models.DeviceSharing(strategy="MPS", replicas=4)
+    held = {f"ns/{k}": _slot_lease(gpu.uuid, k, f"c{k}") for k in (0, 3)}
+    agent.leases = types.SimpleNamespace(cache=held)  # type: ignore[assignment]
+    agent._on_lease("ADDED", held["ns/0"])
+    inv = agent.desired()
+    assert inv.devices[2].sharing == models.DeviceSharing(strategy="MPS", replicas=4, in_use=2)
+    assert inv.allocated == 1
+
+
+@pytest.mark.parametrize(
+    ("label", "flag", "want"),
+    [
+        ("TimeSlicing-2", "MPS:4", models.DeviceSharing(strategy="TimeSlicing", replicas=2)),
+        ("None", "MPS:4", None),
+        ("Fair-2", "MPS:4", models.DeviceSharing(strategy="MPS", replicas=4)),  # wrong: the flag stays
+        (None, "MPS:4", models.DeviceSharing(strategy="MPS", replicas=4)),
+    ],
+)
+async def test_the_nodes_sharing_label_overrides_the_flag(
+    label: str | None, flag: str, want: models.DeviceSharing | None
+) -> None:
+    agent = _sim_agent("--sharing", flag)
+    labels = {constants.LABEL_SHARING: label} if label is not None else {}
+
+    async def node(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": labels}}
+
+    agent.lookup_node = node  # type: ignore[method-assign]
+    await agent.read_sharing_label()
+    assert agent.sharing == want
 
 
 async def test_metrics_expose_dcgm_like_per_gpu_gauges_health_and_scan_histogram() -> None:

@@ -144,6 +144,7 @@ def claim(
     created: str = "2025-01-01T00:00:00Z",
     exclusivity: str = "Exclusive",
     mig_profile: str = "",
+    sharing: models.SharingRequest | None = None,
 ) -> models.GpuClaim:
     return models.GpuClaim(
         metadata=models.ObjectMeta(name=name, namespace=namespace, creation_timestamp=created),
@@ -152,6 +153,7 @@ def claim(
                 count=count,
                 exclusivity=exclusivity,
                 mig_profile=mig_profile,
+                sharing=sharing,
                 policy=policy,
                 prefer_ids=tuple(prefer_ids),
                 product=product,
@@ -497,7 +499,7 @@ def test_a_mig_claim_gets_instances_of_its_profile_packed_in_placement_order() -
     anything = allocator.allocate(claim(1, exclusivity="MIG"), views)
     assert mig_picked(anything) == ("m", ("MIG-m-0-1",))
     # Taken instances are skipped (the caller marks every instance of a GPU held whole taken).
-    held = {"MIG-m-0-3", "MIG-m-0-0", *mig_box("m").devices[1].uuids}
+    held = {"MIG-m-0-3", "MIG-m-0-0", *mig_box("m").devices[1].lock_ids}
     busy = [dataclasses.replace(views[0], taken=frozenset(held))]
     assert not allocator.allocate(claim(1, exclusivity="MIG", mig_profile="1g.5gb"), busy).ok
     spare = [dataclasses.replace(views[0], taken=frozenset({"MIG-m-0-3", "MIG-m-0-0", "GPU-m-0"}))]
@@ -519,6 +521,79 @@ def test_a_mig_claim_that_fits_nowhere_says_why() -> None:
     assert d.per_node["m"] == "4 of 8 MIG instances usable (0 taken or unhealthy); need 5"
     pinned = allocator.allocate(claim(1, exclusivity="MIG", policy="preferIds", prefer_ids=[0]), views)
     assert pinned.reason == "policy preferIds names whole GPUs; a MIG claim cannot use it"
+
+
+def shared_box(name: str, slots: int = 4, strategy: str = "TimeSlicing", n: int = 4) -> models.NodeInventory:
+    """``n`` GPUs the agent offers with ``--sharing <strategy>:<slots>``; GPU 0 in MIG mode (not shared)."""
+    inv = nvswitch(name, n)
+    offered = models.DeviceSharing(strategy=strategy, replicas=slots)
+    return dataclasses.replace(
+        inv,
+        devices=tuple(
+            dataclasses.replace(d, mig=models.MigInfo(enabled=True))
+            if d.index == 0
+            else dataclasses.replace(d, sharing=offered)
+            for d in inv.devices
+        ),
+    )
+
+
+def shared(
+    count: int = 1, *, most: int | None = None, strategy: str = "TimeSlicing", **kw: Any
+) -> models.GpuClaim:
+    request = models.SharingRequest(strategy=strategy, max_claims_per_gpu=most)
+    return claim(count, exclusivity="Shared", sharing=request, **kw)
+
+
+def slots_of(decision: allocator.Decision) -> list[tuple[int, int | None]]:
+    return [(d.index, d.slot) for a in decision.allocations for d in a.devices]
+
+
+def hold(view: allocator.NodeView, decision: allocator.Decision) -> allocator.NodeView:
+    """The view once the decision's Leases exist (``views.taken_on``'s closure: the GPU too)."""
+    held = {lock for a in decision.allocations for d in a.devices for lock in (d.lock_id, d.uuid)}
+    return dataclasses.replace(view, taken=view.taken | held)
+
+
+def test_shared_claims_fill_one_gpu_slot_by_slot_and_the_fifth_goes_elsewhere() -> None:
+    view = node("s", shared_box("s", slots=4))
+    got = []
+    for _ in range(5):
+        decision = allocator.allocate(shared(most=4), [view])
+        got += slots_of(decision)
+        view = hold(view, decision)
+    # The fullest shared GPU first: GPU 1's four slots, then GPU 2 (GPU 0 is in MIG mode).
+    assert got == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]
+    lease = {d.lock_id for d in decision.allocations[0].devices}
+    assert lease == {"GPU-s-2-s0"}
+
+
+def test_a_shared_gpu_is_never_given_whole_nor_to_a_claim_that_wants_fewer_sharers() -> None:
+    views = [node("s", shared_box("s", slots=4))]
+    whole = allocator.allocate(claim(1), views)
+    assert whole.per_node["s"] == (
+        "0 of 4 GPUs usable (1 in MIG mode (use a MIG claim), 3 shared (use a Shared claim)); need 1"
+    )
+    fewer = allocator.allocate(shared(most=2), views)
+    assert fewer.reason == "0/1 nodes fit: 1 has no GPU shared by TimeSlicing of at most 2 claims"
+    mps = allocator.allocate(shared(strategy="MPS"), views)
+    assert mps.reason == "0/1 nodes fit: 1 has no GPU shared by MPS"
+    pinned = allocator.allocate(claim(1, policy="preferIds", prefer_ids=[2]), views)
+    assert pinned.per_node["s"] == "preferIds 2: 2 shared (use a Shared claim); 0 usable, need 1"
+
+
+def test_a_shared_claim_takes_no_slot_of_a_gpu_held_whole_and_its_replicas_use_different_gpus() -> None:
+    view = node("s", shared_box("s", slots=2))
+    gpu1 = shared_box("s", slots=2).devices[1]
+    held_whole = dataclasses.replace(view, taken=view.taken | set(gpu1.lock_ids))
+    assert slots_of(allocator.allocate(shared(), [held_whole])) == [(2, 0)]
+    # A gang's replicas are separate workers: each gets GPUs of its own, never another slot of a
+    # GPU an earlier replica took; three shared GPUs cannot hold two replicas of two.
+    assert allocator.allocate(shared(2, replicas=2), [view]).reason.startswith("only 1 of 2 replicas fit")
+    five = node("s", shared_box("s", slots=2, n=5))
+    assert slots_of(allocator.allocate(shared(2, replicas=2), [five])) == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    full = allocator.allocate(shared(4), [view])
+    assert full.reason == "0/1 nodes fit: 1 has fewer than 4 TimeSlicing GPUs with a free slot"
 
 
 def test_a_node_tainted_against_the_claim_is_skipped_and_explained() -> None:
@@ -611,7 +686,7 @@ def test_no_nodes_and_invalid_claims_give_actionable_reasons() -> None:
     assert allocator.allocate(claim(1), []).reason == "0/0 nodes fit: no GPU nodes are known"
     nodes = [node("n", nvswitch("n"))]
     assert allocator.allocate(claim(1, exclusivity="Shared"), nodes).reason == (
-        "exclusivity Shared is not supported yet; use Exclusive or MIG"
+        "0/1 nodes fit: 1 has no GPU shared by TimeSlicing"
     )
     assert allocator.allocate(claim(0), nodes).reason == "devices.count must be at least 1 (got 0)"
     assert "minComputeCapability" in allocator.allocate(claim(1, min_cc="nine"), nodes).reason

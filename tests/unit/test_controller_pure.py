@@ -166,16 +166,16 @@ def test_pending_order_is_priority_then_age_then_name() -> None:
 def test_lock_plan_covers_every_device_of_every_replica_sorted_by_uuid() -> None:
     allocations = [alloc(0, "n2", 2, (3, 1)), alloc(1, "n1", 1, (0,))]
     plan = locking.lock_plan(allocations)
-    assert [i.uuid for i in plan] == sorted([uuid(2, 3), uuid(2, 1), uuid(1, 0)])
-    assert all(i.lease == constants.lease_name(i.uuid) for i in plan)
-    assert {i.uuid: i.node for i in plan}[uuid(1, 0)] == "n1"
+    assert [i.lock_id for i in plan] == sorted([uuid(2, 3), uuid(2, 1), uuid(1, 0)])
+    assert all(i.lease == constants.lease_name(i.lock_id) for i in plan)
+    assert {i.lock_id: i.node for i in plan}[uuid(1, 0)] == "n1"
 
 
 def device_lease(item: locking.LockItem, c: models.GpuClaim) -> dict[str, Any]:
     meta = c.metadata
     return leases.device_lease(
         "gpualloc-system",
-        uuid=item.uuid,
+        lock_id=item.lock_id,
         node=item.node,
         claim_namespace=meta.namespace,
         claim_name=meta.name,
@@ -669,3 +669,13 @@ def test_a_gpu_and_its_mig_instances_are_taken_together_as_one_piece_of_silicon(
     # The GPU held whole: every instance with it.
     assert views.taken_on(inv, {"GPU-a"}.__contains__) == {"GPU-a", *(m.uuid for m in instances)}
     assert views.taken_on(inv, {"GPU-b"}.__contains__) == {"GPU-b"}
+
+
+def test_a_shared_gpus_slot_is_locked_by_a_lease_of_its_own() -> None:
+    gpu = uuid(1, 0)
+    shared = models.Allocation(
+        replica=0, node_name="n1", devices=(models.DeviceRef(index=0, minor=0, uuid=gpu, slot=2),)
+    )
+    (item,) = locking.lock_plan([shared])
+    assert item.lock_id == f"{gpu}-s2"
+    assert item.lease == f"gpu-{gpu.lower()}-s2"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpualloc import views
-from gpualloc.api import codecs, models
+from gpualloc.api import codecs, constants, models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -66,8 +66,8 @@ def test_nodes_table_counts_allocated_free_and_unhealthy_devices() -> None:
     node = _node("gpu-a", 4, unhealthy=3)
     out = views.format_nodes([node], {_uuid(0): "ns/c"}, NOW)
     header, row = out.splitlines()
-    assert header.split()[:6] == ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE", "MIG"]
-    assert row.split()[:6] == ["gpu-a", "4", "3", "1", "2", "-"]
+    assert header.split()[:7] == ["NODE", "GPUS", "HEALTHY", "ALLOCATED", "FREE", "MIG", "SHARED"]
+    assert row.split()[:7] == ["gpu-a", "4", "3", "1", "2", "-", "-"]
     assert "[0,1]" in row and "30s" in row
 
 
@@ -85,6 +85,19 @@ def test_nodes_table_counts_a_gpu_with_a_held_mig_instance_allocated_and_its_fre
     row = out.splitlines()[1].split()
     # GPU 0 (split, one instance held) and GPU 1 (whole) allocated; GPU 2 free; 3 of 4 instances open.
     assert row[:6] == ["gpu-m", "3", "3", "2", "1", "3/4"]
+
+
+def test_nodes_table_shows_the_slots_in_use_of_shared_gpus_and_counts_them_allocated() -> None:
+    node = _node("gpu-s", 3)
+    offered = models.DeviceSharing(strategy="MPS", replicas=4)
+    shared = tuple(dataclasses.replace(d, sharing=offered) for d in node.status.devices[:2])
+    node = dataclasses.replace(
+        node, status=dataclasses.replace(node.status, devices=(*shared, node.status.devices[2]))
+    )
+    held = {constants.slot_id(_uuid(0), 0): "ns/a", constants.slot_id(_uuid(0), 3): "ns/b"}
+    row = views.format_nodes([node], held, NOW).splitlines()[1].split()
+    # GPU 0 (two slots held) allocated; GPU 2 the only whole GPU, free; 2 of 8 slots in use.
+    assert row[:7] == ["gpu-s", "3", "3", "1", "1", "-", "2/8"]
 
 
 def test_claims_table_shows_reason_only_while_not_allocated() -> None:

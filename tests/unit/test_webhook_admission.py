@@ -744,3 +744,40 @@ def test_mutations_display_name_falls_back_without_name() -> None:
     generated = objects.Pod(metadata=objects.ObjectMeta(generate_name="g-"))
     assert mutations.display_name(generated) == "g-<generated>"
     assert mutations.display_name(objects.Pod()) == "<unnamed pod>"
+
+
+def mps_claim(phase: str = constants.PHASE_ALLOCATED, **sharing: Any) -> models.GpuClaim:
+    claim = make_claim(phase=phase)
+    devices = dataclasses.replace(
+        claim.spec.devices, exclusivity="Shared", sharing=models.SharingRequest(**sharing)
+    )
+    return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, devices=devices))
+
+
+@pytest.mark.parametrize("phase", [constants.PHASE_ALLOCATED, constants.PHASE_PENDING])
+def test_an_mps_claims_pods_get_its_compute_and_memory_limits_in_every_container(phase: str) -> None:
+    pod = make_pod(
+        containers=[
+            {"name": "main", "image": "cuda"},
+            {
+                "name": "side",
+                "image": "cuda",
+                "env": [{"name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100"}],
+            },
+        ],
+        init=[{"name": "prep", "image": "cuda"}],
+    )
+    claim = mps_claim(phase, strategy="MPS", compute_percent=25, memory_mib=10240)
+    out = patched(pod, answer(pod, claim, options=admission.Options(pending="gate")))
+    for container in all_containers(out):
+        env = env_of(container)
+        # A value the pod set itself is replaced: the limit is the claim's.
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25", container["name"]
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M,1=10240M", container["name"]
+
+
+def test_time_sliced_and_limitless_mps_claims_get_no_mps_env() -> None:
+    pod = make_pod()
+    for claim in (mps_claim(strategy="TimeSlicing"), mps_claim(strategy="MPS"), make_claim()):
+        for container in all_containers(patched(pod, answer(pod, claim))):
+            assert not [name for name in env_of(container) if name.startswith("CUDA_MPS_")]
