@@ -1,9 +1,12 @@
 """What must hold in the simulated cluster: after every step (1-3), and once settled (4).
 
-1. No device is listed by two live claims' statuses, nor one piece of silicon: a GPU
-   listed whole by one live claim and a MIG instance of it by another.
+1. No device (a GPU, a MIG instance, a slot of a shared GPU) is listed by two
+   live claims' statuses, nor one piece of silicon: a GPU listed whole by one
+   live claim and a MIG instance or a slot of it by another. A slot listed is
+   one its GPU has (0..slots-1), so no more live claims than slots hold a GPU.
 2. Every device a live Allocated claim lists has a Lease (Terminating counts)
-   held by it (``holderIdentity`` is the claim's uid).
+   held by it (``holderIdentity`` is the claim's uid): ``gpu-<uuid>``, or
+   ``gpu-<uuid>-s<slot>`` for a slot.
 3. No claim in use is released: while a pod that was given a claim's devices is
    not terminal (Succeeded or Failed), the claim it is bound to exists, and
    Leases held by it exist for every device the claim lists and the pod uses.
@@ -28,11 +31,14 @@ That another claim then takes the GPU is not exempt (1, or 2's "held by").
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from gpualloc.api import constants
 from tests.simulation import model
+
+_SLOT = re.compile(r"GPU-[0-9a-f-]+-s[0-9]+")  # a slot's lock id (``constants.slot_id``)
 
 
 class Violation(Exception):
@@ -45,20 +51,25 @@ class Violation(Exception):
 
 
 def listed_devices(claim: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """(uuid, node, index) of every device a claim's status lists."""
+    """(lock id, node, index) of every device a claim's status lists: its UUID, or for a slot of a
+    shared GPU ``constants.slot_id(uuid, slot)``."""
     for alloc in (claim.get("status") or {}).get("allocations") or []:
         for device in alloc.get("devices") or []:
-            yield str(device.get("uuid")), str(alloc.get("nodeName")), int(device.get("index", -1))
+            uuid, slot = str(device.get("uuid")), device.get("slot")
+            lock = uuid if slot is None else constants.slot_id(uuid, int(slot))
+            yield lock, str(alloc.get("nodeName")), int(device.get("index", -1))
 
 
-def _mig_parents(server: model.ApiServer) -> dict[str, str]:
-    """MIG instance UUID -> its GPU's UUID, from the published GpuNodeStatuses."""
-    out = {}
+def _parents(server: model.ApiServer) -> dict[str, str]:
+    """MIG instance UUID or slot lock id -> its GPU's UUID, from the published GpuNodeStatuses."""
+    parent = {}
     for status in server.objects["node_statuses"].values():
         for device in (status.get("status") or {}).get("devices") or []:
             for instance in (device.get("mig") or {}).get("devices") or []:
-                out[str(instance["uuid"])] = str(device["uuid"])
-    return out
+                parent[str(instance["uuid"])] = str(device["uuid"])
+            for k in range(int((device.get("sharing") or {}).get("replicas", 0))):
+                parent[constants.slot_id(str(device["uuid"]), k)] = str(device["uuid"])
+    return parent
 
 
 def _holder(lease: dict[str, Any]) -> str:
@@ -118,8 +129,8 @@ def _product_matches(uuid: str, pattern: str) -> bool:
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
     owners: dict[str, str] = {}
-    parent = _mig_parents(server)
-    silicon: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing it or one of its instances
+    parent = _parents(server)
+    silicon: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing it or a part of it
     for key, claim in sorted(server.objects["claims"].items()):
         if model.meta(claim).get("deletionTimestamp"):
             continue
@@ -146,8 +157,12 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
             raise Violation(
                 1,
                 f"GPU {label.get(gpu, gpu)} is listed whole by {owners[gpu]} while "
-                f"{', '.join(sorted(keys - {owners[gpu]}))} list MIG instances of it",
+                f"{', '.join(sorted(keys - {owners[gpu]}))} list MIG instances or slots of it",
             )
+    for lock, key in sorted(owners.items()):
+        if _SLOT.fullmatch(lock) and lock not in parent:
+            # A shared GPU's slots are 0..replicas-1: so no more claims than slots hold it.
+            raise Violation(1, f"{key} lists {lock}, a slot that no GPU has")
     for pod_key, pod in sorted(server.objects["pods"].items()):
         phase = (pod.get("status") or {}).get("phase")
         if phase in model.TERMINAL_PHASES or model.is_gated(pod):
@@ -163,7 +178,9 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
                 3, f"claim {claim_key} ({admitted_for}) is gone while its pod {pod_key} is {phase}"
             )
         used = [u for u in str(annotations.get(constants.ANNOTATION_DEVICES) or "").split(",") if u]
-        for uuid in [u for u, _, _ in listed_devices(claim)] + used:
+        listed = [lock for lock, _, _ in listed_devices(claim)]
+        lock_of = {parent[lock]: lock for lock in listed if _SLOT.fullmatch(lock) and lock in parent}
+        for uuid in listed + [lock_of.get(u, u) for u in used]:
             problem = _lease_problem(server, uuid, admitted_for)
             if problem is not None:
                 raise Violation(

@@ -125,10 +125,12 @@ def inventory(
     ready: bool = True,
     unhealthy: Sequence[int] = (),
     mig: Sequence[int] = (),
+    shared: Mapping[int, int] | None = None,
 ) -> Obj:
     """The ``status`` of a GpuNodeStatus as the agent writes it, kept small: every controller parses
     it on start and on each change, and the locking races do not depend on the topology (one
-    NVLink island, no per-pair links). The GPUs ``mig`` are in MIG mode, split as ``MIG_SPLIT``."""
+    NVLink island, no per-pair links). The GPUs ``mig`` are in MIG mode, split as ``MIG_SPLIT``;
+    the GPUs ``shared`` (index -> slots) are offered to Shared claims by time-slicing."""
     bad = set(unhealthy)
     devices: list[Obj] = [
         {
@@ -141,6 +143,8 @@ def inventory(
         }
         for i in range(gpus)
     ]
+    for i, slots in (shared or {}).items():
+        devices[i]["sharing"] = {"strategy": "TimeSlicing", "replicas": slots}
     for i in mig:
         devices[i]["mig"] = {
             "enabled": True,
@@ -227,6 +231,7 @@ class ApiServer:
         self.pod_claim_uid: dict[str, str] = {}
         self.events_emitted = 0
         self.mig_gpus: dict[str, tuple[int, ...]] = {}  # node -> its GPUs in MIG mode (fixed)
+        self.shared_gpus: dict[str, dict[int, int]] = {}  # node -> its shared GPUs' slots (fixed)
 
     # ------------------------------------------------------------------ store and watches
 
@@ -603,7 +608,9 @@ class ApiServer:
 
     # ------------------------------------------------------------------ nodes
 
-    def add_gpu_node(self, name: str, gpus: int, mig: Sequence[int] = ()) -> None:
+    def add_gpu_node(
+        self, name: str, gpus: int, mig: Sequence[int] = (), shared: Mapping[int, int] | None = None
+    ) -> None:
         node = self._created(
             "nodes", {"metadata": {"name": name, "labels": {constants.HOSTNAME_LABEL: name}}}, "node"
         )
@@ -612,7 +619,10 @@ class ApiServer:
             "node_statuses", {"metadata": {"name": name}, "spec": {"nodeName": name}}, "gns"
         )
         self.mig_gpus[name] = tuple(mig)
-        status["status"] = inventory(name, gpus, now=self.clock(), mig=self.mig_gpus[name])
+        self.shared_gpus[name] = dict(shared or {})
+        status["status"] = inventory(
+            name, gpus, now=self.clock(), mig=self.mig_gpus[name], shared=self.shared_gpus[name]
+        )
         self._write("node_statuses", name, status)
 
     def set_node_status(self, name: str, *, ready: bool, unhealthy: Sequence[int]) -> None:
@@ -621,7 +631,13 @@ class ApiServer:
         gpus = int(old["status"]["total"])
         new = dict(old)
         new["status"] = inventory(
-            name, gpus, now=self.clock(), ready=ready, unhealthy=unhealthy, mig=self.mig_gpus.get(name, ())
+            name,
+            gpus,
+            now=self.clock(),
+            ready=ready,
+            unhealthy=unhealthy,
+            mig=self.mig_gpus.get(name, ()),
+            shared=self.shared_gpus.get(name),
         )
         self._write("node_statuses", name, new)
 

@@ -77,6 +77,7 @@ ACTIONS = frozenset(
         "reallocate",
         "preempt",
         "mig",
+        "shared",
         "tick",
     }
 )
@@ -489,6 +490,14 @@ class Simulation:
         self._mig_gpus: tuple[int, ...] = (
             (0,) if self._mig_rng is not None and self._mig_rng.random() < 0.5 else ()
         )
+        # Sharing (the last GPU of n0 offered to Shared claims with 2 or 3 slots in half the
+        # schedules; a third of the claims then ask for a slot), likewise.
+        self._shared_rng = None if "shared" in without else random.Random(seed ^ 0x5A4E)
+        self._shared_slots = (
+            self._shared_rng.choice((2, 3))
+            if self._shared_rng is not None and self._shared_rng.random() < 0.5
+            else 0
+        )
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -683,15 +692,21 @@ class Simulation:
         )
         for node in sc.nodes:
             mig = self._mig_gpus if node == "n1" else ()
-            self.server.add_gpu_node(node, sc.gpus, mig)
+            shared = {sc.gpus - 1: self._shared_slots} if node == "n0" and self._shared_slots else {}
+            self.server.add_gpu_node(node, sc.gpus, mig, shared)
             for i in range(sc.gpus):
                 uuid = model.gpu_uuid(node, i)
                 self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}"
                 for j, (profile, *_) in enumerate(model.MIG_SPLIT if i in mig else ()):
                     uuid = model.mig_uuid(node, i, j)
                     self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}/{profile}"
+                for k in range(shared.get(i, 0)):
+                    slot = constants.slot_id(model.gpu_uuid(node, i), k)
+                    self._labels[slot] = self._labels[constants.lease_name(slot)] = f"{node}/{i}/s{k}"
         if self._mig_gpus:
             self.log("sched", f"n1's GPU {self._mig_gpus[0]} is in MIG mode: {model.MIG_SPLIT}")
+        if self._shared_slots:
+            self.log("sched", f"n0's GPU {sc.gpus - 1} is shared by time-slicing, {self._shared_slots} slots")
         if self.quota is not None:
             self.server.create_quota("ns-a", "quota", self.quota)
             self.log("sched", f"ns-a has GpuQuota {self.quota}")
@@ -935,11 +950,19 @@ class Simulation:
             profile = self._mig_rng.choice(("", "1g.5gb", "3g.20gb"))
             if profile:
                 spec["devices"]["migProfile"] = profile
+        elif self._shared_slots and self._shared_rng is not None and self._shared_rng.random() < 0.35:
+            # At most 1 per GPU fits nowhere; at most the GPU's slots, or any, fits the shared GPU.
+            most = self._shared_rng.choice((None, None, self._shared_slots, 1))
+            sharing = {} if most is None else {"maxClaimsPerGPU": most}
+            spec["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": sharing}
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
         release = f", release {spec['release']}" if "release" in spec else ""
         if spec["devices"].get("exclusivity") == "MIG":  # type: ignore[attr-defined]
             release += f", MIG {spec['devices'].get('migProfile') or 'any profile'}"  # type: ignore[attr-defined]
+        if spec["devices"].get("exclusivity") == "Shared":  # type: ignore[attr-defined]
+            most = spec["devices"]["sharing"].get("maxClaimsPerGPU", "any")  # type: ignore[index]
+            release += f", Shared (at most {most} per GPU)"
         if "onNodeLoss" in spec:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
         if "priority" in spec:

@@ -274,7 +274,8 @@ def test_the_invariants_catch_a_gpu_listed_whole_and_its_mig_instance_by_another
         invariants.check_step(server, {gpu: "n1/0"})
     assert caught.value.number == 1
     assert (
-        caught.value.message == "GPU n1/0 is listed whole by ns/whole while ns/slice list MIG instances of it"
+        caught.value.message
+        == "GPU n1/0 is listed whole by ns/whole while ns/slice list MIG instances or slots of it"
     )
     # Two instances of one GPU, each to its own claim, are fine.
     server.delete_claim("ns", "whole")
@@ -293,6 +294,45 @@ def test_the_invariants_catch_a_gpu_listed_whole_and_its_mig_instance_by_another
         "ns", "other-slice", {"status": status}, resource_version=claim["metadata"]["resourceVersion"]
     )
     invariants.check_step(server, {})
+
+
+def _list(server: model.ApiServer, name: str, *devices: dict[str, Any]) -> None:
+    """Claim ``ns/name`` whose status lists ``devices`` on n0, as a controller would write it."""
+    claim = server.create_claim("ns", name, {"devices": {"count": len(devices)}})
+    status = {"phase": "Pending", "allocations": [{"replica": 0, "nodeName": "n0", "devices": list(devices)}]}
+    server.patch_claim_status(
+        "ns", name, {"status": status}, resource_version=claim["metadata"]["resourceVersion"]
+    )
+
+
+def test_the_invariants_catch_a_slot_a_gpu_lacks_a_slot_twice_and_a_gpu_whole_and_shared() -> None:
+    gpu = model.gpu_uuid("n0", 1)
+
+    def slot(k: int) -> dict[str, Any]:
+        return {"index": 1, "minor": 1, "uuid": gpu, "slot": k}
+
+    def caught(server: model.ApiServer) -> str:
+        with pytest.raises(invariants.Violation) as violation:
+            invariants.check_step(server, {gpu: "n0/1"})
+        assert violation.value.number == 1
+        return violation.value.message
+
+    server = _server()
+    server.add_gpu_node("n0", 2, shared={1: 2})
+    _list(server, "a", slot(0))
+    _list(server, "b", slot(1))
+    invariants.check_step(server, {})  # two claims on the GPU's two slots: fine
+    _list(server, "c", slot(2))
+    assert caught(server) == f"ns/c lists {gpu}-s2, a slot that no GPU has"  # a third claim: no slot
+    server.delete_claim("ns", "c")
+    _list(server, "d", slot(1))
+    assert "is listed by both ns/b and ns/d" in caught(server)
+    server.delete_claim("ns", "d")
+    _list(server, "whole", {"index": 1, "minor": 1, "uuid": gpu})
+    assert (
+        caught(server)
+        == "GPU n0/1 is listed whole by ns/whole while ns/a, ns/b list MIG instances or slots of it"
+    )
 
 
 def test_no_schedule_breaks_an_invariant() -> None:
