@@ -34,6 +34,7 @@ import dataclasses
 import heapq
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -44,7 +45,7 @@ import aiohttp
 import yaml
 from kubernetes_asyncio.client import ApiClient
 
-from gpualloc.api import constants
+from gpualloc.api import constants, models
 from gpualloc.devcluster import cluster
 from gpualloc.kube import errors, resources, transport, watching
 
@@ -224,13 +225,32 @@ def proxied_kubeconfig(source: Path, server: str, target: Path) -> Path:
 
 
 def recorded(claim: Mapping[str, Any]) -> list[str]:
-    """The GPU UUIDs a claim's status lists."""
+    """The lock ids a claim's status lists: GPU or MIG instance UUIDs, and slots of shared GPUs
+    (``constants.slot_id``)."""
     allocations = (claim.get("status") or {}).get("allocations") or []
-    return [d["uuid"] for a in allocations for d in a.get("devices") or []]
+    return [
+        d["uuid"] if d.get("slot") is None else constants.slot_id(d["uuid"], int(d["slot"]))
+        for a in allocations
+        for d in a.get("devices") or []
+    ]
+
+
+def silicon_of(inventories: Iterable[models.NodeInventory]) -> dict[str, str]:
+    """Lease name of each MIG instance and sharing slot -> the Lease name of its GPU (the same
+    silicon), from the published inventories."""
+    return {
+        constants.lease_name(part): constants.lease_name(device.uuid)
+        for inv in inventories
+        for device in inv.devices
+        for part in device.lock_ids[1:]
+    }
 
 
 def _lease_names(claim: Mapping[str, Any] | None) -> set[str]:
     return {constants.lease_name(u) for u in recorded(claim)} if claim else set()
+
+
+_PART = re.compile(r"gpu-(mig-.*|.*-s[0-9]+)")  # the Lease name of a MIG instance or a slot
 
 
 def _rv(obj: Mapping[str, Any]) -> int:
@@ -269,23 +289,38 @@ class Books:
       Preempted claim still lists (it lists them until its pods are evicted, and
       its Leases are released only after it stops listing them);
     * a claim that is neither Allocated nor Preempted lists no GPU, and no claim
-      lists one twice.
+      lists one twice;
+    * with ``silicon`` (``silicon_of``): no GPU is listed whole by one claim while
+      another lists a MIG instance or a slot of it, and no claim lists a slot or an
+      instance of a GPU that has none by that name.
 
     ``apply_*`` return what they touched, so that a check after an event looks
     only at the claims and Leases the event can affect.
     """
 
-    def __init__(self, *, label: str, value: str) -> None:
+    def __init__(self, *, label: str, value: str, silicon: Mapping[str, str] | None = None) -> None:
         self.label = label
         self.value = value
+        self.silicon = dict(silicon or {})  # a part's Lease name -> its GPU's
+        self._parts: dict[str, set[str]] = collections.defaultdict(set)  # a GPU's Lease name -> parts'
+        for part, gpu in self.silicon.items():
+            self._parts[gpu].add(part)
         self.claims: dict[str, Obj] = {}  # namespace/name -> claim
         self.leases: dict[str, Obj] = {}  # name -> device Lease
         self.other_leases: dict[str, Obj] = {}  # the election Lease, the tick
         self._listers: dict[str, set[str]] = collections.defaultdict(set)  # lease name -> claim keys
 
     @classmethod
-    def of(cls, claims: Iterable[Obj], leases: Iterable[Obj], *, label: str, value: str) -> Books:
-        books = cls(label=label, value=value)
+    def of(
+        cls,
+        claims: Iterable[Obj],
+        leases: Iterable[Obj],
+        *,
+        label: str,
+        value: str,
+        silicon: Mapping[str, str] | None = None,
+    ) -> Books:
+        books = cls(label=label, value=value, silicon=silicon)
         for claim in claims:
             books.apply_claim(watching.ADDED, claim)
         for lease in leases:
@@ -363,9 +398,26 @@ class Books:
 
     def lease_problems(self, name: str) -> list[str]:
         owners = sorted(k for k in self._listers.get(name, ()) if self._counts(k, name))
-        if len(owners) < 2:
-            return []
-        return [f"{name} is listed by {len(owners)} claims: {owners} (Lease held by {self.holder(name)!r})"]
+        problems = []
+        if len(owners) >= 2:
+            problems.append(
+                f"{name} is listed by {len(owners)} claims: {owners} (Lease held by {self.holder(name)!r})"
+            )
+        if owners and self.silicon and name not in self.silicon and _PART.fullmatch(name):
+            problems.append(f"{owners} list {name}, which no GPU has")
+        gpu = self.silicon.get(name, name)
+        whole = {k for k in self._listers.get(gpu, ()) if self._counts(k, gpu)}
+        parts = {
+            k
+            for part in self._parts.get(gpu, ())
+            for k in self._listers.get(part, ())
+            if self._counts(k, part)
+        }
+        if whole and parts - whole:
+            problems.append(
+                f"{gpu} is listed whole by {sorted(whole)} and in parts by {sorted(parts - whole)}"
+            )
+        return problems
 
     def problems(self, claims: Iterable[str] | None = None, leases: Iterable[str] | None = None) -> list[str]:
         """What breaks the invariants among ``claims`` and ``leases`` (default: everything)."""
@@ -392,11 +444,20 @@ class Mirror:
     Violations go to ``violations`` (and the timeline), each once; the test fails on them.
     """
 
-    def __init__(self, api: ApiClient, namespace: str, *, label: str, value: str, timeline: Timeline) -> None:
+    def __init__(
+        self,
+        api: ApiClient,
+        namespace: str,
+        *,
+        label: str,
+        value: str,
+        timeline: Timeline,
+        silicon: Mapping[str, str] | None = None,
+    ) -> None:
         self.api = api
         self.namespace = namespace
         self.timeline = timeline
-        self.books = Books(label=label, value=value)
+        self.books = Books(label=label, value=value, silicon=silicon)
         self.revision = 0
         self.violations: list[str] = []
         self.synced = asyncio.Event()

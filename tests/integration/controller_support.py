@@ -168,16 +168,24 @@ async def create_ready_node(api: ApiClient, name: str, labels: dict[str, str]) -
     return node
 
 
+def simulated_inventory(
+    name: str, profile: str, sharing: models.DeviceSharing | None = None
+) -> models.NodeInventory:
+    """What the simulated agent of node ``name`` publishes for ``profile`` (its UUIDs depend on the
+    node's name only)."""
+    from agent import inventory, simulated
+
+    scanned = simulated.SimulatedSource(simulated.load_profile(profile), name).scan()
+    return inventory.derive(scanned, sharing=sharing)
+
+
 async def publish_simulated_node(
     api: ApiClient, name: str, run: str, profile: str, sharing: models.DeviceSharing | None = None
 ) -> models.NodeInventory:
     """A ready Node and the GpuNodeStatus the simulated agent publishes for ``profile`` (with
-    ``--sharing``, when given); its inventory."""
-    from agent import inventory, simulated
-
+    ``--sharing``, when given); its inventory (``simulated_inventory``)."""
     await create_ready_node(api, name, {constants.HOSTNAME_LABEL: name, RUN_LABEL: run})
-    scanned = simulated.SimulatedSource(simulated.load_profile(profile), name).scan()
-    inv = inventory.derive(scanned, sharing=sharing)
+    inv = simulated_inventory(name, profile, sharing)
     crs = resources.CustomResources(api)
     status = {
         "apiVersion": constants.API_VERSION,

@@ -1,4 +1,9 @@
-"""Controllers race over 300 claims on 20 x 8 GPUs against the real API server, under faults.
+"""Controllers race over 300 claims on 20 nodes against the real API server, under faults.
+
+Sixteen nodes have 8 whole GPUs each; two have a GPU in MIG mode (the a100-mig profile) and
+two share their 4 GPUs by time-slicing, 3 slots each. Most claims ask for whole GPUs, some
+for a MIG instance, some for one or two shared slots, so the three kinds race on one API
+server and one controller state.
 
 Three controllers run without leader election (they really compete: only the
 Leases keep them honest) and a pair with it (one leads, one stands by). For
@@ -19,9 +24,11 @@ d. the elected leader is SIGSTOPped past its lease; once the standby has taken
 Safety is checked from a watch of claims and Leases (``chaos_support.Mirror``)
 after every event, at one revision at a time:
 
-* no two claims list the same GPU, and every GPU an Allocated claim lists has
-  its Lease (Terminating or not) held by that claim's UID (a claim being
-  deleted releases its Leases first: ``chaos_support.Books`` says how it counts);
+* no two claims list the same GPU, MIG instance or slot, no GPU is listed whole
+  while another claim lists an instance or a slot of it, and every device an
+  Allocated claim lists has its Lease (Terminating or not) held by that claim's
+  UID (a claim being deleted releases its Leases first: ``chaos_support.Books``
+  says how it counts);
 
 and once the faults are healed and the controllers have settled (liveness):
 
@@ -56,7 +63,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client import ApiClient
 
-from gpualloc.api import constants
+from gpualloc.api import codecs, constants, models
 from gpualloc.devcluster import binaries
 from gpualloc.kube import errors, leases, resources, transport
 from tests.integration.chaos_support import (
@@ -68,6 +75,7 @@ from tests.integration.chaos_support import (
     consistent_snapshot,
     proxied_kubeconfig,
     recorded,
+    silicon_of,
     until_available,
 )
 from tests.integration.controller_support import (
@@ -75,12 +83,15 @@ from tests.integration.controller_support import (
     claim_body,
     create_gpu_node,
     delete_gpu_node,
+    publish_simulated_node,
+    simulated_inventory,
 )
 
 RUNS = int(os.environ.get("GPUALLOC_RACE_RUNS", "2"))
 BASE_SEED = int(os.environ.get("GPUALLOC_RACE_SEED", "0"))
 NODES = 20
-GPUS = 8
+MIG_NODES, SHARED_NODES = 2, 2  # the last four nodes
+SHARING = models.DeviceSharing(strategy="TimeSlicing", replicas=3)
 CLAIMS = 300
 SIZES = (1, 2, 4, 8)
 RACERS = 3  # slots 0..2, without leader election
@@ -520,19 +531,36 @@ def audited_writes(path: Path, offset: int, identity: str) -> dict[str, int]:
     return dict(writes)
 
 
+def room(inventory: models.NodeInventory, held: set[str]) -> dict[str, int]:
+    """What a node has free, by the claim kind that could use it, with ``held`` the device Lease
+    names that exist: whole GPUs, MIG instances, shared GPUs with a free slot."""
+
+    def free(lock_id: str) -> bool:
+        return constants.lease_name(lock_id) not in held
+
+    out = {"Exclusive": 0, "MIG": 0, "Shared": 0}
+    for device in inventory.devices:
+        if device.health != constants.HEALTHY or not free(device.uuid):
+            continue
+        if device.mig is not None and device.mig.enabled:
+            out["MIG"] += sum(1 for m in device.mig.devices if free(m.uuid))
+        elif device.shared:
+            out["Shared"] += any(free(slot) for slot in device.slot_ids)
+        elif all(free(lock_id) for lock_id in device.lock_ids):
+            out["Exclusive"] += 1
+    return out
+
+
 def settled_problems(
-    claims: list[dict[str, Any]], leases: list[dict[str, Any]], nodes: list[str]
+    claims: list[dict[str, Any]], leases: list[dict[str, Any]], inventories: dict[str, models.NodeInventory]
 ) -> list[str]:
     """Why the system has not settled yet (empty once it has)."""
     problems: list[str] = []
     held: dict[str, set[str]] = collections.defaultdict(set)
     for lease in leases:
         held[str(lease["spec"].get("holderIdentity"))].add(lease["metadata"]["name"])
-    free = dict.fromkeys(nodes, GPUS)
-    for lease in leases:
-        node = lease["metadata"]["labels"].get(constants.LABEL_NODE, "")
-        if node in free:
-            free[node] -= 1
+    names = {lease["metadata"]["name"] for lease in leases}
+    free = {node: room(inventory, names) for node, inventory in inventories.items()}
     uids = set()
     for claim in claims:
         uid = claim["metadata"]["uid"]
@@ -551,10 +579,11 @@ def settled_problems(
             problems.append(f"{name} is Preempted and still lists {len(want)} GPUs")
         elif status["phase"] == constants.PHASE_PENDING:
             count = claim["spec"]["devices"]["count"]
-            roomy = [n for n, f in free.items() if f >= count]
+            kind = claim["spec"]["devices"].get("exclusivity", "Exclusive")
+            roomy = [n for n, f in free.items() if f[kind] >= count]
             if roomy:
                 problems.append(
-                    f"{name} ({count} GPUs) is Pending while {roomy[0]} has {free[roomy[0]]} free"
+                    f"{name} ({count} {kind}) is Pending while {roomy[0]} has {free[roomy[0]][kind]} free"
                 )
     for holder in held.keys() - uids:
         problems.append(f"leases held by vanished claim {holder}")
@@ -667,7 +696,13 @@ async def race(
     tag = uuid.uuid4().hex[:8]
     nodes = [f"race-{tag}-{i:02d}" for i in range(NODES)]
     crs = resources.CustomResources(api)
-    mirror = Mirror(api, namespace, label=RUN_LABEL, value=tag, timeline=timeline)
+    whole = nodes[: NODES - MIG_NODES - SHARED_NODES]
+    mig, shared = nodes[len(whole) : len(whole) + MIG_NODES], nodes[len(whole) + MIG_NODES :]
+    published = {n: simulated_inventory(n, "a100-mig") for n in mig}
+    published.update({n: simulated_inventory(n, "a100-pcie-4-nvlink", SHARING) for n in shared})
+    silicon = silicon_of(published.values())
+    inventories: dict[str, models.NodeInventory] = {}
+    mirror = Mirror(api, namespace, label=RUN_LABEL, value=tag, timeline=timeline, silicon=silicon)
     report: dict[str, Any] = {"seed": seed}
     binary = (await asyncio.to_thread(binaries.ensure, ["toxiproxy-server"], progress=lambda _: None))[
         "toxiproxy-server"
@@ -689,9 +724,14 @@ async def race(
             await all_of(
                 *(
                     create_gpu_node(api, n, labels={RUN_LABEL: tag}, kind="nvswitch" if i % 2 else "pcie")
-                    for i, n in enumerate(nodes)
-                )
+                    for i, n in enumerate(whole)
+                ),
+                *(publish_simulated_node(api, n, tag, "a100-mig") for n in mig),
+                *(publish_simulated_node(api, n, tag, "a100-pcie-4-nvlink", SHARING) for n in shared),
             )
+            for n in nodes:
+                raw = await until_available(functools.partial(crs.get_node_status, n))
+                inventories[n] = codecs.parse_node_status(raw).status
             tasks.append(asyncio.create_task(mirror.run(), name="mirror"))
             await asyncio.wait_for(mirror.synced.wait(), 30)
             for slot in range(RACERS + ELECTORS):
@@ -700,10 +740,16 @@ async def race(
 
             sizes = [rng.choice(SIZES) for _ in range(CLAIMS)]
             priorities = [rng.choice((0, 0, 0, 10)) for _ in range(CLAIMS)]
+            # An RNG of its own, so that a seed's sizes and priorities stay what they were.
+            kinds = random.Random(f"{seed}-kinds")
+            asks = [kinds.choices(("Exclusive", "MIG", "Shared"), (70, 15, 15))[0] for _ in range(CLAIMS)]
             limit = asyncio.Semaphore(16)
 
             async def create(i: int) -> None:
                 body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
+                if asks[i] != "Exclusive":  # one MIG instance, or one or two slots of shared GPUs
+                    count = 1 + i % 2 if asks[i] == "Shared" else 1
+                    body["spec"]["devices"] = {"count": count, "exclusivity": asks[i]}
                 async with limit:
                     with contextlib.suppress(errors.AlreadyExists):  # a retried create that had landed
                         await until_available(lambda: crs.create_claim(namespace, body))
@@ -723,13 +769,15 @@ async def race(
             async def unsettled() -> list[str]:
                 # The mirror is cheap to ask; once it looks settled, a consistent snapshot confirms it.
                 books = mirror.books
-                problems = settled_problems(list(books.claims.values()), list(books.leases.values()), nodes)
+                problems = settled_problems(
+                    list(books.claims.values()), list(books.leases.values()), inventories
+                )
                 if problems:
                     return problems
                 claims, held = await consistent_snapshot(api, namespace, label=RUN_LABEL, value=tag)
-                unsafe = Books.of(claims, held, label=RUN_LABEL, value=tag).problems()
+                unsafe = Books.of(claims, held, label=RUN_LABEL, value=tag, silicon=silicon).problems()
                 assert not unsafe, "safety violated (consistent snapshot):\n" + "\n".join(unsafe[:20])
-                return settled_problems(claims, held, nodes)
+                return settled_problems(claims, held, inventories)
 
             polls = await wait_until_done(
                 "settling", unsettled, mirror, stall=SETTLE_STALL, within=SETTLE_WITHIN
@@ -739,6 +787,11 @@ async def race(
             report.update(
                 polls=polls,
                 allocated=len(allocated),
+                allocated_by_kind=dict(
+                    collections.Counter(
+                        c["spec"]["devices"].get("exclusivity", "Exclusive") for c in allocated
+                    )
+                ),
                 pending=len(claims) - len(allocated),
                 gpus_held=len(held),
                 settled_s=round(timeline.now(), 1),

@@ -170,3 +170,46 @@ def test_a_preempted_claim_may_list_what_it_holds_until_its_pods_are_evicted_but
     m._watched(LEASES, event("DELETED", lease(6, "uid-a")))  # released before the status let go
     m._watched(CLAIMS, bookmark(7))
     assert len(m.violations) == 1 and "is Preempted and lists" in m.violations[0], m.violations
+
+
+SLOT_0, SLOT_1 = constants.slot_id(GPU, 0), constants.slot_id(GPU, 1)
+SILICON = {constants.lease_name(SLOT_0): LEASE, constants.lease_name(SLOT_1): LEASE}
+
+
+def slot_claim(name: str, rv: int, slot: int) -> dict[str, Any]:
+    c = claim(name, rv, gpus=(GPU,))
+    c["status"]["allocations"][0]["devices"][0]["slot"] = slot
+    return c
+
+
+def silicon_mirror() -> Mirror:
+    m = Mirror(None, NS, label="gpualloc.test/run", value=RUN, timeline=Timeline(), silicon=SILICON)  # type: ignore[arg-type]
+    m._relisted(CLAIMS, {}, 1)
+    m._relisted(LEASES, {}, 1)
+    return m
+
+
+def test_two_claims_on_two_slots_of_one_gpu_are_fine_but_the_gpu_whole_beside_them_is_a_violation() -> None:
+    m = silicon_mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a", constants.lease_name(SLOT_0))))
+    m._watched(LEASES, event("ADDED", lease(3, "uid-b", constants.lease_name(SLOT_1))))
+    m._watched(CLAIMS, event("ADDED", slot_claim("a", 4, 0)))
+    m._watched(CLAIMS, event("ADDED", slot_claim("b", 5, 1)))
+    m._watched(LEASES, bookmark(6))
+    assert not m.violations
+
+    m._watched(LEASES, event("ADDED", lease(7, "uid-c")))
+    m._watched(CLAIMS, event("ADDED", claim("c", 8, gpus=(GPU,))))
+    m._watched(LEASES, bookmark(9))
+    assert any(
+        f"{LEASE} is listed whole by ['ns/c'] and in parts by ['ns/a', 'ns/b']" in v for v in m.violations
+    ), m.violations
+
+
+def test_a_slot_the_gpu_does_not_have_is_a_violation() -> None:
+    m = silicon_mirror()
+    third = constants.lease_name(constants.slot_id(GPU, 2))
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a", third)))
+    m._watched(CLAIMS, event("ADDED", slot_claim("a", 3, 2)))
+    m._watched(LEASES, bookmark(4))
+    assert any(f"list {third}, which no GPU has" in v for v in m.violations), m.violations
