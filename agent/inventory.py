@@ -144,8 +144,18 @@ class NodeFacts:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProcess:
+    """A process with a CUDA context on a GPU (NVML's compute processes)."""
+
+    pid: int
+    used_memory_mib: int = 0
+    pod_uid: str = ""  # from the process's cgroup (``pod_uid_of_cgroup``); "" when not known
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSample:
-    """Utilisation and the like, for /metrics; not published in the status."""
+    """Utilisation and the like, for /metrics, and the processes on the GPU, for the usage audit
+    (``agent.audit``)."""
 
     index: int
     uuid: str
@@ -154,6 +164,21 @@ class DeviceSample:
     memory_total_bytes: int | None = None
     temperature_celsius: float | None = None
     power_watts: float | None = None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+# A pod's UID in a cgroup path: "pod<uid>" (cgroupfs driver) or "pod<uid with _>.slice" (systemd).
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+def pod_uid_of_cgroup(text: str) -> str:
+    """The UID of the pod whose container a process runs in, from ``/proc/<pid>/cgroup`` (cgroup v1
+    or v2, the kubelet's cgroupfs or systemd driver); "" for a process outside any pod."""
+    for line in text.splitlines():
+        match = _POD_UID.search(line.rsplit(":", 1)[-1])
+        if match:
+            return match.group(1).replace("_", "-")
+    return ""
 
 
 def parse_sharing(text: str) -> models.DeviceSharing | None:

@@ -13,6 +13,12 @@ Tasks of a running agent (``Agent.run``), all in one event loop:
 * publishing: ``publishing.Publisher.run`` (write on change, heartbeat).
 * leases: a Reflector on the device Leases labelled with this node, for
   ``status.allocated`` and the lease gauges.
+* the usage audit (``audit``; ``--process-audit``): a Reflector on this node's
+  pods (a few fields each); after every scan, the processes NVML sees on each
+  GPU are checked against the claims holding it, the unexpected ones published
+  in ``status.unexpectedProcesses``, counted in
+  ``gpualloc_gpu_unexpected_processes`` and, when new, told in a Warning Event
+  on the Node.
 * probes and metrics (``gpualloc.runtime.serving``).
 """
 
@@ -28,10 +34,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from agent import health, inventory, publishing, simulated
+from agent import audit, health, inventory, publishing, simulated
 from agent import metrics as agent_metrics
 from gpualloc.api import constants, models
-from gpualloc.kube import client, errors, resources, transport, watching
+from gpualloc.kube import client, errors, events, resources, transport, watching
 from gpualloc.runtime import backoff, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
 
@@ -43,6 +49,7 @@ EXIT_USAGE = 2
 EXIT_TASK_FAILED = 3
 
 MAX_RETRY_SECONDS = 60.0
+REASON_UNEXPECTED_PROCESS = "UnexpectedGpuProcess"  # the Warning Event of the usage audit
 
 
 def _xids(text: str) -> frozenset[int]:
@@ -100,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--xid-inject-file",
         default=None,
-        help="simulated source: file of '<index> <xid|ecc|lost>' lines, applied in 1 s (SIGUSR1 re-reads)",
+        help="simulated source: a file of '<index> <xid|ecc|lost>' and '<index> process <pid> [<pod>]' lines",
     )
     parser.add_argument(
         "--node-labels",
@@ -112,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sharing,
         default=None,
         help="offer each GPU not in MIG mode to Shared claims: TimeSlicing:N or MPS:N (N slots)",
+    )
+    parser.add_argument(
+        "--process-audit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="report processes on GPUs that no claim holding them accounts for (needs the Leases and pods)",
     )
     parser.add_argument(
         "--lease-namespace",
@@ -168,6 +181,8 @@ class Agent:
         self.rescan = asyncio.Event()  # scanner: look again now
         self.publisher: publishing.Publisher | None = None
         self.leases: watching.Reflector | None = None
+        self.pods: watching.Reflector | None = None  # this node's pods, for the usage audit
+        self._reported: set[tuple[str, int]] = set()  # (GPU UUID, pid) told in an Event already
         self.injections: simulated.InjectionWatcher | None = None
         self._event_thread: health.EventThread | None = None
         self._event_generation = -1
@@ -184,7 +199,8 @@ class Agent:
         conds = publishing.conditions(
             source=self.source.name, source_error=self.source_error, devices=inv.devices
         )
-        inv = dataclasses.replace(inv, conditions=conds)
+        strays = tuple(self.metrics.unexpected[: audit.MAX_REPORTED])
+        inv = dataclasses.replace(inv, conditions=conds, unexpected_processes=strays)
         self.metrics.inventory = inv
         return inv
 
@@ -251,9 +267,36 @@ class Agent:
             self.metrics.samples = await asyncio.to_thread(self.source.samples)
         except Exception:
             log.warning("sampling failed", exc_info=True)
+        await self.audit_processes()
         await self._ensure_event_thread()
         self.wake.set()
         return True
+
+    async def audit_processes(self) -> None:
+        """The usage audit of the last samples (module docstring); a Warning Event on the Node for
+        each unexpected process not told before."""
+        if self.leases is None or not self.args.process_audit:
+            return  # without the Leases nothing is known to be held
+        pods = audit.pods_by_uid(self.pods.cache.values()) if self.pods is not None else None
+        devices = self.desired().devices
+        found = audit.unexpected(devices, self.metrics.samples, self.metrics.leases, pods)
+        self.metrics.unexpected = found
+        current = {(p.uuid, p.pid) for p in found}
+        for stray in found:
+            if (stray.uuid, stray.pid) in self._reported or self._api is None:
+                continue
+            message = audit.describe(stray)
+            log.warning("unexpected process on a GPU", extra={"node": self.node_name, "detail": message})
+            node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
+            await events.emit(
+                self._api,
+                obj=node,
+                reason=REASON_UNEXPECTED_PROCESS,
+                message=message,
+                type_="Warning",
+                component="gpualloc-agent",
+            )
+        self._reported = current
 
     async def _ensure_event_thread(self) -> None:
         open_events = getattr(self.source, "open_events", None)
@@ -390,6 +433,14 @@ class Agent:
                     on_event=self._on_lease,
                 )
                 tasks.append(asyncio.create_task(self.leases.run(), name="leases"))
+                if self.args.process_audit:
+                    self.pods = watching.Reflector(
+                        self._api,
+                        watching.PODS,
+                        field_selector=f"spec.nodeName={self.node_name}",
+                        transform=audit.pod_ref,
+                    )
+                    tasks.append(asyncio.create_task(self.pods.run(), name="pods"))
             else:
                 log.info(
                     "no --lease-namespace: device Leases are not tracked", extra={"node": self.node_name}
@@ -400,7 +451,7 @@ class Agent:
                         self.args.xid_inject_file,
                         self.source,
                         on_event=self.on_health_event,
-                        on_lost=self.rescan.set,
+                        on_rescan=self.rescan.set,
                     )
                     tasks.append(asyncio.create_task(self.injections.run(), name="xid-inject"))
                 else:

@@ -23,6 +23,7 @@ gpualloc_agent_nvml_ready                  1 when the source can be read
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -53,7 +54,8 @@ class AgentMetrics:
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.inventory = models.NodeInventory()
         self.samples: Sequence[inventory.DeviceSample] = ()
-        self.leases: Mapping[str, LeaseHolder] = {}  # device UUID -> holder
+        self.leases: Mapping[str, LeaseHolder] = {}  # lock id (Device.lock_ids) -> holder
+        self.unexpected: Sequence[models.UnexpectedProcess] = ()  # the usage audit's last findings
         self.source_ready = False
         self.scan_duration = prometheus_client.Histogram(
             "gpualloc_agent_scan_duration_seconds",
@@ -108,6 +110,12 @@ class _GpuCollector(Collector):
         allocated = GaugeMetricFamily(
             "gpualloc_gpu_allocated", "1 when a device Lease holds the GPU.", labels=GPU_LABELS
         )
+        strays = GaugeMetricFamily(
+            "gpualloc_gpu_unexpected_processes",
+            "Processes on the GPU that no claim holding it accounts for (the usage audit).",
+            labels=GPU_LABELS,
+        )
+        stray_counts = collections.Counter(p.uuid for p in owner.unexpected)
         lease_info = GaugeMetricFamily(
             "gpualloc_gpu_lease_info",
             "The claim whose Lease holds the GPU (value 1).",
@@ -119,6 +127,7 @@ class _GpuCollector(Collector):
             # Its own Lease, else the first of its MIG instances' (the GPU is as allocated).
             holder = next((owner.leases[u] for u in device.lock_ids if u in owner.leases), None)
             allocated.add_metric(labels, 1.0 if holder else 0.0)
+            strays.add_metric(labels, float(stray_counts[uuid]))
             if holder:
                 lease_info.add_metric(
                     [*labels, holder.claim_namespace, holder.claim_name, holder.claim_uid], 1.0
@@ -138,6 +147,7 @@ class _GpuCollector(Collector):
         yield from families.values()
         yield health
         yield allocated
+        yield strays
         yield lease_info
         ready = GaugeMetricFamily(
             "gpualloc_agent_nvml_ready", "1 when the device source can be read.", labels=["node"]

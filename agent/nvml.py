@@ -49,9 +49,16 @@ def _text(value: Any) -> str:
 class NvmlSource:
     """``inventory.Source`` over NVML."""
 
-    def __init__(self, *, nvml_module: Any | None = None, sysfs_root: str | Path = "/sys") -> None:
+    def __init__(
+        self,
+        *,
+        nvml_module: Any | None = None,
+        sysfs_root: str | Path = "/sys",
+        proc_root: str | Path = "/proc",
+    ) -> None:
         self._module = nvml_module
         self._sysfs = Path(sysfs_root)
+        self._proc = Path(proc_root)  # the host's, to tell a GPU process's pod (needs hostPID)
         self._initialised = False
         self._lock = threading.Lock()
         self.generation = 0  # incremented on every successful init
@@ -347,6 +354,7 @@ class NvmlSource:
                 mem = self._optional("nvmlDeviceGetMemoryInfo", handle)
                 temp = self._optional("nvmlDeviceGetTemperature", handle, temp_sensor)
                 power_mw = self._optional("nvmlDeviceGetPowerUsage", handle)
+                running = self._optional("nvmlDeviceGetComputeRunningProcesses", handle) or []
             except self.nvml.NVMLError:  # lost since the scan; the next scan says so
                 continue
             out.append(
@@ -358,9 +366,22 @@ class NvmlSource:
                     memory_total_bytes=int(mem.total) if mem is not None else None,
                     temperature_celsius=float(temp) if temp is not None else None,
                     power_watts=float(power_mw) / 1000.0 if power_mw is not None else None,
+                    processes=tuple(self._process(p) for p in running),
                 )
             )
         return out
+
+    def _process(self, info: Any) -> inventory.GpuProcess:
+        """One of NVML's process records; its pod from ``/proc/<pid>/cgroup`` where readable."""
+        pid = int(info.pid)
+        used = getattr(info, "usedGpuMemory", None)  # bytes; None where the driver does not say
+        try:
+            pod_uid = inventory.pod_uid_of_cgroup((self._proc / str(pid) / "cgroup").read_text())
+        except OSError:  # another PID namespace (no hostPID), or the process is gone
+            pod_uid = ""
+        return inventory.GpuProcess(
+            pid=pid, used_memory_mib=int(used) // (1024 * 1024) if used else 0, pod_uid=pod_uid
+        )
 
     # -------------------------------------------------------------- events
 

@@ -12,9 +12,12 @@ has stable, distinct, CRD-valid ``GPU-xxxxxxxx-...`` identities.
 
 XID injection (``--xid-inject-file``): each line is ``<index> <what>``, where
 ``what`` is an XID number, ``ecc`` (a double-bit ECC error) or ``lost`` (the
-GPU falls off the bus and vanishes from later scans); ``#`` starts a comment.
-The file is polled every 0.2 s and re-read at once on SIGUSR1. Marks are sticky,
-so re-reading lines already applied changes nothing.
+GPU falls off the bus and vanishes from later scans), or ``<index> process
+<pid> [<pod uid>]``: a process with a CUDA context on that GPU, for the usage
+audit; ``#`` starts a comment. The file is polled every 0.2 s and re-read at
+once on SIGUSR1. Marks are sticky, so re-reading lines already applied changes
+nothing; the processes are those the file lists now (remove a line: the
+process has exited).
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ class SimulatedSource:
         self._clock = clock
         self._start = clock()
         self._lost: set[int] = set()
+        self._processes: dict[int, dict[int, inventory.GpuProcess]] = {}  # index -> pid -> process
         endpoints = nvlink_endpoints(profile)
         self._facts = [
             inventory.DeviceFacts(
@@ -341,6 +345,14 @@ class SimulatedSource:
         self._lost.add(index)
         return True
 
+    def set_processes(self, running: Mapping[int, Sequence[inventory.GpuProcess]]) -> bool:
+        """The processes with a CUDA context on each GPU (by index) from now on, as the usage audit
+        will see them; whether that changed anything."""
+        new = {index: {p.pid: p for p in procs} for index, procs in running.items() if procs}
+        changed = new != self._processes
+        self._processes = new
+        return changed
+
     def scan(self) -> inventory.NodeFacts:
         present = [f for f in self._facts if f.index not in self._lost]
         indices = {f.index for f in present}
@@ -372,6 +384,7 @@ class SimulatedSource:
                     memory_total_bytes=total,
                     temperature_celsius=round(32.0 + 0.45 * util, 1),
                     power_watts=round(70.0 + 6.3 * util, 1),
+                    processes=tuple(self._processes.get(f.index, {}).values()),
                 )
             )
         return out
@@ -383,15 +396,20 @@ class SimulatedSource:
 # ------------------------------------------------------------- XID injection
 
 
+PROCESS = "process"
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Injection:
     index: int
-    kind: str  # health.KIND_*
+    kind: str  # health.KIND_*, or PROCESS
     xid: int = 0
+    process: inventory.GpuProcess | None = None  # PROCESS
 
 
 def parse_injections(text: str) -> list[Injection]:
-    """``"3 79\\n1 ecc\\n5 lost"`` -> injections; malformed lines are logged and skipped."""
+    """``"3 79\\n1 ecc\\n5 lost\\n2 process 4242 <pod uid>"`` -> injections; malformed lines are
+    logged and skipped."""
     out: list[Injection] = []
     for number, line in enumerate(text.splitlines(), start=1):
         body = line.split("#", 1)[0].strip()
@@ -399,8 +417,13 @@ def parse_injections(text: str) -> list[Injection]:
             continue
         parts = body.split()
         try:
+            if len(parts) in (3, 4) and parts[1].lower() == PROCESS:
+                pod_uid = parts[3].lower() if len(parts) == 4 else ""
+                process = inventory.GpuProcess(pid=int(parts[2]), pod_uid=pod_uid)
+                out.append(Injection(index=int(parts[0]), kind=PROCESS, process=process))
+                continue
             if len(parts) != 2:
-                raise ValueError("expected '<index> <xid|ecc|lost>'")
+                raise ValueError("expected '<index> <xid|ecc|lost>' or '<index> process <pid> [<pod uid>]'")
             index = int(parts[0])
             what = parts[1].lower()
             if what == "ecc":
@@ -417,8 +440,9 @@ def parse_injections(text: str) -> list[Injection]:
 class InjectionWatcher:
     """Watches the injection file and applies what it says to a SimulatedSource.
 
-    ``on_event`` receives XID/ECC events for the health tracker; ``on_lost`` is
-    called after a device was made to vanish, so the agent re-scans at once.
+    ``on_event`` receives XID/ECC events for the health tracker; ``on_rescan`` is
+    called after a device was made to vanish or the processes changed, so the
+    agent scans at once.
     """
 
     def __init__(
@@ -427,13 +451,13 @@ class InjectionWatcher:
         source: SimulatedSource,
         *,
         on_event: Callable[[health.HealthEvent], object],
-        on_lost: Callable[[], None],
+        on_rescan: Callable[[], None],
         poll_seconds: float = 0.2,
     ) -> None:
         self.path = Path(path)
         self.source = source
         self._on_event = on_event
-        self._on_lost = on_lost
+        self._on_rescan = on_rescan
         self._poll = poll_seconds
         self._seen: tuple[int, int, int] | None = None
         self._kick = asyncio.Event()
@@ -463,18 +487,22 @@ class InjectionWatcher:
         return self.apply(parse_injections(text))
 
     def apply(self, injections: Sequence[Injection]) -> int:
-        lost_any = False
+        rescan = False
+        running: dict[int, list[inventory.GpuProcess]] = {}
         for inj in injections:
             uuid = self.source.uuid_of(inj.index)
             if uuid is None:
                 log.warning("XID injection names no device", extra={"index": inj.index})
                 continue
-            if inj.kind == health.KIND_LOST:
-                lost_any = self.source.lose(inj.index) or lost_any
+            if inj.process is not None:
+                running.setdefault(inj.index, []).append(inj.process)
+            elif inj.kind == health.KIND_LOST:
+                rescan = self.source.lose(inj.index) or rescan
             else:
                 self._on_event(health.HealthEvent(uuid=uuid, kind=inj.kind, xid=inj.xid))
-        if lost_any:
-            self._on_lost()
+        rescan = self.source.set_processes(running) or rescan
+        if rescan:
+            self._on_rescan()
         return len(injections)
 
     async def run(self) -> None:

@@ -300,6 +300,19 @@ class NodeInventory:
     product: str = ""
     last_heartbeat_time: str | None = None
     conditions: tuple[Condition, ...] = ()
+    unexpected_processes: tuple[UnexpectedProcess, ...] = ()  # the agent's usage audit
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UnexpectedProcess:
+    """A process on a GPU that no claim holds, or whose pod is not a pod of the claim that holds it."""
+
+    index: int  # the GPU's host index
+    uuid: str  # the GPU's UUID
+    pid: int  # as the node sees it
+    pod_uid: str = dataclasses.field(default="", metadata=json_name("podUID"))  # "" when not known
+    pod: str = ""  # namespace/name, when the agent knows the pod
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

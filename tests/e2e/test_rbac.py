@@ -429,6 +429,17 @@ async def test_agent_token_creates_a_node_status_and_patches_its_status(
         with pytest.raises(ApiException) as info:
             await k8s.CoreV1Api(agent).read_node(node)
         assert info.value.status == 404
+        # the usage audit: its node's pods, and a Warning Event on the Node
+        core = k8s.CoreV1Api(agent)
+        await allowed(lambda: core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}"))
+        event = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(name=f"{node}.audit"),
+            involved_object=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node),
+            reason="UnexpectedGpuProcess",
+            message="process 1 on GPU 0: no claim holds GPU 0",
+            type="Warning",
+        )
+        await allowed(lambda: core.create_namespaced_event("default", event))
     finally:
         await k8s.CustomObjectsApi(api).delete_cluster_custom_object(GROUP, VERSION, "gpunodestatuses", node)
 

@@ -9,13 +9,18 @@ fails (no driver, no GPU). Compared:
 * ``nvidia-smi --query-gpu=compute_cap`` and the "NUMA Affinity" column of
   ``nvidia-smi topo -m``;
 * ``nvidia-smi topo -m``: the link type of every GPU pair (NV<n>, PIX, PXB, PHB,
-  NODE, SYS), which is what ``inventory.derive`` must reproduce from NVML facts.
+  NODE, SYS), which is what ``inventory.derive`` must reproduce from NVML facts;
+* ``nvidia-smi --query-compute-apps``: the processes with a CUDA context, which
+  the usage audit reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import Any
@@ -177,3 +182,46 @@ def test_samples_read_every_device(source: nvml.NvmlSource) -> None:
     assert [s.uuid for s in samples] == [d.uuid for d in facts.devices]
     for s in samples:
         assert s.memory_total_bytes is not None and s.memory_total_bytes > 0
+
+
+# Holds a CUDA context on the first GPU until stdin closes (ctypes on libcuda: no CUDA toolkit).
+_HOLD_CONTEXT = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+device, context = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device) == 0
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_compute_processes_match_nvidia_smi_query_compute_apps(source: nvml.NvmlSource) -> None:
+    """A process holding a CUDA context is in the agent's samples as nvidia-smi lists it, and the
+    agent tells it is in no pod (this test runs outside Kubernetes)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        facts = source.scan()
+        deadline = time.monotonic() + 10
+        while True:
+            listed = smi.run("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader")
+            smi_pids = {
+                (int(pid), uuid.strip())
+                for pid, uuid in (line.split(",") for line in listed.splitlines() if line.strip())
+            }
+            if any(pid == holder.pid for pid, _ in smi_pids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        ours = {(p.pid, s.uuid) for s in source.samples() for p in s.processes}
+        assert (holder.pid, facts.devices[0].uuid) in smi_pids, listed
+        assert ours == smi_pids
+        mine = next(p for s in source.samples() for p in s.processes if p.pid == holder.pid)
+        assert mine.pod_uid == ""
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait(timeout=30)

@@ -6,7 +6,8 @@ schema (a write that did not would be refused with 422) and survives pruning
 Node; with nothing changing only heartbeats are written (counted in the API
 server's own audit log); an injected XID reaches the API within 2 s; an API
 server restart does not stop publishing; NVML init failure is published as
-NvmlReady=False and recovery follows.
+NvmlReady=False and recovery follows; an injected stray GPU process is published
+in ``unexpectedProcesses`` within one heartbeat, with a Warning Event on the Node.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 
 from agent import inventory, main, nvml, publishing
 from gpualloc.api import codecs, constants
+from gpualloc.api import leases as lease_format
 from gpualloc.devcluster import cluster
 from gpualloc.kube import leases
 
@@ -312,3 +314,93 @@ async def test_mig_instances_are_stored_with_placement_and_slices_nothing_pruned
             ("1g.5gb", 6, 1, 1),
             ("1g.5gb", 7, 1, 1),
         ]
+
+
+def _pod(control_plane: Any, namespace: str, name: str, node: str, claim: str | None) -> str:
+    """A pod bound to ``node`` (no kubelet runs it), with ``claim``'s annotation; its UID."""
+    metadata: dict[str, Any] = {"name": name}
+    if claim:
+        metadata["annotations"] = {constants.ANNOTATION_CLAIM: claim}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "cuda"}]},
+    }
+    created = control_plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+    return str(created["metadata"]["uid"])
+
+
+async def test_an_injected_stray_process_is_reported_within_one_heartbeat_with_a_node_event(
+    control_plane: Any, kubeconfig: str, namespace: str, tmp_path: Path
+) -> None:
+    node = _node_name("agent-audit")
+    _create_node(control_plane, node)
+    inject = tmp_path / "processes"
+    heartbeat = 5.0
+    flags = [
+        "--source",
+        "simulated",
+        "--profile",
+        "a100-pcie-4-nvlink",
+        "--xid-inject-file",
+        str(inject),
+        "--lease-namespace",
+        namespace,
+        "--heartbeat-interval",
+        str(heartbeat),
+    ]
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        published = await _until(control_plane, node, _published(4), 15)
+        gpu0, gpu2 = (published["status"]["devices"][i]["uuid"] for i in (0, 2))
+        # Claim team/train holds GPU 0; its pod and another pod run on the node.
+        lease = lease_format.device_lease(
+            namespace,
+            lock_id=gpu0,
+            node=node,
+            claim_namespace=namespace,
+            claim_name="train",
+            claim_uid="uid-train",
+            claim_resource_version="1",
+            now=dt.datetime.now(dt.UTC),
+        )
+        control_plane.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases", lease)
+        mine = _pod(control_plane, namespace, "train-0", node, "train")
+        other = _pod(control_plane, namespace, "sneaky", node, None)
+        await _until(control_plane, node, lambda o: o["status"].get("allocated") == 1, 10)
+        for _ in range(50):  # the agent's pod cache has both pods
+            if agent.pods is not None and len(agent.pods.cache) == 2:
+                break
+            await asyncio.sleep(0.1)
+
+        started = time.monotonic()
+        inject.write_text(f"0 process 10 {mine}\n0 process 11 {other}\n2 process 4242\n")
+        obj = await _until(
+            control_plane, node, lambda o: len(o["status"].get("unexpectedProcesses") or []) == 2, heartbeat
+        )
+        assert time.monotonic() - started < heartbeat
+        found = {p["pid"]: p for p in obj["status"]["unexpectedProcesses"]}
+        assert found[4242] == {
+            "index": 2,
+            "uuid": gpu2,
+            "pid": 4242,
+            "podUID": "",  # not in a pod the injection named
+            "pod": "",
+            "reason": "no claim holds GPU 2",
+        }
+        assert found[11] == {
+            "index": 0,
+            "uuid": gpu0,
+            "pid": 11,
+            "podUID": other,
+            "pod": f"{namespace}/sneaky",
+            "reason": f"its pod {namespace}/sneaky has no claim; GPU 0 is held by {namespace}/train",
+        }
+        path = f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name={node}"
+        events = await asyncio.to_thread(control_plane.request, "GET", path)
+        warnings = [e for e in events["items"] if e["reason"] == main.REASON_UNEXPECTED_PROCESS]
+        assert sorted(e["message"].split()[1] for e in warnings) == ["11", "4242"]
+        assert all(e["type"] == "Warning" and e["involvedObject"]["kind"] == "Node" for e in warnings)
+
+        inject.write_text(f"0 process 10 {mine}\n")  # the strays have exited
+        await _until(control_plane, node, lambda o: not o["status"].get("unexpectedProcesses"), heartbeat)

@@ -177,6 +177,7 @@ class FakeGpu:
     temperature: int = 41
     power_mw: int = 312_000
     memory_used_mib: int = 1024
+    processes: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)  # (pid, bytes used)
 
 
 @dataclasses.dataclass
@@ -423,6 +424,11 @@ class FakeNvml:
 
     def nvmlDeviceGetTemperature(self, handle: Handle, sensor: int) -> int:
         return self._gpu(handle).temperature
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list[Any]:
+        return [
+            types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self._gpu(handle).processes
+        ]
 
     def nvmlDeviceGetPowerUsage(self, handle: Handle) -> int:
         gpu = self._gpu(handle)

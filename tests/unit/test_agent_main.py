@@ -9,7 +9,7 @@ from typing import Any
 import prometheus_client
 import pytest
 
-from agent import health, main, nvml, simulated
+from agent import health, inventory, main, nvml, simulated
 from gpualloc.api import constants, models
 from tests.unit import fake_pynvml as fake
 
@@ -255,3 +255,37 @@ async def test_an_unexpected_scan_error_is_published_not_fatal() -> None:
     ready = {c.type: c for c in agent.desired().conditions}[constants.CONDITION_READY]
     assert ready.status == "False"
     assert "driver returned garbage" in ready.message
+
+
+async def test_a_scan_audits_the_gpu_processes_into_the_status_and_the_metric() -> None:
+    agent = _sim_agent()
+    await agent.scan_once()
+    uuids = [d.uuid for d in agent.desired().devices]
+    agent.leases = types.SimpleNamespace(cache={"ns/a": _whole_lease(uuids[0])})  # type: ignore[assignment]
+    agent._recount_leases()
+    assert isinstance(agent.source, simulated.SimulatedSource)
+    agent.source.set_processes({0: [inventory.GpuProcess(pid=5)], 3: [inventory.GpuProcess(pid=4242)]})
+    await agent.scan_once()
+    # GPU 0 is held (its pod cannot be told: not judged); nobody holds GPU 3.
+    assert agent.desired().unexpected_processes == (
+        models.UnexpectedProcess(index=3, uuid=uuids[3], pid=4242, reason="no claim holds GPU 3"),
+    )
+    text = prometheus_client.generate_latest(agent.metrics.registry).decode()
+    assert (
+        'gpualloc_gpu_unexpected_processes{gpu="3",node="sim-1",product="NVIDIA A100 80GB PCIe",'
+        f'uuid="{uuids[3]}"}} 1.0' in text
+    )
+    agent.source.set_processes({})
+    await agent.scan_once()
+    assert agent.desired().unexpected_processes == ()
+
+
+def _whole_lease(uuid: str) -> dict[str, Any]:
+    """A whole-GPU Lease of ``uuid`` held by team/train."""
+    return {
+        "metadata": {
+            "name": constants.lease_name(uuid),
+            "labels": {constants.LABEL_NODE: "sim-1", constants.LABEL_CLAIM_NAME: "train"},
+        },
+        "spec": {"holderIdentity": "uid-train"},
+    }

@@ -322,3 +322,21 @@ async def test_event_thread_stops_within_one_wait_timeout() -> None:
     await asyncio.to_thread(thread.join, 2.0)
     assert not thread.alive
     assert time.monotonic() - started < 0.6
+
+
+def test_compute_processes_are_sampled_with_their_pod_from_the_hosts_proc(tmp_path: Path) -> None:
+    machine = fake.consumer_box()
+    machine.gpus[1].processes = [(4242, 2 * 1024**3), (77, None)]
+    pod = "0c4b7a8e-1111-4222-8333-944455556666"
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{pod}/abc\n")
+    lib = fake.FakeNvml(machine)
+    source = nvml.NvmlSource(nvml_module=lib, sysfs_root="/nonexistent-sysfs", proc_root=tmp_path)
+    source.scan()
+    processes = {s.index: s.processes for s in source.samples()}
+    assert processes[0] == ()
+    # 77's /proc entry is not there (another PID namespace): its pod is not known.
+    assert processes[1] == (
+        inventory.GpuProcess(pid=4242, used_memory_mib=2048, pod_uid=pod),
+        inventory.GpuProcess(pid=77, used_memory_mib=0, pod_uid=""),
+    )

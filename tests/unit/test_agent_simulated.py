@@ -134,7 +134,7 @@ async def _watch(
     tracker = health.HealthTracker()
     lost_calls: list[str] = []
     watcher = simulated.InjectionWatcher(
-        str(path), source, on_event=tracker.apply, on_lost=lambda: lost_calls.append("lost")
+        str(path), source, on_event=tracker.apply, on_rescan=lambda: lost_calls.append("lost")
     )
     task = asyncio.create_task(watcher.run())
     await asyncio.sleep(0.05)
@@ -167,7 +167,7 @@ async def test_sigusr1_rereads_the_injection_file_at_once(tmp_path: Path) -> Non
     source = _source()
     tracker = health.HealthTracker()
     watcher = simulated.InjectionWatcher(
-        str(path), source, on_event=tracker.apply, on_lost=lambda: None, poll_seconds=30.0
+        str(path), source, on_event=tracker.apply, on_rescan=lambda: None, poll_seconds=30.0
     )
     task = asyncio.create_task(watcher.run())
     try:

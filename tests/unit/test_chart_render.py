@@ -504,8 +504,22 @@ def test_agent_may_write_node_statuses_read_leases_and_nothing_secret() -> None:
     expected |= {("*", "gpu.scheduling", "gpunodestatuses/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", "get", ())}
     expected |= {(NAMESPACE, "coordination.k8s.io", "leases", v, ()) for v in ("list", "watch")}
-    assert granted == expected
+    audit = {("*", "", "pods", v, ()) for v in ("list", "watch")}  # the usage audit (default on)
+    audit |= {("*", group, "events", "create", ()) for group in ("", "events.k8s.io")}
+    assert granted == expected | audit
     assert not any(resource == "secrets" for _, _, resource, _, _ in granted)
+    assert _rules_of(render(agent__processAudit__enabled="false"), "agent") == expected
+
+
+def test_the_agent_joins_the_hosts_pid_namespace_only_when_asked() -> None:
+    def agent_pod(**values: str) -> dict[str, Any]:
+        daemonset = next(o for o in render(**values) if o["kind"] == "DaemonSet")
+        return dict(daemonset["spec"]["template"]["spec"])
+
+    assert "hostPID" not in agent_pod()
+    assert agent_pod(agent__processAudit__hostPID="true")["hostPID"] is True
+    off = agent_pod(agent__processAudit__enabled="false", agent__processAudit__hostPID="true")
+    assert "hostPID" not in off and "--no-process-audit" in off["containers"][0]["args"]
 
 
 def test_agent_may_patch_nodes_only_when_node_labels_are_enabled() -> None:
