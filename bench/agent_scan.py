@@ -96,6 +96,8 @@ def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
                 "--source=simulated",
                 f"--profile={PROFILE}",
                 f"--kubeconfig={plane.kubeconfig}",
+                # As the chart runs it: watching its device Leases and its node's pods (usage audit).
+                "--lease-namespace=default",
                 "--heartbeat-interval=10",
                 "--health-port=0",
                 "--metrics-port=0",

@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube.client import Api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import procfs
@@ -125,7 +126,7 @@ async def retrying(call: Any, attempts: int = 40) -> Any:
     return None
 
 
-async def create_node(api: ApiClient, name: str, gpus: int) -> None:
+async def create_node(api: Api, name: str, gpus: int) -> None:
     crs = resources.CustomResources(api)
     body = {
         "apiVersion": "v1",
@@ -164,7 +165,7 @@ async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
-async def heartbeats(api: ApiClient, names: list[str], interval: float) -> None:
+async def heartbeats(api: Api, names: list[str], interval: float) -> None:
     """Each node's agent heartbeat every ``interval`` seconds, spread evenly, until cancelled."""
     crs = resources.CustomResources(api)
     gap = interval / max(1, len(names))
@@ -192,7 +193,7 @@ def render_finalizer_policy() -> list[dict[str, Any]]:
     return [obj for obj in yaml.safe_load_all(rendered) if obj]
 
 
-async def install_policy(api: ApiClient, objects: list[dict[str, Any]], claims_ns: str) -> None:
+async def install_policy(api: Api, objects: list[dict[str, Any]], claims_ns: str) -> None:
     """Create the policy and its binding, and wait until a claim created gets the finalizer."""
     plurals = {
         "MutatingAdmissionPolicy": "mutatingadmissionpolicies",
@@ -236,7 +237,7 @@ def summary(values: list[float]) -> dict[str, float | None]:
     }
 
 
-async def lease_ceiling(api: ApiClient, namespace: str, count: int, concurrency: int) -> dict[str, Any]:
+async def lease_ceiling(api: Api, namespace: str, count: int, concurrency: int) -> dict[str, Any]:
     """Lease creates per second with ``concurrency`` in flight (then the Leases are deleted again)."""
     names = [f"ceiling-{i:05d}" for i in range(count)]
     started = time.perf_counter()

@@ -79,7 +79,8 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio.client import ApiClient
+
+from gpualloc.kube.client import Api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import procfs
@@ -370,7 +371,7 @@ class Churn:
 
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         rng: random.Random,
         run_id: str,
         mirror: Any,
@@ -539,7 +540,7 @@ class Churn:
 # ------------------------------------------------------------------ the run
 
 
-async def wait_published(api: ApiClient, comps: Components) -> None:
+async def wait_published(api: Api, comps: Components) -> None:
     crs = resources.CustomResources(api)
 
     async def published() -> bool:
@@ -550,7 +551,7 @@ async def wait_published(api: ApiClient, comps: Components) -> None:
     await demo.wait_for("the agents to publish their GpuNodeStatus", published, 90, comps)
 
 
-async def release(api: ApiClient, run_id: str, within: float) -> dict[str, Any]:
+async def release(api: Api, run_id: str, within: float) -> dict[str, Any]:
     """Delete every pod and claim of the run; wait for the controller; what it left behind."""
     crs = resources.CustomResources(api)
     selector = [("labelSelector", f"{RUN_LABEL}={run_id}")]

@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from certs import building
 from gpualloc.api import constants
 from gpualloc.kube import errors, transport
+from gpualloc.kube.client import Api
 
 SECRET_TYPE = "kubernetes.io/tls"
 
@@ -86,9 +85,7 @@ def _secret_path(namespace: str, name: str | None = None) -> str:
     return transport.collection_path("", "v1", "secrets", namespace, name)
 
 
-async def read_secret(
-    api: ApiClient, namespace: str, name: str
-) -> tuple[dict[str, bytes], dict[str, Any]] | None:
+async def read_secret(api: Api, namespace: str, name: str) -> tuple[dict[str, bytes], dict[str, Any]] | None:
     """The Secret's files (decoded) and the Secret itself; None when it does not exist."""
     try:
         secret = await transport.request(api, "GET", _secret_path(namespace, name))
@@ -104,7 +101,7 @@ def _encoded(files: Mapping[str, bytes]) -> dict[str, str]:
 
 
 async def write_secret(
-    api: ApiClient,
+    api: Api,
     namespace: str,
     name: str,
     files: Mapping[str, bytes],
@@ -155,7 +152,7 @@ async def write_secret(
 # ------------------------------------------------------------------ caBundle
 
 
-async def patch_ca_bundle(api: ApiClient, config_name: str, ca_pem: bytes) -> tuple[int, int] | None:
+async def patch_ca_bundle(api: Api, config_name: str, ca_pem: bytes) -> tuple[int, int] | None:
     """Write ``ca_pem`` into ``clientConfig.caBundle`` of every webhook of the configuration.
 
     Returns (webhooks changed, webhooks in total); None when the configuration

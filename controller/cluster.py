@@ -38,9 +38,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.kube import events, leases, resources, transport
+from gpualloc.kube.client import Api
 
 Obj = dict[str, Any]
 
@@ -90,7 +89,7 @@ class Cluster(Protocol):
 class KubeCluster:
     """``Cluster`` on a real API server; device Leases live in ``namespace``."""
 
-    def __init__(self, api: ApiClient, namespace: str) -> None:
+    def __init__(self, api: Api, namespace: str) -> None:
         self.api = api
         self.namespace = namespace
         self._crs = resources.CustomResources(api)

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import leases as lease_format
 from gpualloc.kube import errors, leases
+from gpualloc.kube.client import Api
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ Obj = dict[str, Any]
 class LeaderElector:
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         *,
         namespace: str,
         name: str,

@@ -121,9 +121,10 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     stop = stop or asyncio.Event()
     identity = args.identity or default_identity()
     # A connection per worker, and one for each watch (claims, leases, statuses, nodes, pods, quotas).
-    api = await client.connect(args.kubeconfig, connections=args.workers + 8)
-    # The audit log tells controllers apart by this (the benchmark counts its requests by it).
-    api.user_agent = f"{USER_AGENT}/{identity}"
+    # The audit log tells controllers apart by the user agent (the benchmark counts requests by it).
+    api = await client.connect(
+        args.kubeconfig, connections=args.workers + 8, user_agent=f"{USER_AGENT}/{identity}"
+    )
     metrics = controller_metrics.Metrics()
     controller = running.Controller(
         cluster.KubeCluster(api, args.namespace),

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 
@@ -106,10 +106,10 @@ async def list_claims(api: Any) -> list[Any]:
 
 
 async def list_pods(api: Any) -> list[dict[str, Any]]:
-    from kubernetes_asyncio import client as k8s
+    from gpualloc.kube import transport
 
-    pods = await k8s.CoreV1Api(api).list_namespaced_pod(DEMO_NAMESPACE)
-    return [api.sanitize_for_serialization(p) for p in pods.items]
+    pods = await transport.request(api, "GET", transport.collection_path("", "v1", "pods", DEMO_NAMESPACE))
+    return list(pods["items"])
 
 
 def pod_rows(pods: list[dict[str, Any]]) -> list[list[str]]:
@@ -313,14 +313,13 @@ async def apply_claim_doc(api: Any, doc: dict[str, Any], procs: Processes) -> No
 
 
 async def apply_workload_doc(api: Any, doc: dict[str, Any]) -> None:
-    from kubernetes_asyncio import client as k8s
+    from gpualloc.kube import transport
 
-    if doc["kind"] == "Pod":
-        await k8s.CoreV1Api(api).create_namespaced_pod(DEMO_NAMESPACE, cast(Any, doc))
-    elif doc["kind"] == "Job":
-        await k8s.BatchV1Api(api).create_namespaced_job(DEMO_NAMESPACE, cast(Any, doc))
-    else:
+    kinds = {"Pod": ("", "v1", "pods"), "Job": ("batch", "v1", "jobs")}
+    if doc["kind"] not in kinds:
         raise ValueError(f"the demo does not apply {doc['kind']}")
+    path = transport.collection_path(*kinds[doc["kind"]], DEMO_NAMESPACE)
+    await transport.request(api, "POST", path, body=doc)
     say(f"  {doc['kind']} {doc['metadata']['name']}")
 
 
@@ -369,7 +368,7 @@ async def wait_for_webhook(port: int, procs: Processes) -> None:
 
 async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
     """The MutatingWebhookConfiguration the chart installs, pointed at 127.0.0.1."""
-    from kubernetes_asyncio import client as k8s
+    from gpualloc.kube import transport
 
     body = {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -414,7 +413,8 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
             }
         ],
     }
-    await k8s.AdmissionregistrationV1Api(api).create_mutating_webhook_configuration(cast(Any, body))
+    path = transport.collection_path("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations")
+    await transport.request(api, "POST", path, body=body)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -203,7 +203,8 @@ def namespace(control_plane: Any, request: pytest.FixtureRequest) -> Iterator[st
 
 @pytest.fixture
 async def api(kubeconfig: str) -> AsyncIterator[Any]:
-    """A kubernetes_asyncio ApiClient for the local control plane, closed after the test."""
+    """gpualloc's own client (``gpualloc.kube.client.Api``) for the local control plane, closed after
+    the test."""
     from gpualloc.kube import client
 
     api_client = await client.connect(kubeconfig)
@@ -211,6 +212,16 @@ async def api(kubeconfig: str) -> AsyncIterator[Any]:
         yield api_client
     finally:
         await api_client.close()
+
+
+async def generated_client(kubeconfig: str) -> Any:
+    """kubernetes_asyncio's generated ``ApiClient`` for ``kubeconfig``, for the tests that meet the
+    API server as any other client would (the CRDs, RBAC); the caller closes it."""
+    from kubernetes_asyncio import client, config
+
+    cfg = client.Configuration()
+    await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
+    return client.ApiClient(configuration=cfg)
 
 
 # ------------------------------------------------------------ leaked tasks

@@ -1,11 +1,13 @@
 """The small exception tree every Kubernetes call raises, mapped at the boundary.
 
-kubernetes_asyncio raises a plain ``ApiException`` whatever the status, and
-aiohttp its own errors when the API server cannot be reached. Callers branch on
-these classes instead::
+An answer other than 2xx becomes one of these classes (``from_response``, from
+the ``Status`` body the API server writes), and so do aiohttp's own errors when
+the API server cannot be reached (``mapped``). Callers branch on these classes::
 
-    with errors.mapped():
-        await api.create_namespaced_lease(...)
+    try:
+        await leases.create(api, namespace, body)
+    except errors.AlreadyExists:
+        ...
 
 ``AlreadyExists`` and ``Conflict`` share the status 409; the reason in the
 response's ``Status`` body tells them apart.
@@ -20,7 +22,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio.client.exceptions import ApiException
 
 MAX_BODY = 300
 
@@ -127,7 +128,7 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 # What ``mapped`` translates.
-_MAPPED_ERRORS: tuple[type[BaseException], ...] = (ApiException, *TRANSPORT_ERRORS)
+_MAPPED_ERRORS: tuple[type[BaseException], ...] = TRANSPORT_ERRORS
 
 
 def truncate(text: str, limit: int = MAX_BODY) -> str:
@@ -170,16 +171,6 @@ def translate(exc: BaseException) -> KubeError:
     """The tree's error for any exception a Kubernetes call raised."""
     if isinstance(exc, KubeError):
         return exc
-    if isinstance(exc, ApiException):
-        status = exc.status if isinstance(exc.status, int) else 0
-        reason = str(exc.reason or "")
-        if exc.body:
-            return from_response(status, exc.body, reason)
-        # No body: the client made this itself (e.g. from a watch ERROR line as "Reason: message").
-        head, _, rest = reason.partition(": ")
-        if rest and " " not in head:
-            return _class_for(status, head)(status, head, truncate(rest))
-        return _class_for(status, reason)(status, reason or "Unknown", "")
     if isinstance(exc, TRANSPORT_ERRORS):
         detail = str(exc) or type(exc).__name__
         return Unavailable(0, type(exc).__name__, truncate(detail))
@@ -188,7 +179,7 @@ def translate(exc: BaseException) -> KubeError:
 
 @contextlib.contextmanager
 def mapped() -> Iterator[None]:
-    """Re-raise ``ApiException`` and transport errors as the tree, chained with ``from``."""
+    """Re-raise transport errors as the tree, chained with ``from``."""
     try:
         yield
     except _MAPPED_ERRORS as exc:

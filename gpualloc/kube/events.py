@@ -8,10 +8,9 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import timestamps
 from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def event_body(
 
 
 async def emit(
-    api: ApiClient,
+    api: Api,
     *,
     obj: Mapping[str, Any],
     reason: str,

@@ -13,24 +13,19 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
-
 from gpualloc.api import leases as lease_format
 from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 
 Obj = dict[str, Any]
 
 
-async def _call(api: ApiClient, method: str, *args: Any, **kwargs: Any) -> Any:
-    """``CoordinationV1Api(api).<method>(*args, **kwargs)`` with the request timeout; its JSON answer."""
-    pending = getattr(CoordinationV1Api(api), method)(
-        *args, _preload_content=False, _request_timeout=transport.REQUEST_TIMEOUT, **kwargs
-    )
-    return await transport.call_json(pending)
+def _path(namespace: str, name: str | None = None) -> str:
+    return transport.collection_path("coordination.k8s.io", "v1", "leases", namespace, name)
 
 
 async def create_lease(
-    api: ApiClient,
+    api: Api,
     namespace: str,
     name: str,
     *,
@@ -49,24 +44,24 @@ async def create_lease(
         duration_seconds=duration_seconds,
         now=datetime.datetime.now(datetime.UTC),
     )
-    result: Obj = await _call(api, "create_namespaced_lease", namespace, body)
+    result: Obj = await transport.request(api, "POST", _path(namespace), body=body)
     return result
 
 
-async def create(api: ApiClient, namespace: str, body: Mapping[str, Any]) -> Obj:
+async def create(api: Api, namespace: str, body: Mapping[str, Any]) -> Obj:
     """Create the Lease ``body`` (``gpualloc.api.leases.body``); ``errors.AlreadyExists`` if taken."""
-    result: Obj = await _call(api, "create_namespaced_lease", namespace, dict(body))
+    result: Obj = await transport.request(api, "POST", _path(namespace), body=dict(body))
     return result
 
 
-async def get_lease(api: ApiClient, namespace: str, name: str) -> Obj:
+async def get_lease(api: Api, namespace: str, name: str) -> Obj:
     """The Lease; ``errors.NotFound`` when there is none."""
-    result: Obj = await _call(api, "read_namespaced_lease", name, namespace)
+    result: Obj = await transport.request(api, "GET", _path(namespace, name))
     return result
 
 
 async def delete_lease(
-    api: ApiClient,
+    api: Api,
     namespace: str,
     name: str,
     *,
@@ -86,16 +81,17 @@ async def delete_lease(
     body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions"}
     if preconditions:
         body["preconditions"] = preconditions
-    await _call(api, "delete_namespaced_lease", name, namespace, body=body)
+    await transport.request(api, "DELETE", _path(namespace, name), body=body)
 
 
-async def list_leases(api: ApiClient, namespace: str, label_selector: str = "") -> Obj:
+async def list_leases(api: Api, namespace: str, label_selector: str = "") -> Obj:
     """The LeaseList (``items``, ``metadata.resourceVersion``)."""
-    result: Obj = await _call(api, "list_namespaced_lease", namespace, label_selector=label_selector)
+    query = [("labelSelector", label_selector)] if label_selector else []
+    result: Obj = await transport.request(api, "GET", _path(namespace), query=query)
     return result
 
 
-async def replace_lease(api: ApiClient, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
+async def replace_lease(api: Api, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
     """Update the Lease; the body's ``metadata.resourceVersion`` makes it ``errors.Conflict`` if stale."""
-    result: Obj = await _call(api, "replace_namespaced_lease", name, namespace, dict(body))
+    result: Obj = await transport.request(api, "PUT", _path(namespace, name), body=dict(body))
     return result

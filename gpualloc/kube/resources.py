@@ -1,9 +1,7 @@
 """Typed calls on the gpu.scheduling/v1 custom resources: raw JSON dicts in and out.
 
 Patches are JSON merge patches (RFC 7386), sent with the
-``application/merge-patch+json`` content type given explicitly: left to itself,
-kubernetes_asyncio sends a dict body to a custom object as a JSON Patch, which
-the API server rejects (a JSON Patch is a list of operations).
+``application/merge-patch+json`` content type.
 """
 
 from __future__ import annotations
@@ -11,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient, CustomObjectsApi
-
 from gpualloc.api import constants
-from gpualloc.kube import errors, transport
+from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 
 Obj = dict[str, Any]
 
@@ -36,39 +33,46 @@ def with_resource_version(patch: Mapping[str, Any], resource_version: str | None
 class CustomResources:
     """GpuClaim (namespaced) and GpuNodeStatus (cluster-scoped) calls; errors are the ``errors`` tree."""
 
-    def __init__(self, api: ApiClient) -> None:
-        self._api = CustomObjectsApi(api)
+    def __init__(self, api: Api) -> None:
+        self._api = api
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Obj:
-        with errors.mapped():
-            result = await getattr(self._api, method)(
-                constants.GROUP,
-                constants.VERSION,
-                *args,
-                _request_timeout=transport.REQUEST_TIMEOUT,
-                **kwargs,
-            )
+    async def _call(
+        self,
+        method: str,
+        plural: str,
+        *,
+        namespace: str | None = None,
+        name: str | None = None,
+        subresource: str = "",
+        body: Any = None,
+        label_selector: str = "",
+        content_type: str = "application/json",
+    ) -> Obj:
+        path = transport.collection_path(constants.GROUP, constants.VERSION, plural, namespace, name)
+        query = [("labelSelector", label_selector)] if label_selector else []
+        result = await transport.request(
+            self._api,
+            method,
+            path + (f"/{subresource}" if subresource else ""),
+            query=query,
+            body=body,
+            content_type=content_type,
+        )
         return dict(result) if isinstance(result, dict) else {}
 
     # GpuClaim (namespaced)
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
-        return await self._call("get_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, name)
+        return await self._call("GET", constants.CLAIM_PLURAL, namespace=namespace, name=name)
 
     async def list_claims(self, namespace: str | None = None, label_selector: str = "") -> Obj:
         """The List object: ``items`` and ``metadata.resourceVersion``; every namespace when None."""
-        if namespace is None:
-            return await self._call(
-                "list_cluster_custom_object", constants.CLAIM_PLURAL, label_selector=label_selector
-            )
         return await self._call(
-            "list_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, label_selector=label_selector
+            "GET", constants.CLAIM_PLURAL, namespace=namespace, label_selector=label_selector
         )
 
     async def create_claim(self, namespace: str, body: Mapping[str, Any]) -> Obj:
-        return await self._call(
-            "create_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, dict(body)
-        )
+        return await self._call("POST", constants.CLAIM_PLURAL, namespace=namespace, body=dict(body))
 
     async def patch_claim(
         self, namespace: str, name: str, patch: Mapping[str, Any], resource_version: str | None = None
@@ -76,12 +80,12 @@ class CustomResources:
         """A JSON merge patch of the claim (spec, metadata; status is ignored on this endpoint);
         with ``resource_version``, ``Conflict`` if stale."""
         return await self._call(
-            "patch_namespaced_custom_object",
-            namespace,
+            "PATCH",
             constants.CLAIM_PLURAL,
-            name,
-            with_resource_version(patch, resource_version),
-            _content_type=transport.MERGE_PATCH,
+            namespace=namespace,
+            name=name,
+            body=with_resource_version(patch, resource_version),
+            content_type=transport.MERGE_PATCH,
         )
 
     async def patch_claim_status(
@@ -89,12 +93,13 @@ class CustomResources:
     ) -> Obj:
         """A JSON merge patch on the status subresource; with ``resource_version``, ``Conflict`` if stale."""
         return await self._call(
-            "patch_namespaced_custom_object_status",
-            namespace,
+            "PATCH",
             constants.CLAIM_PLURAL,
-            name,
-            with_resource_version(patch, resource_version),
-            _content_type=transport.MERGE_PATCH,
+            namespace=namespace,
+            name=name,
+            subresource="status",
+            body=with_resource_version(patch, resource_version),
+            content_type=transport.MERGE_PATCH,
         )
 
     async def patch_quota_status(
@@ -102,49 +107,49 @@ class CustomResources:
     ) -> Obj:
         """A JSON merge patch on a GpuQuota's status; with ``resource_version``, ``Conflict`` if stale."""
         return await self._call(
-            "patch_namespaced_custom_object_status",
-            namespace,
+            "PATCH",
             constants.QUOTA_PLURAL,
-            name,
-            with_resource_version(patch, resource_version),
-            _content_type=transport.MERGE_PATCH,
+            namespace=namespace,
+            name=name,
+            subresource="status",
+            body=with_resource_version(patch, resource_version),
+            content_type=transport.MERGE_PATCH,
         )
 
     async def delete_claim(self, namespace: str, name: str) -> Obj:
-        return await self._call("delete_namespaced_custom_object", namespace, constants.CLAIM_PLURAL, name)
+        return await self._call("DELETE", constants.CLAIM_PLURAL, namespace=namespace, name=name)
 
     # GpuNodeStatus (cluster-scoped)
 
     async def get_node_status(self, name: str) -> Obj:
-        return await self._call("get_cluster_custom_object", constants.NODE_STATUS_PLURAL, name)
+        return await self._call("GET", constants.NODE_STATUS_PLURAL, name=name)
 
     async def list_node_statuses(self, label_selector: str = "") -> Obj:
-        return await self._call(
-            "list_cluster_custom_object", constants.NODE_STATUS_PLURAL, label_selector=label_selector
-        )
+        return await self._call("GET", constants.NODE_STATUS_PLURAL, label_selector=label_selector)
 
     async def create_node_status(self, body: Mapping[str, Any]) -> Obj:
-        return await self._call("create_cluster_custom_object", constants.NODE_STATUS_PLURAL, dict(body))
+        return await self._call("POST", constants.NODE_STATUS_PLURAL, body=dict(body))
 
     async def patch_node_status(self, name: str, patch: Mapping[str, Any]) -> Obj:
         return await self._call(
-            "patch_cluster_custom_object",
+            "PATCH",
             constants.NODE_STATUS_PLURAL,
-            name,
-            dict(patch),
-            _content_type=transport.MERGE_PATCH,
+            name=name,
+            body=dict(patch),
+            content_type=transport.MERGE_PATCH,
         )
 
     async def patch_node_status_status(
         self, name: str, patch: Mapping[str, Any], resource_version: str | None = None
     ) -> Obj:
         return await self._call(
-            "patch_cluster_custom_object_status",
+            "PATCH",
             constants.NODE_STATUS_PLURAL,
-            name,
-            with_resource_version(patch, resource_version),
-            _content_type=transport.MERGE_PATCH,
+            name=name,
+            subresource="status",
+            body=with_resource_version(patch, resource_version),
+            content_type=transport.MERGE_PATCH,
         )
 
     async def delete_node_status(self, name: str) -> Obj:
-        return await self._call("delete_cluster_custom_object", constants.NODE_STATUS_PLURAL, name)
+        return await self._call("DELETE", constants.NODE_STATUS_PLURAL, name=name)

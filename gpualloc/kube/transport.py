@@ -1,24 +1,21 @@
-"""Raw JSON requests through a kubernetes_asyncio ``ApiClient``.
+"""Raw JSON requests to the API server through a ``client.Api``.
 
-The generated API classes turn core objects into snake_case model instances;
-everything in gpualloc works on the camelCase JSON the API server sends, the
-same shape as the custom resources. Calls made here ask the client not to
-preload (``_preload_content=False``), so the aiohttp response comes back as it
-is: its status is checked here (the client only checks it when it preloads) and
-its body parsed as JSON.
+Everything in gpualloc works on the camelCase JSON the API server sends, core
+objects and custom resources alike: bodies go out as JSON, answers come back
+parsed, and a status other than 2xx is the ``errors`` tree's exception.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import errors
+from gpualloc.kube.client import Api
 
 # A plain request that takes longer than this has met a stuck connection, not a slow API server.
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=10)
@@ -39,15 +36,8 @@ async def read_json(response: aiohttp.ClientResponse) -> Any:
     return json.loads(body) if body else None
 
 
-async def call_json(pending: Awaitable[Any]) -> Any:
-    """Await a generated API call made with ``_preload_content=False`` and return its JSON body."""
-    with errors.mapped():
-        response = await pending
-    return await read_json(response)
-
-
 async def request(
-    api: ApiClient,
+    api: Api,
     method: str,
     path: str,
     *,
@@ -57,21 +47,14 @@ async def request(
     client_timeout: aiohttp.ClientTimeout = REQUEST_TIMEOUT,
 ) -> Any:
     """One request to ``path`` (e.g. ``/api/v1/nodes``) with the client's credentials; the JSON answer."""
-    return await call_json(
-        send(
-            api,
-            method,
-            path,
-            query=query,
-            body=body,
-            content_type=content_type,
-            client_timeout=client_timeout,
-        )
+    response = await send(
+        api, method, path, query=query, body=body, content_type=content_type, client_timeout=client_timeout
     )
+    return await read_json(response)
 
 
 async def send(
-    api: ApiClient,
+    api: Api,
     method: str,
     path: str,
     *,
@@ -82,17 +65,9 @@ async def send(
 ) -> aiohttp.ClientResponse:
     """Start a request and return the unread aiohttp response (the caller reads and releases it)."""
     with errors.mapped():
-        response: aiohttp.ClientResponse = await api.call_api(
-            path,
-            method,
-            query_params=list(query),
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body,
-            auth_settings=["BearerToken"],
-            _preload_content=False,
-            _request_timeout=client_timeout,
+        return await api.send(
+            method, path, query=query, body=body, content_type=content_type, client_timeout=client_timeout
         )
-    return response
 
 
 def collection_path(

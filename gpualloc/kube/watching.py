@@ -11,10 +11,8 @@ then watches from the new list. So every change reaches ``on_event``: changes
 that happened while it was not watching arrive folded into the re-list's
 differences, the way a level-triggered controller needs them.
 
-The watch is read straight from the HTTP stream, not through
-kubernetes_asyncio's ``Watch``: that one builds its own ``ApiClient``, turns
-core objects into snake_case models, and retries a 410 once on its own; here
-every kind is plain camelCase JSON, the same shape as the custom resources.
+The watch is read straight from the HTTP stream: every kind is plain camelCase
+JSON, the same shape as the custom resources.
 """
 
 from __future__ import annotations
@@ -30,10 +28,10 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import errors, transport
+from gpualloc.kube.client import Api
 from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
@@ -141,7 +139,7 @@ class Reflector:
 
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         kind: ResourceKind,
         *,
         namespace: str | None = None,

@@ -34,7 +34,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpualloc.devcluster import binaries, cluster
-from gpualloc.kube import client as kube_client
+from tests.conftest import generated_client
 from tests.integration.tls_support import http_status
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
@@ -108,6 +108,13 @@ def _token_kubeconfig(admin_kubeconfig: Path, server: str, token: str, path: Pat
 
 
 @pytest.fixture
+async def api(kubeconfig: str) -> AsyncIterator[k8s.ApiClient]:
+    """The admin's generated client: the RBAC is checked as kubectl would meet it."""
+    async with await generated_client(kubeconfig) as api_client:
+        yield api_client
+
+
+@pytest.fixture
 async def installed(
     control_plane: Any, namespace: str, api: k8s.ApiClient, tmp_path: Path
 ) -> AsyncIterator[Installed]:
@@ -159,7 +166,7 @@ async def as_component(installed: Installed) -> AsyncIterator[Callable[[str], Aw
     opened: list[k8s.ApiClient] = []
 
     async def connect(component: str) -> k8s.ApiClient:
-        api = await kube_client.connect(str(installed.kubeconfigs[component]))
+        api = await generated_client(str(installed.kubeconfigs[component]))
         opened.append(api)
         return api
 
@@ -769,7 +776,7 @@ async def test_only_the_controller_may_change_a_pods_gpualloc_annotations(
     tmp_path: Path,
 ) -> None:
     ns = installed.namespace
-    tenant_api = await kube_client.connect(str(await _tenant(control_plane, installed, api, tmp_path)))
+    tenant_api = await generated_client(str(await _tenant(control_plane, installed, api, tmp_path)))
     try:
         tenant = k8s.CoreV1Api(tenant_api)
         gated = {"gpu.scheduling/claim": "trainer"}

@@ -41,13 +41,13 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.devcluster import binaries
 from gpualloc.devcluster import cluster as cluster_mod
 from gpualloc.kube import client as kube_client
-from gpualloc.kube import errors, resources, watching
+from gpualloc.kube import errors, resources, transport, watching
+from gpualloc.kube.client import Api
 from gpualloc.runtime import serving
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -92,8 +92,8 @@ class Setup:
     tenant_ns: str  # an ordinary tenant namespace
     unhooked_ns: str  # a namespace the webhook is not called for (webhook.excludeNamespaces)
     exempt_ns: str  # a namespace listed in isolation.exemptNamespaces
-    admin: ApiClient
-    tenant: ApiClient
+    admin: Api
+    tenant: Api
     control_plane: Any
     kubeconfigs: Path  # a directory for token kubeconfigs and logs
     nodes: list[str] = field(default_factory=list)
@@ -122,7 +122,7 @@ def _helm(kubeconfig: Path, home: Path, *args: str) -> str:
 
 
 async def call(
-    api: ApiClient,
+    api: Api,
     method: str,
     path: str,
     *,
@@ -132,14 +132,13 @@ async def call(
 ) -> Any:
     """One API call; the JSON answer. A refusal raises ``errors.KubeError`` with the API server's
     whole message (``gpualloc.kube.errors`` cuts messages short, and the policies' are long)."""
-    response = await api.call_api(
-        path,
+    response = await api.send(
         method,
-        query_params=query or [],
-        header_params={"Accept": "application/json", "Content-Type": content_type},
+        path,
+        query=query or [],
         body=body,
-        auth_settings=["BearerToken"],
-        _preload_content=False,
+        content_type=content_type,
+        client_timeout=transport.REQUEST_TIMEOUT,
     )
     try:
         raw = await response.read()
@@ -175,7 +174,7 @@ def _token_kubeconfig(control_plane: Any, token: str, path: Path) -> Path:
     return path
 
 
-async def _token(admin: ApiClient, namespace: str, account: str, pod: dict[str, Any] | None = None) -> str:
+async def _token(admin: Api, namespace: str, account: str, pod: dict[str, Any] | None = None) -> str:
     """A TokenRequest token for the ServiceAccount; bound to ``pod`` (and so to its node) if given."""
     spec: dict[str, Any] = {"audiences": [], "expirationSeconds": 3600}
     if pod is not None:
@@ -241,7 +240,7 @@ def device_entries(container_: dict[str, Any], name: str = NV) -> list[dict[str,
     return [e for e in container_.get("env") or [] if e["name"] == name]
 
 
-async def create(api: ApiClient, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+async def create(api: Api, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
     stored: dict[str, Any] = await call(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
     return stored
 
@@ -254,7 +253,7 @@ async def refused(call: Awaitable[Any]) -> str:
     return caught.value.message
 
 
-async def add_ephemeral(api: ApiClient, namespace: str, name: str, debug: dict[str, Any]) -> dict[str, Any]:
+async def add_ephemeral(api: Api, namespace: str, name: str, debug: dict[str, Any]) -> dict[str, Any]:
     """Add an ephemeral container the way ``kubectl debug`` does: the pods/ephemeralcontainers subresource."""
     stored: dict[str, Any] = await call(
         api,
@@ -278,7 +277,7 @@ class LocalWebhook:
     stop: Callable[[], Awaitable[None]]
 
 
-async def _start_webhook(admin: ApiClient) -> LocalWebhook:
+async def _start_webhook(admin: Api) -> LocalWebhook:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     with tempfile.TemporaryDirectory() as tmp:
         ca_file, cert_file, key_file = write_serving_pair(Path(tmp))
@@ -452,7 +451,7 @@ async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path
                 await api.close()
 
 
-async def _wait_until_gone(admin: ApiClient, namespace: str) -> None:
+async def _wait_until_gone(admin: Api, namespace: str) -> None:
     """The API server drops deleted policies from its admission path a moment after the delete:
     wait for that, so that no later test's pod meets them (dry runs as the admin)."""
     pods = f"/api/v1/namespaces/{namespace}/pods"
@@ -789,9 +788,9 @@ class Agent:
 
 async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> None:
     agent_account = f"{setup.fullname}-agent"
-    clients: list[ApiClient] = []
+    clients: list[Api] = []
     try:
-        agents: dict[str, ApiClient] = {}
+        agents: dict[str, Api] = {}
         kubeconfigs: dict[str, Path] = {}
         for node in setup.nodes:
             body = pod(f"agent-{node}", [container("agent")], serviceAccountName=agent_account, nodeName=node)
@@ -892,7 +891,7 @@ def claims_path(namespace: str) -> str:
     return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuclaims"
 
 
-async def purge_claim(admin: ApiClient, namespace: str, name: str) -> None:
+async def purge_claim(admin: Api, namespace: str, name: str) -> None:
     """Delete a claim for good where no controller runs to release it: its finalizers go first."""
     path = f"{claims_path(namespace)}/{name}"
     for method, body in (("PATCH", {"metadata": {"finalizers": None}}), ("DELETE", None)):

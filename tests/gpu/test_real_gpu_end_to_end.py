@@ -24,11 +24,11 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from agent import inventory, publishing
 from gpualloc.api import codecs, constants
 from gpualloc.kube import errors, resources, transport
+from gpualloc.kube.client import Api
 from tests import admitting, reviews
 from tests.gpu import smi
 from tests.integration.controller_support import (
@@ -92,7 +92,7 @@ def cuda_sees(env_vars: dict[str, str]) -> dict[str, Any]:
 
 @pytest.fixture
 async def gpu_node(
-    control_plane: Any, api: ApiClient, kubeconfig: str, namespace: str
+    control_plane: Any, api: Api, kubeconfig: str, namespace: str
 ) -> AsyncIterator[tuple[str, str]]:
     """(node name, run id): a Node labelled for this test, with the real NVML agent publishing for it."""
     run = uuid.uuid4().hex[:8]
@@ -104,7 +104,7 @@ async def gpu_node(
         yield node, run
 
 
-async def _published(api: ApiClient, node: str) -> dict[str, Any]:
+async def _published(api: Api, node: str) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         got = None
         with contextlib.suppress(errors.NotFound):
@@ -117,7 +117,7 @@ async def _published(api: ApiClient, node: str) -> dict[str, Any]:
 
 
 async def test_agent_publishes_what_nvidia_smi_reports(
-    api: ApiClient, gpu_node: tuple[str, str], smi_xml: ET.Element
+    api: Api, gpu_node: tuple[str, str], smi_xml: ET.Element
 ) -> None:
     node, _ = gpu_node
     obj = await _published(api, node)
@@ -142,7 +142,7 @@ async def test_agent_publishes_what_nvidia_smi_reports(
 
 
 async def test_allocated_gpu_is_the_one_cuda_sees_in_the_claim_pod(
-    api: ApiClient,
+    api: Api,
     kubeconfig: str,
     namespace: str,
     gpu_node: tuple[str, str],

@@ -43,11 +43,11 @@ from typing import Any, TypeVar
 
 import aiohttp
 import yaml
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants, models
 from gpualloc.devcluster import cluster
 from gpualloc.kube import errors, resources, transport, watching
+from gpualloc.kube.client import Api
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -446,7 +446,7 @@ class Mirror:
 
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         namespace: str,
         *,
         label: str,
@@ -663,7 +663,7 @@ class Mirror:
 
 
 async def consistent_snapshot(
-    api: ApiClient, namespace: str, *, label: str, value: str
+    api: Api, namespace: str, *, label: str, value: str
 ) -> tuple[list[Obj], list[Obj]]:
     """The run's claims and the device Leases at one revision: the claims' list revision, with
     the Leases read at exactly that revision (two plain lists may straddle a release)."""

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import RUN_LABEL, create_gpu_node, delete_gpu_node
 
 
 @pytest.fixture
-async def kcm_node(api: ApiClient, control_plane: Any) -> AsyncIterator[tuple[str, str]]:
+async def kcm_node(api: Api, control_plane: Any) -> AsyncIterator[tuple[str, str]]:
     """A GPU node labelled with a fresh run tag, kube-controller-manager running (Jobs, the
     garbage collector, the disruption controller); (node name, run tag)."""
     control_plane.ensure_controller_manager()

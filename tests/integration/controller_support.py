@@ -15,11 +15,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from kubernetes_asyncio.client import ApiClient
-
 from controller import main as controller_main
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors, leases, resources, transport
+from gpualloc.kube.client import Api
 
 T = TypeVar("T")
 
@@ -97,7 +96,7 @@ def inventory(
 
 
 async def create_gpu_node(
-    api: ApiClient,
+    api: Api,
     name: str,
     *,
     labels: dict[str, str] | None = None,
@@ -123,7 +122,7 @@ async def retry_unavailable(call: Callable[[], Awaitable[T]], attempts: int = 20
 
 
 async def _create_gpu_node(
-    api: ApiClient,
+    api: Api,
     name: str,
     node_labels: dict[str, str],
     labels: dict[str, str] | None,
@@ -148,7 +147,7 @@ async def _create_gpu_node(
     )
 
 
-async def create_ready_node(api: ApiClient, name: str, labels: dict[str, str]) -> dict[str, Any]:
+async def create_ready_node(api: Api, name: str, labels: dict[str, str]) -> dict[str, Any]:
     """A core/v1 Node as it is once its kubelet reported Ready.
 
     The API server's TaintNodesByCondition taints a new Node not-ready:NoSchedule until its kubelet
@@ -180,7 +179,7 @@ def simulated_inventory(
 
 
 async def publish_simulated_node(
-    api: ApiClient, name: str, run: str, profile: str, sharing: models.DeviceSharing | None = None
+    api: Api, name: str, run: str, profile: str, sharing: models.DeviceSharing | None = None
 ) -> models.NodeInventory:
     """A ready Node and the GpuNodeStatus the simulated agent publishes for ``profile`` (with
     ``--sharing``, when given); its inventory (``simulated_inventory``)."""
@@ -206,7 +205,7 @@ async def publish_simulated_node(
     return inv
 
 
-async def delete_gpu_node(api: ApiClient, name: str) -> None:
+async def delete_gpu_node(api: Api, name: str) -> None:
     with contextlib.suppress(errors.NotFound):
         await resources.CustomResources(api).delete_node_status(name)
     with contextlib.suppress(errors.NotFound):
@@ -264,16 +263,14 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
-async def get_claim(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+async def get_claim(api: Api, namespace: str, name: str) -> dict[str, Any] | None:
     try:
         return await resources.CustomResources(api).get_claim(namespace, name)
     except errors.NotFound:
         return None
 
 
-async def wait_phase(
-    api: ApiClient, namespace: str, name: str, phase: str, within: float = 30
-) -> dict[str, Any]:
+async def wait_phase(api: Api, namespace: str, name: str, phase: str, within: float = 30) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         got = await get_claim(api, namespace, name)
         return got if got and (got.get("status") or {}).get("phase") == phase else None
@@ -281,7 +278,7 @@ async def wait_phase(
     return await wait_for(probe, within=within, what=f"{namespace}/{name} {phase}")
 
 
-async def device_leases(api: ApiClient, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+async def device_leases(api: Api, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
     selector = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
     if label_selector:
         selector += "," + label_selector

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 from gpualloc.runtime import serving
 from tests.integration.test_webhook_cluster import MWC_PATH, webhook_configuration
 from tests.integration.tls_support import write_serving_pair
@@ -40,7 +40,7 @@ ALLOWED = (
 
 
 @pytest.fixture
-async def recorded(api: ApiClient, namespace: str) -> AsyncIterator[list[bytes]]:
+async def recorded(api: Api, namespace: str) -> AsyncIterator[list[bytes]]:
     """Bodies of the reviews the API server sends for pods in ``namespace``; every pod is allowed."""
     bodies: list[bytes] = []
 
@@ -100,7 +100,7 @@ def _renamed(path: str, volume: str) -> str:
 
 
 async def test_the_benchmark_review_is_shaped_as_the_api_server_sends_it(
-    api: ApiClient, namespace: str, recorded: list[bytes]
+    api: Api, namespace: str, recorded: list[bytes]
 ) -> None:
     ours = json.loads(bench.review_body())
     pod = ours["request"]["object"]

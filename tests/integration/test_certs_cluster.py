@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 
 MWC_PATH = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 
@@ -47,7 +47,7 @@ def inert_configuration(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def configuration(api: ApiClient) -> AsyncIterator[str]:
+async def configuration(api: Api) -> AsyncIterator[str]:
     name = f"gpualloc-certs-test-{uuid.uuid4().hex[:10]}"
     await transport.request(api, "POST", MWC_PATH, body=inert_configuration(name))
     try:
@@ -74,7 +74,7 @@ async def gpualloc_certs(kubeconfig: str, *argv: str) -> tuple[int, str, str]:
 
 
 async def test_certs_creates_the_secret_and_patches_every_ca_bundle_idempotently(
-    api: ApiClient, kubeconfig: str, namespace: str, configuration: str
+    api: Api, kubeconfig: str, namespace: str, configuration: str
 ) -> None:
     args = (
         "--service",
@@ -129,7 +129,7 @@ async def test_certs_creates_the_secret_and_patches_every_ca_bundle_idempotently
 
 
 async def test_a_missing_webhook_configuration_is_reported_and_skipped(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     code, out, err = await gpualloc_certs(
         kubeconfig,
@@ -146,9 +146,7 @@ async def test_a_missing_webhook_configuration_is_reported_and_skipped(
     assert "MutatingWebhookConfiguration absent-config: not found" in out
 
 
-async def test_a_secret_of_another_type_is_a_clear_error(
-    api: ApiClient, kubeconfig: str, namespace: str
-) -> None:
+async def test_a_secret_of_another_type_is_a_clear_error(api: Api, kubeconfig: str, namespace: str) -> None:
     opaque = {
         "apiVersion": "v1",
         "kind": "Secret",

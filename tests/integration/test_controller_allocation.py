@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.api import leases as device_lease
 from gpualloc.kube import errors, resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -37,7 +37,7 @@ def run_id() -> str:
 
 
 @pytest.fixture
-async def gpu_nodes(api: ApiClient, run_id: str) -> AsyncIterator[NodeFactory]:
+async def gpu_nodes(api: Api, run_id: str) -> AsyncIterator[NodeFactory]:
     """Make GPU nodes labelled with this test's run id; deleted after the test."""
     made: list[str] = []
 
@@ -54,7 +54,7 @@ async def gpu_nodes(api: ApiClient, run_id: str) -> AsyncIterator[NodeFactory]:
 
 
 async def test_claim_is_allocated_with_leases_held_by_its_uid_and_deleting_it_releases_them(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+    api: Api, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:
     node = await gpu_nodes("a")
     crs = resources.CustomResources(api)
@@ -94,7 +94,7 @@ async def test_claim_is_allocated_with_leases_held_by_its_uid_and_deleting_it_re
 
 
 async def test_a_claim_name_past_the_63_character_label_limit_is_allocated_and_kept_whole_in_annotations(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+    api: Api, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:
     # A claim's name may be 253 characters, a label value only 63. (A node's name is its
     # kubernetes.io/hostname label, so it is a valid label value already.)
@@ -131,7 +131,7 @@ async def test_a_claim_name_past_the_63_character_label_limit_is_allocated_and_k
 
 
 async def test_two_namespaces_wanting_the_whole_node_get_it_exactly_once(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+    api: Api, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:
     await gpu_nodes("only")
     crs = resources.CustomResources(api)
@@ -167,7 +167,7 @@ async def test_two_namespaces_wanting_the_whole_node_get_it_exactly_once(
 
 
 async def test_a_claim_that_cannot_fit_stays_pending_and_is_allocated_once_capacity_frees(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+    api: Api, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:
     await gpu_nodes("a", kind="pcie")
     crs = resources.CustomResources(api)
@@ -196,7 +196,7 @@ async def test_a_claim_that_cannot_fit_stays_pending_and_is_allocated_once_capac
 
 
 async def test_a_gang_that_does_not_fit_whole_takes_nothing_and_one_that_fits_is_allocated_whole(
-    api: ApiClient, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
+    api: Api, kubeconfig: str, namespace: str, gpu_nodes: NodeFactory, run_id: str
 ) -> None:
     await gpu_nodes("a")
     await gpu_nodes("b")

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.api import leases as lease_format
 from gpualloc.kube import errors, leases, resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -42,7 +42,7 @@ GPUS = 8  # create_gpu_node's default board
 
 
 @pytest.fixture
-async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
+async def node(api: Api) -> AsyncIterator[tuple[str, str]]:
     """One 8-GPU node labelled with a fresh run id: (node name, run id)."""
     run = uuid.uuid4().hex[:8]
     name = f"excl-{run}"
@@ -51,7 +51,7 @@ async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
     await delete_gpu_node(api, name)
 
 
-async def create_pod(api: ApiClient, namespace: str, name: str, claim: str) -> None:
+async def create_pod(api: Api, namespace: str, name: str, claim: str) -> None:
     body = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -61,7 +61,7 @@ async def create_pod(api: ApiClient, namespace: str, name: str, claim: str) -> N
     await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
 
 
-async def held(api: ApiClient, namespace: str) -> dict[str, str]:
+async def held(api: Api, namespace: str) -> dict[str, str]:
     """Lease name -> holder of every device Lease in ``namespace``."""
     return {
         lease["metadata"]["name"]: lease["spec"].get("holderIdentity", "")
@@ -73,7 +73,7 @@ Probe = Callable[[], Awaitable[Any]]
 
 
 async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod_is_gone(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)
@@ -111,13 +111,13 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
         assert set((await held(api, namespace)).values()) == {got["metadata"]["uid"]}
 
 
-async def _explained(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+async def _explained(api: Api, namespace: str, name: str) -> dict[str, Any] | None:
     got = await get_claim(api, namespace, name)
     return got if ((got or {}).get("status") or {}).get("message") else None
 
 
 async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)
@@ -157,7 +157,7 @@ async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
         assert set((await held(api, namespace)).values()) == {uid}
 
 
-async def _force_finalizer_off(api: ApiClient, namespace: str, name: str) -> None:
+async def _force_finalizer_off(api: Api, namespace: str, name: str) -> None:
     """As an admin would, by hand: empty the Lease's finalizers (it is Terminating, so it goes)."""
     lease = await leases.get_lease(api, namespace, name)
     await leases.replace_lease(
@@ -166,7 +166,7 @@ async def _force_finalizer_off(api: ApiClient, namespace: str, name: str) -> Non
 
 
 async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)

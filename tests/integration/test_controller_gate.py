@@ -5,10 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests import reviews
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -39,7 +38,7 @@ def gated_pod(name: str, claim: str, replica: int | None = None) -> dict[str, An
 
 
 async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses_only_our_gate(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     nodes = [f"gpu-{run}-a", f"gpu-{run}-b"]
@@ -86,7 +85,7 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
 
 
 async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_warning_saying_why(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"gpu-{run}-a"

@@ -10,10 +10,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from controller import leader
 from gpualloc.kube import errors, leases, resources
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -79,7 +78,7 @@ async def audited_writers(audit_log: Path, namespace: str, name: str) -> list[st
 
 
 async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_lease_duration(
-    api: ApiClient, kubeconfig: str, namespace: str, control_plane: Any
+    api: Api, kubeconfig: str, namespace: str, control_plane: Any
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"gpu-{run}-a"
@@ -148,7 +147,7 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
 
 
 async def test_a_candidate_whose_acquire_answer_was_lost_leads_only_once_it_reads_itself_the_holder(
-    api: ApiClient, namespace: str, monkeypatch: Any
+    api: Api, namespace: str, monkeypatch: Any
 ) -> None:
     """The election Lease can name a candidate that does not know it (the race test's SIGSTOP meets this)."""
     real_create, real_get = leases.create_lease, leases.get_lease

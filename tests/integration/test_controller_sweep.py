@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import prometheus_client
-from kubernetes_asyncio.client import ApiClient
 
 from controller import cluster, reconciling, running
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import errors, leases, resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -28,9 +28,7 @@ from tests.integration.controller_support import (
 
 
 @contextlib.asynccontextmanager
-async def controller_in_process(
-    api: ApiClient, namespace: str, run: str
-) -> AsyncIterator[running.Controller]:
+async def controller_in_process(api: Api, namespace: str, run: str) -> AsyncIterator[running.Controller]:
     settings = reconciling.Settings(
         namespace=namespace, sweep_interval=1.0, claim_selector=f"{RUN_LABEL}={run}"
     )
@@ -55,7 +53,7 @@ def sample(ctl: running.Controller, name: str, labels: dict[str, str] | None = N
 
 
 async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_live_claims(
-    api: ApiClient, namespace: str
+    api: Api, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"gpu-{run}-a"
@@ -99,7 +97,7 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
 
 
 async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_reallocating_and_metrics_follow(
-    api: ApiClient, namespace: str
+    api: Api, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"gpu-{run}-a"

@@ -17,6 +17,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpualloc.api import codecs, constants
+from tests.conftest import generated_client
 
 GROUP, VERSION = constants.GROUP, constants.VERSION
 MERGE_PATCH = "application/merge-patch+json"
@@ -95,6 +96,14 @@ async def rejected(call: Awaitable[Any]) -> tuple[int, str]:
     except (TypeError, ValueError, KeyError):
         message = str(body)
     return info.value.status, message
+
+
+@pytest.fixture
+async def api(kubeconfig: str) -> AsyncIterator[client.ApiClient]:
+    """kubernetes_asyncio's own generated client, not gpualloc's: the CRDs are checked as any
+    other client of the API server would meet them."""
+    async with await generated_client(kubeconfig) as api_client:
+        yield api_client
 
 
 @pytest.fixture
@@ -296,7 +305,16 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         {"devices": {"count": 2, "policy": "preferIds"}},
         "spec.devices.preferIds",
     ),
-    ("shared-exclusivity", {"devices": {"count": 1, "exclusivity": "Shared"}}, "spec.devices.exclusivity"),
+    (
+        "sharing-without-shared",
+        {"devices": {"count": 1, "sharing": {"strategy": "MPS"}}},
+        "spec.devices.sharing",
+    ),
+    (
+        "unknown-sharing-strategy",
+        {"devices": {"count": 1, "exclusivity": "Shared", "sharing": {"strategy": "Fair"}}},
+        "spec.devices.sharing.strategy",
+    ),
     ("zero-replicas", {"devices": {"count": 1}, "replicas": 0}, "spec.replicas"),
     ("unknown-strategy", {"devices": {"count": 1}, "strategy": "cheapest"}, "spec.strategy"),
     ("bad-node-name", {"devices": {"count": 1}, "nodeName": "Not_A_Node"}, "spec.nodeName"),

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import resources
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -28,7 +28,7 @@ CLIQUE = "nvidia.com/gpu.clique"
 
 
 @pytest.fixture
-async def pools(api: ApiClient) -> AsyncIterator[tuple[str, dict[str, str]]]:
+async def pools(api: Api) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """Five 8-GPU nodes of a fresh run: clique a has three, clique b two. (run id, node -> clique)"""
     run = uuid.uuid4().hex[:8]
     layout = {f"a{i}-{run}": "a" for i in range(3)} | {f"b{i}-{run}": "b" for i in range(2)}
@@ -46,7 +46,7 @@ def gang(name: str, run: str, replicas: int, count: int) -> dict[str, Any]:
 
 
 async def test_a_required_gang_lands_in_one_clique_or_waits_with_a_reason_per_clique(
-    api: ApiClient, kubeconfig: str, namespace: str, pools: tuple[str, dict[str, str]]
+    api: Api, kubeconfig: str, namespace: str, pools: tuple[str, dict[str, str]]
 ) -> None:
     run, layout = pools
     crs = resources.CustomResources(api)

@@ -13,10 +13,10 @@ import uuid
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -39,7 +39,7 @@ def webhook_options() -> admission.Options:
 
 @pytest.mark.usefixtures("webhook")
 async def test_pod_created_before_its_claim_is_gated_then_ungated_with_the_claims_devices(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"gpu-{run}-a"

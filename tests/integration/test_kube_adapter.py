@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient, Configuration
 
 from gpualloc.kube import client, errors, events, leases, resources, transport, watching
+from gpualloc.kube.client import Api
 
 
 def claim(name: str, count: int = 1, labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def node_status(name: str, labels: dict[str, str] | None = None) -> dict[str, An
 
 
 @pytest.fixture
-async def node_status_name(api: ApiClient) -> AsyncIterator[str]:
+async def node_status_name(api: Api) -> AsyncIterator[str]:
     """A unique GpuNodeStatus name (cluster-scoped), deleted after the test."""
     name = f"t-node-{uuid.uuid4().hex[:8]}"
     yield name
@@ -41,19 +42,35 @@ async def node_status_name(api: ApiClient) -> AsyncIterator[str]:
         await resources.CustomResources(api).delete_node_status(name)
 
 
-async def test_connect_uses_a_fresh_configuration_not_the_global_default(kubeconfig: str) -> None:
-    before = Configuration.get_default_copy().host
+def without_ca(kubeconfig: str, target: Path) -> str:
+    """A copy of ``kubeconfig`` at ``target`` without the cluster's CA."""
+    lines = Path(kubeconfig).read_text().splitlines()
+    target.write_text("\n".join(line for line in lines if "certificate-authority" not in line))
+    return str(target)
+
+
+async def test_connect_verifies_the_api_server_and_presents_the_kubeconfigs_client_certificate(
+    kubeconfig: str, tmp_path: Path
+) -> None:
     api = await client.connect(kubeconfig)
     try:
         version = await transport.request(api, "GET", "/version")
         assert version["major"] == "1"
-        assert api.configuration.host.startswith("https://127.0.0.1:")
+        assert api.host.startswith("https://127.0.0.1:")
+        # /api needs an authenticated user: the client certificate (the admin's) was presented.
+        assert "v1" in (await transport.request(api, "GET", "/api"))["versions"]
     finally:
         await api.close()
-    assert Configuration.get_default_copy().host == before
+    # A kubeconfig without the cluster's CA does not trust the API server.
+    api = await client.connect(without_ca(kubeconfig, tmp_path / "kubeconfig"))
+    try:
+        with pytest.raises(errors.Unavailable, match="certificate"):
+            await transport.request(api, "GET", "/version")
+    finally:
+        await api.close()
 
 
-async def test_claim_create_get_list_patch_delete(api: ApiClient, namespace: str) -> None:
+async def test_claim_create_get_list_patch_delete(api: Api, namespace: str) -> None:
     crs = resources.CustomResources(api)
     created = await crs.create_claim(namespace, claim("train", count=2))
     assert created["metadata"]["namespace"] == namespace
@@ -83,7 +100,7 @@ async def test_claim_create_get_list_patch_delete(api: ApiClient, namespace: str
 
 
 async def test_merge_patch_of_claim_status_merges_into_the_status_subresource(
-    api: ApiClient, namespace: str
+    api: Api, namespace: str
 ) -> None:
     crs = resources.CustomResources(api)
     await crs.create_claim(namespace, claim("c"))
@@ -102,7 +119,7 @@ async def test_merge_patch_of_claim_status_merges_into_the_status_subresource(
 
 
 async def test_patch_claim_status_with_a_stale_resource_version_is_a_conflict(
-    api: ApiClient, namespace: str
+    api: Api, namespace: str
 ) -> None:
     crs = resources.CustomResources(api)
     created = await crs.create_claim(namespace, claim("c"))
@@ -118,7 +135,7 @@ async def test_patch_claim_status_with_a_stale_resource_version_is_a_conflict(
     assert (await crs.get_claim(namespace, "c"))["status"]["phase"] == "Pending"
 
 
-async def test_claim_not_found_already_exists_and_invalid(api: ApiClient, namespace: str) -> None:
+async def test_claim_not_found_already_exists_and_invalid(api: Api, namespace: str) -> None:
     crs = resources.CustomResources(api)
     with pytest.raises(errors.NotFound):
         await crs.get_claim(namespace, "missing")
@@ -140,7 +157,7 @@ async def test_claim_not_found_already_exists_and_invalid(api: ApiClient, namesp
         await crs.patch_claim_status(namespace, "dup", {"status": {"phase": "Bogus"}})
 
 
-async def test_node_status_crud_conflict_and_not_found(api: ApiClient, node_status_name: str) -> None:
+async def test_node_status_crud_conflict_and_not_found(api: Api, node_status_name: str) -> None:
     crs = resources.CustomResources(api)
     name = node_status_name
     created = await crs.create_node_status(node_status(name, labels={"t": name}))
@@ -169,7 +186,7 @@ async def test_node_status_crud_conflict_and_not_found(api: ApiClient, node_stat
         await crs.delete_node_status(name)
 
 
-async def test_lease_is_a_lock_create_twice_is_already_exists(api: ApiClient, namespace: str) -> None:
+async def test_lease_is_a_lock_create_twice_is_already_exists(api: Api, namespace: str) -> None:
     labels = {"gpu.scheduling/node": "n1", "gpu.scheduling/claim-uid": "uid-1"}
     created = await leases.create_lease(
         api, namespace, "gpu-abc", holder="uid-1", labels=labels, duration_seconds=30
@@ -186,9 +203,7 @@ async def test_lease_is_a_lock_create_twice_is_already_exists(api: ApiClient, na
     assert (await leases.list_leases(api, namespace, label_selector="gpu.scheduling/node=n2"))["items"] == []
 
 
-async def test_lease_replace_with_a_stale_resource_version_is_a_conflict(
-    api: ApiClient, namespace: str
-) -> None:
+async def test_lease_replace_with_a_stale_resource_version_is_a_conflict(api: Api, namespace: str) -> None:
     created = await leases.create_lease(api, namespace, "gpu-r", holder="uid-1", labels={})
     body = dict(created, spec=dict(created["spec"], holderIdentity="uid-2"))
     replaced = await leases.replace_lease(api, namespace, "gpu-r", body)
@@ -197,7 +212,7 @@ async def test_lease_replace_with_a_stale_resource_version_is_a_conflict(
         await leases.replace_lease(api, namespace, "gpu-r", body)  # still carries the old resourceVersion
 
 
-async def test_lease_delete_preconditions(api: ApiClient, namespace: str) -> None:
+async def test_lease_delete_preconditions(api: Api, namespace: str) -> None:
     created = await leases.create_lease(api, namespace, "gpu-d", holder="uid-1", labels={})
     with pytest.raises(errors.Conflict):
         await leases.delete_lease(api, namespace, "gpu-d", uid="00000000-0000-0000-0000-000000000000")
@@ -217,7 +232,7 @@ async def test_lease_delete_preconditions(api: ApiClient, namespace: str) -> Non
         await leases.delete_lease(api, namespace, "gpu-d")
 
 
-async def test_emit_records_an_event_on_the_object_and_never_raises(api: ApiClient, namespace: str) -> None:
+async def test_emit_records_an_event_on_the_object_and_never_raises(api: Api, namespace: str) -> None:
     obj = await resources.CustomResources(api).create_claim(namespace, claim("evt"))
     await events.emit(
         api, obj=obj, reason="Allocated", message="2 GPUs on n1", component="gpualloc-controller"
@@ -247,7 +262,7 @@ async def eventually(predicate: Any, seconds: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def test_reflector_sees_added_modified_deleted_claims(api: ApiClient, namespace: str) -> None:
+async def test_reflector_sees_added_modified_deleted_claims(api: Api, namespace: str) -> None:
     crs = resources.CustomResources(api)
     await crs.create_claim(namespace, claim("before"))
     seen: list[tuple[str, str, str]] = []
@@ -284,7 +299,7 @@ async def test_reflector_sees_added_modified_deleted_claims(api: ApiClient, name
             await task
 
 
-async def test_reflector_of_a_core_kind_holds_camel_case_dicts(api: ApiClient, namespace: str) -> None:
+async def test_reflector_of_a_core_kind_holds_camel_case_dicts(api: Api, namespace: str) -> None:
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -308,7 +323,7 @@ async def test_reflector_of_a_core_kind_holds_camel_case_dicts(api: ApiClient, n
             await task
 
 
-async def test_watch_from_a_too_old_resource_version_is_gone(api: ApiClient, namespace: str) -> None:
+async def test_watch_from_a_too_old_resource_version_is_gone(api: Api, namespace: str) -> None:
     # The API server's watch cache starts at the resourceVersion it had when it started, far past 1:
     # a watch from "1" is answered 410 Gone (here as an ERROR event in the stream; either way Gone).
     reflector = watching.Reflector(api, watching.CLAIMS, namespace=namespace)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import constants, leases, models
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     claim_body,
     controller_argv,
@@ -24,7 +23,7 @@ from tests.integration.controller_support import (
 from tests.integration.test_controller_gate import gated_pod
 
 
-async def publish_mig_node(api: ApiClient, name: str, run: str) -> models.NodeInventory:
+async def publish_mig_node(api: Api, name: str, run: str) -> models.NodeInventory:
     """The Node and the GpuNodeStatus the agent publishes for the a100-mig profile; its inventory."""
     return await publish_simulated_node(api, name, run, "a100-mig")
 
@@ -38,7 +37,7 @@ def mig_claim(name: str, count: int, run: str, profile: str = "") -> dict[str, A
 
 
 async def test_a_mig_claim_gets_an_instance_uuid_its_lease_and_its_pod_while_whole_claims_avoid_mig_gpus(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"mig-{run}"
@@ -114,7 +113,7 @@ async def test_a_mig_claim_gets_an_instance_uuid_its_lease_and_its_pod_while_who
 
 
 async def test_the_crd_keeps_mig_profiles_to_mig_claims_and_sharing_to_shared_claims(
-    api: ApiClient, namespace: str
+    api: Api, namespace: str
 ) -> None:
     crs = resources.CustomResources(api)
     wrong = claim_body("wrong", 1, run="x")

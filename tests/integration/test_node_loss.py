@@ -8,10 +8,9 @@ import asyncio
 import uuid
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -40,7 +39,7 @@ def claim_pod(name: str, claim: str) -> dict[str, Any]:
 
 
 async def test_a_reallocate_claim_moves_off_a_deleted_node_after_its_grace_once_its_pod_is_gone(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     first, second = f"lost-{run}-a", f"lost-{run}-b"
@@ -95,7 +94,7 @@ async def test_a_reallocate_claim_moves_off_a_deleted_node_after_its_grace_once_
 
 
 async def test_a_keep_claim_stays_on_a_deleted_node_with_devices_lost(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     first, second = f"kept-{run}-a", f"kept-{run}-b"

@@ -11,10 +11,9 @@ import asyncio
 import contextlib
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.chaos_support import Mirror, Timeline
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -42,7 +41,7 @@ def pod(name: str, claim: str) -> dict[str, Any]:
 
 
 async def test_a_higher_priority_claim_preempts_the_minimal_set_through_evictions_a_pdb_holds_back(
-    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -37,7 +37,7 @@ QUOTAS = f"/apis/{constants.API_VERSION}/namespaces/{{namespace}}/{constants.QUO
 
 
 @pytest.fixture
-async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
+async def node(api: Api) -> AsyncIterator[tuple[str, str]]:
     """One 8-GPU node labelled with a fresh run id: (node name, run id)."""
     run = uuid.uuid4().hex[:8]
     name = f"quota-{run}"
@@ -46,7 +46,7 @@ async def node(api: ApiClient) -> AsyncIterator[tuple[str, str]]:
     await delete_gpu_node(api, name)
 
 
-async def create_quota(api: ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+async def create_quota(api: Api, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     body = {"apiVersion": constants.API_VERSION, "kind": constants.QUOTA_KIND, "metadata": {"name": name}}
     created: dict[str, Any] = await transport.request(
         api, "POST", QUOTAS.format(namespace=namespace), body={**body, "spec": spec}
@@ -54,17 +54,17 @@ async def create_quota(api: ApiClient, namespace: str, name: str, spec: dict[str
     return created
 
 
-async def get_quota(api: ApiClient, namespace: str, name: str) -> dict[str, Any]:
+async def get_quota(api: Api, namespace: str, name: str) -> dict[str, Any]:
     got: dict[str, Any] = await transport.request(api, "GET", f"{QUOTAS.format(namespace=namespace)}/{name}")
     return got
 
 
-async def delete_quota(api: ApiClient, namespace: str, name: str) -> None:
+async def delete_quota(api: Api, namespace: str, name: str) -> None:
     await transport.request(api, "DELETE", f"{QUOTAS.format(namespace=namespace)}/{name}")
 
 
 @contextlib.asynccontextmanager
-async def quota(api: ApiClient, namespace: str, spec: dict[str, Any]) -> AsyncIterator[str]:
+async def quota(api: Api, namespace: str, spec: dict[str, Any]) -> AsyncIterator[str]:
     name = f"q-{uuid.uuid4().hex[:6]}"
     await create_quota(api, namespace, name, spec)
     try:
@@ -73,13 +73,13 @@ async def quota(api: ApiClient, namespace: str, spec: dict[str, Any]) -> AsyncIt
         await delete_quota(api, namespace, name)
 
 
-async def over_quota(api: ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+async def over_quota(api: Api, namespace: str, name: str) -> dict[str, Any] | None:
     got = await get_claim(api, namespace, name)
     return got if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded" else None
 
 
 async def test_a_claim_over_its_namespace_quota_waits_with_the_quota_message_until_room_is_freed(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)
@@ -116,7 +116,7 @@ async def test_a_claim_over_its_namespace_quota_waits_with_the_quota_message_unt
 
 
 async def test_a_product_limit_counts_only_claims_on_matching_gpus(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)
@@ -137,7 +137,7 @@ async def test_a_product_limit_counts_only_claims_on_matching_gpus(
 
 
 async def test_controllers_racing_never_admit_past_a_quota(
-    api: ApiClient, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
 ) -> None:
     _, run = node
     crs = resources.CustomResources(api)

@@ -61,11 +61,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import codecs, constants, models
 from gpualloc.devcluster import binaries
 from gpualloc.kube import errors, leases, resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.chaos_support import (
     Books,
     Mirror,
@@ -327,7 +327,7 @@ class Chaos:
     def __init__(
         self,
         control_plane: Any,
-        api: ApiClient,
+        api: Api,
         namespace: str,
         controllers: Controllers,
         toxiproxy: Toxiproxy,
@@ -591,7 +591,7 @@ def settled_problems(
 
 
 async def churn(
-    api: ApiClient,
+    api: Api,
     namespace: str,
     tag: str,
     mirror: Mirror,
@@ -662,7 +662,7 @@ async def wait_until_done(
 
 @pytest.mark.parametrize("run", range(RUNS))
 async def test_racing_controllers_under_faults_never_double_book(
-    control_plane: Any, api: ApiClient, kubeconfig: str, namespace: str, tmp_path: Path, run: int
+    control_plane: Any, api: Api, kubeconfig: str, namespace: str, tmp_path: Path, run: int
 ) -> None:
     seed = BASE_SEED + run
     timeline = Timeline()
@@ -684,7 +684,7 @@ async def test_racing_controllers_under_faults_never_double_book(
 
 async def race(
     control_plane: Any,
-    api: ApiClient,
+    api: Api,
     kubeconfig: Path,
     namespace: str,
     logs: Path,

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     claim_body,
     condition,
@@ -48,7 +47,7 @@ def indexed_job(name: str, claim: str) -> dict[str, Any]:
     }
 
 
-async def job_pods(api: ApiClient, namespace: str, job: str) -> list[dict[str, Any]]:
+async def job_pods(api: Api, namespace: str, job: str) -> list[dict[str, Any]]:
     listing = await transport.request(
         api,
         "GET",
@@ -58,7 +57,7 @@ async def job_pods(api: ApiClient, namespace: str, job: str) -> list[dict[str, A
     return list(listing.get("items") or [])
 
 
-async def succeed(api: ApiClient, pod: dict[str, Any]) -> None:
+async def succeed(api: Api, pod: dict[str, Any]) -> None:
     """What the kubelet would write when the pod's containers exited 0."""
     meta = pod["metadata"]
     now = "2026-11-25T00:00:00Z"
@@ -88,7 +87,7 @@ async def succeed(api: ApiClient, pod: dict[str, Any]) -> None:
 
 
 async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes_with_the_job(
-    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)
@@ -149,7 +148,7 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
 
 
 async def test_an_owner_completed_claim_follows_its_job(
-    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)
@@ -193,7 +192,7 @@ async def test_an_owner_completed_claim_follows_its_job(
 
 
 async def test_a_claim_whose_pods_never_ran_is_kept(
-    api: ApiClient, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, kcm_node: tuple[str, str]
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient
-
 from gpualloc.api import models
 from gpualloc.kube import transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     controller_argv,
@@ -60,7 +59,7 @@ SEED_CLAIMS: list[dict[str, Any]] = [
 
 
 async def test_seed_004_claims_apply_strictly_and_are_allocated(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     nodes = {

@@ -10,10 +10,10 @@ import uuid
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants, leases, models
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     claim_body,
     controller_argv,
@@ -42,7 +42,7 @@ def shared_claim(name: str, run: str, **sharing: Any) -> dict[str, Any]:
     return body
 
 
-async def message_of(api: ApiClient, namespace: str, name: str, text: str) -> dict[str, Any]:
+async def message_of(api: Api, namespace: str, name: str, text: str) -> dict[str, Any]:
     async def says() -> dict[str, Any] | None:
         found = await get_claim(api, namespace, name)
         return found if text in (found or {}).get("status", {}).get("message", "") else None
@@ -53,7 +53,7 @@ async def message_of(api: ApiClient, namespace: str, name: str, text: str) -> di
 
 @pytest.mark.usefixtures("webhook")
 async def test_four_mps_claims_share_one_gpu_by_slot_leases_a_fifth_goes_elsewhere_and_pods_get_limits(
-    api: ApiClient, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"shared-{run}"

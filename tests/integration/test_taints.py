@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import resources, transport
+from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -29,7 +29,7 @@ TEAM = {"key": "team", "value": "ml", "effect": "NoExecute"}
 
 
 @pytest.fixture
-async def nodes(api: ApiClient) -> AsyncIterator[tuple[str, str, str]]:
+async def nodes(api: Api) -> AsyncIterator[tuple[str, str, str]]:
     """Two 8-GPU nodes of a fresh run: a GPU pool tainted as on GKE/AKS, and one reserved for a team."""
     run = uuid.uuid4().hex[:8]
     pool, team = f"pool-{run}", f"team-{run}"
@@ -48,7 +48,7 @@ async def nodes(api: ApiClient) -> AsyncIterator[tuple[str, str, str]]:
 
 
 async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
-    api: ApiClient, kubeconfig: str, namespace: str, nodes: tuple[str, str, str]
+    api: Api, kubeconfig: str, namespace: str, nodes: tuple[str, str, str]
 ) -> None:
     pool, team, run = nodes
     crs = resources.CustomResources(api)

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.kube import errors, resources, watching
+from gpualloc.kube.client import Api
 
 
 def claim(name: str) -> dict[str, Any]:
@@ -52,7 +52,7 @@ async def until_done(step: Callable[[], Awaitable[Any]], *, deadline: float) -> 
 
 
 async def test_reflector_cache_matches_a_fresh_list_after_an_apiserver_restart(
-    control_plane: Any, api: ApiClient, namespace: str
+    control_plane: Any, api: Api, namespace: str
 ) -> None:
     crs = resources.CustomResources(api)
     for i in range(6):

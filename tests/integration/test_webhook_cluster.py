@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from kubernetes_asyncio.client import ApiClient
 
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
+from gpualloc.kube.client import Api
 from gpualloc.runtime import serving
 from tests import admitting, reviews
 from tests.integration.tls_support import write_serving_pair
@@ -124,7 +124,7 @@ def pod(name: str, claim: str | None, *, init: bool = True, **annotations: str) 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-async def create_pod(api: ApiClient, namespace: str, body: dict[str, Any], *, dry_run: bool = False) -> Any:
+async def create_pod(api: Api, namespace: str, body: dict[str, Any], *, dry_run: bool = False) -> Any:
     query = [("dryRun", "All")] if dry_run else []
     return await transport.request(
         api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body, query=query
@@ -132,7 +132,7 @@ async def create_pod(api: ApiClient, namespace: str, body: dict[str, Any], *, dr
 
 
 async def create_claim(
-    api: ApiClient, namespace: str, name: str, *, phase: str, node: str = "gpu-node-7", message: str = ""
+    api: Api, namespace: str, name: str, *, phase: str, node: str = "gpu-node-7", message: str = ""
 ) -> None:
     crs = resources.CustomResources(api)
     body = {
@@ -154,7 +154,7 @@ async def create_claim(
     await crs.patch_claim_status(namespace, name, {"status": status})
 
 
-async def denial(api: ApiClient, namespace: str, body: dict[str, Any]) -> errors.KubeError:
+async def denial(api: Api, namespace: str, body: dict[str, Any]) -> errors.KubeError:
     with pytest.raises(errors.KubeError) as caught:
         await create_pod(api, namespace, body)
     return caught.value
@@ -168,7 +168,7 @@ def webhook_options() -> admission.Options:
 
 @pytest.fixture
 async def webhook(
-    api: ApiClient, namespace: str, webhook_options: admission.Options
+    api: Api, namespace: str, webhook_options: admission.Options
 ) -> AsyncIterator[RunningWebhook]:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -202,7 +202,7 @@ async def webhook(
             await running.stop()
 
 
-async def _wait_until_registered(api: ApiClient, namespace: str) -> None:
+async def _wait_until_registered(api: Api, namespace: str) -> None:
     """The API server picks a new configuration up from a watch: wait until it calls us (dry run)."""
     probe = pod("probe", "probe-claim-that-does-not-exist", init=False)
     for _ in range(150):
@@ -236,7 +236,7 @@ def env(container: dict[str, Any]) -> dict[str, str]:
 
 
 async def test_allocated_claim_pod_is_stored_pinned_with_env_everywhere_and_the_annotation(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
     await wait_cached(webhook, f"{namespace}/train", constants.PHASE_ALLOCATED)
@@ -260,7 +260,7 @@ async def test_allocated_claim_pod_is_stored_pinned_with_env_everywhere_and_the_
 
 
 async def test_containers_after_the_first_get_the_entries_by_copy_and_the_api_server_applies_it(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
     await wait_cached(webhook, f"{namespace}/train", constants.PHASE_ALLOCATED)
@@ -297,7 +297,7 @@ async def _absent(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 async def test_pod_without_the_annotation_is_untouched_and_fails_open_while_claim_pods_fail_closed(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     plain = pod("plain", None)
     stored = await create_pod(api, namespace, plain)
@@ -320,7 +320,7 @@ async def test_pod_without_the_annotation_is_untouched_and_fails_open_while_clai
 
 
 async def test_claim_in_another_namespace_is_denied(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     refused = await denial(api, namespace, pod("sneaky", "default/train"))
     assert refused.status == 403
@@ -328,7 +328,7 @@ async def test_claim_in_another_namespace_is_denied(
 
 
 async def test_pending_claim_is_denied_with_its_status_message(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "wait", phase=constants.PHASE_PENDING, message="0/4 nodes fit")
     refused = await denial(api, namespace, pod("early", "wait", init=False))
@@ -338,7 +338,7 @@ async def test_pending_claim_is_denied_with_its_status_message(
 
 
 async def test_pod_pinned_to_another_node_is_denied(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
     body = pod("pinned", "train", init=False)
@@ -348,7 +348,7 @@ async def test_pod_pinned_to_another_node_is_denied(
 
 
 async def test_pod_kept_off_the_claims_node_by_required_node_affinity_is_denied(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "train", phase=constants.PHASE_ALLOCATED)
     body = pod("daemon-like", "train", init=False)
@@ -361,7 +361,7 @@ async def test_pod_kept_off_the_claims_node_by_required_node_affinity_is_denied(
 TAKEN = f"gpu-3/{UUIDS[1]} is held by claim ml/other; delete and re-create this claim to get other GPUs"
 
 
-async def set_devices_lost(api: ApiClient, namespace: str, name: str, *, reason: str, message: str) -> None:
+async def set_devices_lost(api: Api, namespace: str, name: str, *, reason: str, message: str) -> None:
     """What the controller writes: the DevicesLost condition, through the status subresource."""
     conditions = [
         {"type": constants.CONDITION_ALLOCATED, "status": "True", "reason": "Allocated"},
@@ -371,7 +371,7 @@ async def set_devices_lost(api: ApiClient, namespace: str, name: str, *, reason:
     await crs.patch_claim_status(namespace, name, {"status": {"conditions": conditions}})
 
 
-async def refusal(api: ApiClient, namespace: str, body: dict[str, Any]) -> tuple[int, str]:
+async def refusal(api: Api, namespace: str, body: dict[str, Any]) -> tuple[int, str]:
     """Create a pod that is refused: the HTTP status and the API server's whole message (a
     KubeError's message is cut short)."""
     response = await transport.send(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
@@ -398,7 +398,7 @@ async def wait_cached_reason(running: RunningWebhook, key: str, reason: str) -> 
     "webhook_options", [admission.Options(), admission.Options(pending="gate")], ids=["deny", "gate"]
 )
 async def test_claim_that_lost_devices_to_another_claim_refuses_its_pods_saying_so(
-    api: ApiClient, namespace: str, webhook: RunningWebhook
+    api: Api, namespace: str, webhook: RunningWebhook
 ) -> None:
     await create_claim(api, namespace, "trainer", phase=constants.PHASE_ALLOCATED)
     await set_devices_lost(api, namespace, "trainer", reason=constants.REASON_DEVICES_TAKEN, message=TAKEN)

@@ -7,24 +7,14 @@ import json
 
 import aiohttp
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpualloc.kube import errors
 
 
-def api_exception(status: int, reason: str, message: str = "boom", http_reason: str = "X") -> ApiException:
-    exc = ApiException(status=status, reason=http_reason)
-    exc.body = json.dumps(
-        {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "status": "Failure",
-            "message": message,
-            "reason": reason,
-            "code": status,
-        }
-    )
-    return exc
+def status_error(status: int, reason: str, message: str = "boom", http_reason: str = "X") -> errors.KubeError:
+    """The error for an answer with this HTTP status and the API server's ``Status`` body."""
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason}
+    return errors.from_response(status, json.dumps({**body, "code": status}), http_reason)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +36,7 @@ def api_exception(status: int, reason: str, message: str = "boom", http_reason: 
     ],
 )
 def test_translate_maps_status_and_reason_to_the_tree(status: int, reason: str, expected: type) -> None:
-    err = errors.translate(api_exception(status, reason, message="the message"))
+    err = status_error(status, reason, message="the message")
     assert type(err) is expected
     assert err.status == status
     assert err.reason == reason
@@ -54,8 +44,8 @@ def test_translate_maps_status_and_reason_to_the_tree(status: int, reason: str, 
 
 
 def test_409_tells_already_exists_from_conflict_by_the_body_reason() -> None:
-    exists = errors.translate(api_exception(409, "AlreadyExists", http_reason="Conflict"))
-    conflict = errors.translate(api_exception(409, "Conflict", http_reason="Conflict"))
+    exists = status_error(409, "AlreadyExists", http_reason="Conflict")
+    conflict = status_error(409, "Conflict", http_reason="Conflict")
     assert isinstance(exists, errors.AlreadyExists)
     assert not isinstance(exists, errors.Conflict)
     assert isinstance(conflict, errors.Conflict)
@@ -63,15 +53,13 @@ def test_409_tells_already_exists_from_conflict_by_the_body_reason() -> None:
 
 
 def test_unknown_status_is_a_plain_kube_error() -> None:
-    err = errors.translate(api_exception(418, "Teapot"))
+    err = status_error(418, "Teapot")
     assert type(err) is errors.KubeError
     assert err.status == 418
 
 
 def test_body_that_is_not_a_status_keeps_the_http_reason_and_is_truncated() -> None:
-    exc = ApiException(status=502, reason="Bad Gateway")
-    exc.body = "<html>" + "x" * 5000 + "</html>"
-    err = errors.translate(exc)
+    err = errors.from_response(502, "<html>" + "x" * 5000 + "</html>", "Bad Gateway")
     assert isinstance(err, errors.Unavailable)
     assert err.reason == "Bad Gateway"
     assert len(err.message) < errors.MAX_BODY + 40
@@ -79,33 +67,22 @@ def test_body_that_is_not_a_status_keeps_the_http_reason_and_is_truncated() -> N
 
 
 def test_long_status_message_is_truncated() -> None:
-    err = errors.translate(api_exception(422, "Invalid", message="y" * 10_000))
+    err = status_error(422, "Invalid", message="y" * 10_000)
     assert isinstance(err, errors.Invalid)
     assert len(err.message) < errors.MAX_BODY + 40
     assert len(str(err)) < errors.MAX_BODY + 80
 
 
 def test_bytes_body_is_decoded() -> None:
-    exc = ApiException(status=404, reason="Not Found")
-    exc.body = json.dumps({"kind": "Status", "reason": "NotFound", "message": "gone", "code": 404}).encode()
-    err = errors.translate(exc)
+    body = json.dumps({"kind": "Status", "reason": "NotFound", "message": "gone", "code": 404}).encode()
+    err = errors.from_response(404, body, "Not Found")
     assert isinstance(err, errors.NotFound)
     assert err.message == "gone"
 
 
 def test_http_status_wins_over_a_status_body_with_another_code() -> None:
-    exc = api_exception(404, "NotFound")
-    exc.status = 500
-    assert isinstance(errors.translate(exc), errors.Unavailable)
-
-
-def test_watch_error_exception_without_body_is_mapped_from_its_reason_text() -> None:
-    # kubernetes_asyncio's Watch raises ApiException(status=code, reason="<reason>: <message>").
-    exc = ApiException(status=410, reason="Expired: too old resource version: 1 (5000)")
-    err = errors.translate(exc)
-    assert isinstance(err, errors.Gone)
-    assert err.reason == "Expired"
-    assert err.message == "too old resource version: 1 (5000)"
+    body = json.dumps({"kind": "Status", "reason": "NotFound", "message": "x", "code": 404})
+    assert isinstance(errors.from_response(500, body), errors.Unavailable)
 
 
 def test_watch_error_event_status_object_maps_to_gone() -> None:
@@ -130,13 +107,6 @@ def test_transport_errors_are_unavailable_with_status_zero(exc: BaseException) -
     err = errors.translate(exc)
     assert isinstance(err, errors.Unavailable)
     assert err.status == 0
-
-
-def test_mapped_reraises_as_the_tree_chained_with_from() -> None:
-    original = api_exception(404, "NotFound")
-    with pytest.raises(errors.NotFound) as info, errors.mapped():
-        raise original
-    assert info.value.__cause__ is original
 
 
 def test_mapped_maps_transport_errors() -> None:

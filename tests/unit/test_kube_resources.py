@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient, Configuration
 
 from gpualloc.kube import errors, events, leases, resources
+from gpualloc.kube.client import Api
 
 
 class FakeResponse:
@@ -34,18 +34,16 @@ class Recorder:
         self.status = 200
         self.body: Any = {"kind": "GpuClaim", "metadata": {"name": "c"}}
 
-    async def __call__(self, **kwargs: Any) -> FakeResponse:
-        self.requests.append(kwargs)
+    async def __call__(self, method: str, url: str, **kwargs: Any) -> FakeResponse:
+        self.requests.append({"method": method, "url": url, **kwargs})
         return FakeResponse(self.status, self.body)
 
 
 @pytest.fixture
-async def recorded() -> AsyncIterator[tuple[ApiClient, Recorder]]:
-    cfg = Configuration()
-    cfg.host = "https://127.0.0.1:1"
-    api = ApiClient(configuration=cfg)
+async def recorded() -> AsyncIterator[tuple[Api, Recorder]]:
+    api = Api("https://127.0.0.1:1", ssl_context=False)
     recorder = Recorder()
-    api.rest_client.pool_manager.request = recorder
+    api.session.request = recorder  # type: ignore[method-assign]
     try:
         yield api, recorder
     finally:
@@ -53,7 +51,7 @@ async def recorded() -> AsyncIterator[tuple[ApiClient, Recorder]]:
 
 
 async def test_patch_claim_status_is_sent_as_a_json_merge_patch_on_the_status_subresource(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     crs = resources.CustomResources(api)
@@ -66,7 +64,7 @@ async def test_patch_claim_status_is_sent_as_a_json_merge_patch_on_the_status_su
 
 
 async def test_every_patch_method_sends_merge_patch_not_json_patch(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     crs = resources.CustomResources(api)
@@ -82,7 +80,7 @@ async def test_every_patch_method_sends_merge_patch_not_json_patch(
 
 
 async def test_patch_status_with_resource_version_puts_it_in_metadata_without_touching_the_callers_dict(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     crs = resources.CustomResources(api)
@@ -96,7 +94,7 @@ async def test_patch_status_with_resource_version_puts_it_in_metadata_without_to
     assert patch == {"status": {"phase": "Failed"}, "metadata": {"annotations": {"x": "y"}}}
 
 
-async def test_api_errors_come_back_as_the_tree(recorded: tuple[ApiClient, Recorder]) -> None:
+async def test_api_errors_come_back_as_the_tree(recorded: tuple[Api, Recorder]) -> None:
     api, recorder = recorded
     recorder.status = 409
     recorder.body = {"kind": "Status", "reason": "AlreadyExists", "message": "exists", "code": 409}
@@ -107,7 +105,7 @@ async def test_api_errors_come_back_as_the_tree(recorded: tuple[ApiClient, Recor
 
 
 async def test_create_lease_sends_holder_labels_and_duration_in_camel_case(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     recorder.body = {"kind": "Lease", "metadata": {"name": "gpu-x", "resourceVersion": "7"}}
@@ -135,7 +133,7 @@ async def test_create_lease_sends_holder_labels_and_duration_in_camel_case(
 
 
 async def test_delete_lease_sends_uid_and_resource_version_preconditions(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     recorder.body = {"kind": "Status", "status": "Success"}
@@ -146,7 +144,7 @@ async def test_delete_lease_sends_uid_and_resource_version_preconditions(
 
 
 async def test_emit_posts_a_core_event_on_the_object_and_swallows_errors(
-    recorded: tuple[ApiClient, Recorder],
+    recorded: tuple[Api, Recorder],
 ) -> None:
     api, recorder = recorded
     recorder.status = 403
