@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from gpualloc.api import constants, models
@@ -47,53 +47,135 @@ def _model_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any], Any], .
     return tuple((field_json_name(f), f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def _decode_value(tp: Any, raw: Any, path: str) -> Any:
+class _Bad(Exception):
+    """A decode failure on its way up: what is wrong, and the keys from where it was found."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.where: list[str] = []  # innermost last once complete; each level prepends its key
+
+
+Decoder = Callable[[Any], Any]
+
+
+@functools.cache
+def _decoder(tp: Any) -> Decoder:
+    """The function that reads a raw value as ``tp``, worked out once per type: reading an
+    object then costs no type introspection (the controller parses every watch event)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None:
-            return None
-        return _decode_value(args[0], raw, path)
+        inner = _decoder(next(a for a in typing.get_args(tp) if a is not type(None)))
+        return lambda raw: None if raw is None else inner(raw)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return decode(tp, raw, path)
+        return _model_decoder(tp)
     if origin is tuple:
-        (item,) = typing.get_args(tp)[:1]
-        if not isinstance(raw, list):
-            raise DecodeError(f"{path}: expected a list, got {type(raw).__name__}")
-        return tuple(_decode_value(item, r, f"{path}[{i}]") for i, r in enumerate(raw))
+        item = _decoder(typing.get_args(tp)[0])
+
+        def tuple_of(raw: Any) -> tuple[Any, ...]:
+            if not isinstance(raw, list):
+                raise _Bad(f"expected a list, got {type(raw).__name__}")
+            out = []
+            try:
+                for r in raw:
+                    out.append(item(r))
+            except _Bad as bad:
+                bad.where.insert(0, f"[{len(out)}]")
+                raise
+            return tuple(out)
+
+        return tuple_of
     if origin in (Mapping, dict, typing.Mapping) or tp is dict:
-        if not isinstance(raw, dict):
-            raise DecodeError(f"{path}: expected an object, got {type(raw).__name__}")
         value_type = (typing.get_args(tp) or (str, str))[1]
-        if value_type is str:
-            return {str(k): str(v) for k, v in raw.items()}
-        return {str(k): _decode_value(value_type, v, f"{path}.{k}") for k, v in raw.items()}
+        values = None if value_type is str else _decoder(value_type)
+
+        def mapping_of(raw: Any) -> dict[str, Any]:
+            if not isinstance(raw, dict):
+                raise _Bad(f"expected an object, got {type(raw).__name__}")
+            if values is None:
+                return {str(k): str(v) for k, v in raw.items()}
+            out, k = {}, ""
+            try:
+                for k, v in raw.items():
+                    out[str(k)] = values(v)
+            except _Bad as bad:
+                bad.where.insert(0, f".{k}")
+                raise
+            return out
+
+        return mapping_of
     if tp is bool:
-        if not isinstance(raw, bool):
-            raise DecodeError(f"{path}: expected a boolean")
-        return raw
+        return _boolean
     if tp is int:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise DecodeError(f"{path}: expected an integer, got {raw!r}")
-        return raw
+        return _integer
     if tp is str:
-        if not isinstance(raw, str):
-            raise DecodeError(f"{path}: expected a string, got {raw!r}")
-        return raw
-    raise DecodeError(f"{path}: unsupported type {tp!r}")  # pragma: no cover
+        return _string
+    raise TypeError(f"unsupported type {tp!r}")  # pragma: no cover - a model written wrong
+
+
+def _boolean(raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise _Bad("expected a boolean")
+    return raw
+
+
+def _integer(raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise _Bad(f"expected an integer, got {raw!r}")
+    return raw
+
+
+def _string(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise _Bad(f"expected a string, got {raw!r}")
+    return raw
+
+
+def _model_decoder(cls: type) -> Decoder:
+    """A typed front for the cache (as ``model_fields``)."""
+    return _model_decoder_cached(cls)
+
+
+@functools.cache
+def _model_decoder_cached(cls: type) -> Decoder:
+    fields = [
+        (
+            key,
+            field.name,
+            _decoder(tp),
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING,
+        )
+        for key, field, tp in model_fields(cls)
+    ]
+
+    def model(raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            raise _Bad(f"expected an object, got {type(raw).__name__}")
+        kwargs: dict[str, Any] = {}
+        key = ""
+        try:  # one handler per object, not per field: free until something is wrong
+            for key, name, decoder, required in fields:
+                value = raw.get(key)
+                if value is not None:
+                    kwargs[name] = decoder(value)
+                elif required:
+                    raise _Bad("required")
+        except _Bad as bad:
+            bad.where.insert(0, f".{key}")
+            raise
+        return cls(**kwargs)
+
+    return model
 
 
 def decode(cls: type[T], raw: Any, path: str = "") -> T:
-    """Read ``raw`` (a dict from the API) as an instance of the model ``cls``."""
-    if not isinstance(raw, dict):
-        raise DecodeError(f"{path or cls.__name__}: expected an object, got {type(raw).__name__}")
-    kwargs: dict[str, Any] = {}
-    for key, field, tp in model_fields(cls):
-        if key in raw and raw[key] is not None:
-            kwargs[field.name] = _decode_value(tp, raw[key], f"{path}.{key}" if path else key)
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise DecodeError(f"{path}.{key}: required" if path else f"{key}: required")
-    return cls(**kwargs)
+    """Read ``raw`` (a dict from the API) as an instance of the model ``cls``; DecodeError naming
+    the field (``spec.devices.count: expected an integer``) when it does not fit."""
+    try:
+        decoded: T = _model_decoder(cls)(raw)
+    except _Bad as bad:
+        where = (path + "".join(bad.where)).lstrip(".") or cls.__name__
+        raise DecodeError(f"{where}: {bad.what}") from None
+    return decoded
 
 
 def _encode_value(value: Any) -> Any:

@@ -38,3 +38,31 @@ def test_decode_names_the_bad_field() -> None:
         codecs.parse_claim({"metadata": {"name": "c"}, "spec": {"devices": {"count": "two"}}})
     with pytest.raises(codecs.DecodeError, match=r"spec\.devices\.count: required"):
         codecs.parse_claim({"metadata": {"name": "c"}, "spec": {"devices": {}}})
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        ({"devices": [{"index": 0, "minor": 0, "uuid": "GPU-a"}, {"index": 1, "minor": 1, "uuid": 7}]},
+         "status.devices[1].uuid: expected a string, got 7"),
+        ({"devices": [{"index": 0, "minor": 0, "uuid": "GPU-a", "mig": {"devices": [{"index": 0}]}}]},
+         "status.devices[0].mig.devices[0].uuid: required"),
+        ({"islands": [[0, 1], [2, "x"]]}, "status.islands[1][1]: expected an integer, got 'x'"),
+        ({"devices": "none"}, "status.devices: expected a list, got str"),
+    ],
+)  # fmt: skip
+def test_decode_names_the_bad_field_through_lists_and_nested_objects(status: dict, message: str) -> None:
+    raw = {"metadata": {"name": "n"}, "spec": {"nodeName": "n"}, "status": status}
+    with pytest.raises(codecs.DecodeError) as info:
+        codecs.parse_node_status(raw)
+    assert str(info.value) == message
+
+
+def test_a_map_of_models_names_the_bad_key() -> None:
+    raw = {
+        "metadata": {"name": "q", "namespace": "ns"},
+        "spec": {"gpus": 4},
+        "status": {"claims": {"uid-1": {"name": "c", "gpus": "x"}}},
+    }
+    with pytest.raises(codecs.DecodeError, match=r"^status\.claims\.uid-1\.gpus: expected an integer"):
+        codecs.parse_quota(raw)
