@@ -774,8 +774,8 @@ def allocate(
 
     def place(c: models.GpuClaim, candidates: Sequence[NodeView] | None) -> Decision:
         """``c`` on ``candidates``, or on every node (None), through the index where it serves."""
-        if index is not None and candidates is None and not explain and index.cost_label == cost_label:
-            found = _allocate_indexed(c, index, cost_preference)
+        if index is not None and candidates is None and index.cost_label == cost_label:
+            found = (_explain_indexed if explain else _allocate_indexed)(c, index, cost_preference)
             if found is not None:
                 return found
         return _allocate(
@@ -1106,6 +1106,83 @@ def _allocate_indexed(
                 per_node={name: f"chosen: replica 0 took {choice.describe()}"},
             )
     return None
+
+
+EXPLAIN_SEARCHED = 16  # fitting nodes an explain over the index searches besides the chosen one
+
+
+def _explain_indexed(
+    claim: models.GpuClaim, index: NodeIndex, cost_preference: Sequence[str]
+) -> Decision | None:
+    """``explain`` over the index, for the claims ``_allocate_indexed`` covers; None for the others.
+
+    The decision is ``_allocate_indexed``'s. The lines: a node with fewer free GPUs than asked
+    is told so from its bucket, without screening it (so a node that is also cordoned, say,
+    counts as short of GPUs); the others are screened and searched in the order the decision
+    visits them, until the chosen node and ``EXPLAIN_SEARCHED`` more that fit have been found.
+    The rest are "not examined". When nothing fits, every node with enough free GPUs is
+    screened and searched, so each has its own reason, and the summary counts them all.
+    """
+    ask = _parse(claim)
+    if (
+        isinstance(ask, str)
+        or ask.exclusivity != "Exclusive"
+        or claim.spec.replicas != 1
+        or ask.strategy not in LOAD_STRATEGIES
+        or ask.node_name is not None
+    ):
+        return None
+    decision = _allocate_indexed(claim, index, cost_preference)
+    chosen = decision.allocations[0].node_name if decision is not None and decision.ok else None
+    cost_rank = _cost_rank(cost_preference)
+    lines: dict[str, str] = {}
+    misses: list[_Miss] = []
+    groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}
+    for bucket, names in index.buckets().items():
+        if bucket.free >= ask.count:
+            tier = cost_rank.get(bucket.tier, len(cost_rank))
+            key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
+            groups.setdefault(key, []).append((bucket.max_bw, names))
+            continue
+        phrase = f"fewer than {ask.count} free healthy GPUs{ask.filters}"
+        short = _Miss(
+            6,
+            f"has {phrase}",
+            f"have {phrase}",
+            f"{bucket.free} of {bucket.total} GPUs free; need {ask.count}",
+        )
+        for name in names:
+            lines[name] = short.detail
+            misses.append(short)
+
+    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[_Key, str]]:
+        for name in names:
+            yield _bound(ask, name, index.position(name), max_bw), name
+
+    n_nodes, fits = len(index), 0
+    for key in sorted(groups):
+        for _, name in heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key])):
+            if chosen is not None and fits > EXPLAIN_SEARCHED:
+                lines[name] = "enough free GPUs; not examined (ranked below the nodes searched)"
+                continue
+            view = index.get(name)
+            assert view is not None
+            screened = _screen(view, ask, index.position(name), set(), n_nodes)
+            found = _best_set(screened, ask) if isinstance(screened, _Screened) else screened
+            if isinstance(found, _Miss):
+                lines[name] = found.detail
+                misses.append(found)
+                continue
+            fits += 1
+            lines[name] = f"fits: {found.describe()}"
+    if decision is not None and decision.ok:
+        assert chosen is not None
+        lines[chosen] = decision.per_node[chosen]
+        return dataclasses.replace(decision, per_node=lines)
+    reason = (
+        f"0/{n_nodes} nodes fit: {_summarise(misses)}" if n_nodes else "0/0 nodes fit: no GPU nodes are known"
+    )
+    return Decision(allocations=(), reason=reason, per_node=lines)
 
 
 def _lines(

@@ -1,8 +1,11 @@
 """`gpualloc explain claim NAME [-n NS]`: why a claim is pending, node by node.
 
 It reads what the controller reads (claims, GpuNodeStatus, Nodes, the
-namespace's GpuQuotas), builds the same node views, and runs the same
-allocator with ``explain=True`` so every node gets its own verdict. Devices
+namespace's GpuQuotas), builds the same node views and node index, and runs
+the same allocator with ``explain=True``: the decision the controller would
+make, and a verdict per node (``allocator._explain_indexed`` says which nodes
+it examines on a large cluster). On more than 50 nodes, nodes that share a
+verdict share a row. Devices
 count as taken when another claim's status lists them; a plan that fits is
 then held to the namespace's quotas as the controller's ledger would hold it.
 Nothing is written.
@@ -11,6 +14,7 @@ Nothing is written.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,6 +22,7 @@ from typing import Any
 
 from controller import allocator, preemption, quotas, state
 from controller import views as node_views_
+from controller.nodes import NodeIndex
 from gpualloc import views
 from gpualloc.api import codecs, constants, models
 
@@ -81,7 +86,10 @@ def explain(
         },
         stale_after=node_views_.NODE_STALE_AFTER_S,
     )
-    decision = allocator.allocate(claim, node_views, explain=True)
+    index = NodeIndex()
+    for view in node_views:
+        index.put(view)
+    decision = allocator.allocate(claim, index, explain=True)
     verdict = decision.reason
     if decision.ok:
         product = quotas.products_of(decision.allocations, statuses)
@@ -108,12 +116,26 @@ def explain(
         )
         lines.append(f"  preempt: {could} (--preemption-scope Namespace)")
     lines.append("")
-    rows = [[name, verdict] for name, verdict in sorted(decision.per_node.items())]
+    rows = verdict_rows(decision.per_node)
     lines.append(views.table(["NODE", "VERDICT"], rows) if rows else "No GPU nodes are published.")
     if namespace_quotas:
         lines.append("")
         lines.append(views.format_quotas(namespace_quotas, all_namespaces=False))
     return "\n".join(lines)
+
+
+ROWS_IN_FULL = 50  # up to this many nodes, one row each
+
+
+def verdict_rows(per_node: Mapping[str, str], in_full: int = ROWS_IN_FULL) -> list[list[str]]:
+    """One row per node, or on a large cluster one row per verdict that several nodes share
+    ("(1,200 nodes)"), after the nodes with verdicts of their own."""
+    if len(per_node) <= in_full:
+        return [[name, verdict] for name, verdict in sorted(per_node.items())]
+    counts = collections.Counter(per_node.values())
+    rows = [[name, verdict] for name, verdict in sorted(per_node.items()) if counts[verdict] <= 3]
+    shared = sorted(((n, verdict) for verdict, n in counts.items() if n > 3), key=lambda c: (-c[0], c[1]))
+    return rows + [[f"({n:,} nodes)", verdict] for n, verdict in shared]
 
 
 async def _fetch(kubeconfig: str | None, namespace: str) -> dict[str, Any]:

@@ -77,6 +77,21 @@ def test_an_index_gives_the_decision_of_the_full_search(
 
 
 @SETTINGS
+@given(views=alike_clusters(), claim=varied_claims())
+def test_explain_over_the_index_decides_as_the_full_search_and_gives_every_node_a_line(
+    views: list[NodeView], claim: models.GpuClaim
+) -> None:
+    full = allocator.allocate(claim, views, explain=True)
+    explained = allocator.allocate(claim, NodeIndex(views), explain=True)
+    assert explained.allocations == full.allocations
+    assert set(explained.per_node) == {v.name for v in views}
+    if full.ok:
+        assert explained.per_node[explained.allocations[0].node_name].startswith("chosen:")
+    else:
+        assert explained.reason.startswith(f"0/{len(views)} nodes fit: ") or explained.reason == full.reason
+
+
+@SETTINGS
 @given(views=alike_clusters(), claim=varied_claims(), cost_label=st.sampled_from(("", "other/tier")))
 def test_an_index_for_another_cost_label_still_decides_as_the_full_search(
     views: list[NodeView], claim: models.GpuClaim, cost_label: str
