@@ -1038,6 +1038,29 @@ def _allocation(replica: int, node: str, choice: _Choice) -> models.Allocation:
 # ------------------------------------------------------------------ indexed nodes
 
 
+def _in_rank_order(
+    ask: _Ask, index: NodeIndex, cost_preference: Sequence[str]
+) -> Iterator[Iterator[tuple[_Key, str]]]:
+    """The nodes with at least ``ask.count`` free GPUs as ``_allocate`` ranks them: one group per
+    strategy key, best key first, each group's nodes in order of their quality bound (with the
+    bound). Only the index's buckets are read: a node is looked at when its turn comes."""
+    cost_rank = _cost_rank(cost_preference)
+    groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}
+    for bucket, names in index.buckets().items():
+        if bucket.free < ask.count:
+            continue
+        tier = cost_rank.get(bucket.tier, len(cost_rank))
+        key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
+        groups.setdefault(key, []).append((bucket.max_bw, names))
+
+    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[_Key, str]]:
+        for name in names:
+            yield _bound(ask, name, index.position(name), max_bw), name
+
+    for key in sorted(groups):
+        yield heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key]))
+
+
 def _allocate_indexed(
     claim: models.GpuClaim, index: NodeIndex, cost_preference: Sequence[str]
 ) -> Decision | None:
@@ -1068,23 +1091,10 @@ def _allocate_indexed(
         return Decision(allocations=(), reason=reason, per_node={})
     if claim.spec.replicas != 1 or ask.strategy not in LOAD_STRATEGIES or ask.node_name is not None:
         return None
-    cost_rank = _cost_rank(cost_preference)
-    groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}
-    for bucket, names in index.buckets().items():
-        if bucket.free < ask.count:
-            continue
-        tier = cost_rank.get(bucket.tier, len(cost_rank))
-        key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
-        groups.setdefault(key, []).append((bucket.max_bw, names))
     n_nodes = len(index)
-
-    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[_Key, str]]:
-        for name in names:
-            yield _bound(ask, name, index.position(name), max_bw), name
-
-    for key in sorted(groups):
+    for ranked in _in_rank_order(ask, index, cost_preference):
         best: tuple[_Key, _Screened, _Choice] | None = None
-        for bound, name in heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key])):
+        for bound, name in ranked:
             if best is not None and bound >= best[0]:
                 break
             view = index.get(name)
@@ -1134,34 +1144,20 @@ def _explain_indexed(
         return None
     decision = _allocate_indexed(claim, index, cost_preference)
     chosen = decision.allocations[0].node_name if decision is not None and decision.ok else None
-    cost_rank = _cost_rank(cost_preference)
     lines: dict[str, str] = {}
     misses: list[_Miss] = []
-    groups: dict[_Key, list[tuple[int, Sequence[str]]]] = {}
     for bucket, names in index.buckets().items():
         if bucket.free >= ask.count:
-            tier = cost_rank.get(bucket.tier, len(cost_rank))
-            key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
-            groups.setdefault(key, []).append((bucket.max_bw, names))
             continue
         phrase = f"fewer than {ask.count} free healthy GPUs{ask.filters}"
-        short = _Miss(
-            6,
-            f"has {phrase}",
-            f"have {phrase}",
-            f"{bucket.free} of {bucket.total} GPUs free; need {ask.count}",
-        )
+        detail = f"{bucket.free} of {bucket.total} GPUs free; need {ask.count}"
+        short = _Miss(6, f"has {phrase}", f"have {phrase}", detail)
         for name in names:
             lines[name] = short.detail
             misses.append(short)
-
-    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[_Key, str]]:
-        for name in names:
-            yield _bound(ask, name, index.position(name), max_bw), name
-
     n_nodes, fits = len(index), 0
-    for key in sorted(groups):
-        for _, name in heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key])):
+    for ranked in _in_rank_order(ask, index, cost_preference):
+        for _, name in ranked:
             if chosen is not None and fits > EXPLAIN_SEARCHED:
                 lines[name] = "enough free GPUs; not examined (ranked below the nodes searched)"
                 continue
