@@ -275,9 +275,11 @@ class Agent:
     async def audit_processes(self) -> None:
         """The usage audit of the last samples (module docstring); a Warning Event on the Node for
         each unexpected process not told before."""
-        if self.leases is None or not self.args.process_audit:
-            return  # without the Leases nothing is known to be held
-        pods = audit.pods_by_uid(self.pods.cache.values()) if self.pods is not None else None
+        if self.leases is None or not self.leases.synced.is_set() or not self.args.process_audit:
+            return  # until the Leases are listed nothing is known to be held: no false alarm at start
+        pods = None  # not listed yet: only processes on GPUs no claim holds can be judged
+        if self.pods is not None and self.pods.synced.is_set():
+            pods = audit.pods_by_uid(self.pods.cache.values())
         devices = self.desired().devices
         found = audit.unexpected(devices, self.metrics.samples, self.metrics.leases, pods)
         self.metrics.unexpected = found

@@ -261,10 +261,14 @@ async def test_a_scan_audits_the_gpu_processes_into_the_status_and_the_metric() 
     agent = _sim_agent()
     await agent.scan_once()
     uuids = [d.uuid for d in agent.desired().devices]
-    agent.leases = types.SimpleNamespace(cache={"ns/a": _whole_lease(uuids[0])})  # type: ignore[assignment]
+    listed = asyncio.Event()
+    agent.leases = types.SimpleNamespace(cache={"ns/a": _whole_lease(uuids[0])}, synced=listed)  # type: ignore[assignment]
     agent._recount_leases()
     assert isinstance(agent.source, simulated.SimulatedSource)
     agent.source.set_processes({0: [inventory.GpuProcess(pid=5)], 3: [inventory.GpuProcess(pid=4242)]})
+    await agent.scan_once()
+    assert agent.desired().unexpected_processes == ()  # the Leases are not listed yet: no false alarm
+    listed.set()
     await agent.scan_once()
     # GPU 0 is held (its pod cannot be told: not judged); nobody holds GPU 3.
     assert agent.desired().unexpected_processes == (
