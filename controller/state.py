@@ -333,6 +333,7 @@ class State:
         (the deterministic simulation found that one, seed 103609).
         """
         cache = self.feeds[feed].cache
+        obj = watching.without_managed_fields(obj)  # as the feeds keep their objects
         key = watching.object_key(obj)
         if _newer(cache.get(key), obj) or str(_meta(obj).get("uid", "")) in self._gone:
             return

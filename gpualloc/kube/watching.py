@@ -250,7 +250,9 @@ class Reflector:
                 return objects, str(metadata["resourceVersion"])
 
     def _kept(self, obj: Obj) -> Obj:
-        """What the cache keeps of ``obj``: all of it, or what ``transform`` makes of it."""
+        """What the cache keeps of ``obj``: all of it but ``managedFields``, or what ``transform``
+        makes of it."""
+        obj = without_managed_fields(obj)
         return obj if self.transform is None else self.transform(obj)
 
     async def relist(self) -> None:
@@ -354,6 +356,16 @@ class Reflector:
                 yield event
         finally:
             response.close()
+
+
+def without_managed_fields(obj: Obj) -> Obj:
+    """``obj`` without ``metadata.managedFields`` (server-side apply's bookkeeping, which nothing in
+    gpualloc reads, and which is often the largest part of a cached object), as client-go's
+    informers drop it."""
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, dict) or "managedFields" not in metadata:
+        return obj
+    return {**obj, "metadata": {k: v for k, v in metadata.items() if k != "managedFields"}}
 
 
 async def run_reflectors(*reflectors: Reflector) -> None:

@@ -163,3 +163,14 @@ def test_the_components_run_without_loading_the_generated_client() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_cached_objects_leave_out_managed_fields() -> None:
+    from gpualloc.kube import watching
+
+    obj = {"metadata": {"name": "c", "managedFields": [{"manager": "kubectl"}]}, "spec": {"x": 1}}
+    kept = watching.without_managed_fields(obj)
+    assert kept == {"metadata": {"name": "c"}, "spec": {"x": 1}}
+    assert obj["metadata"]["managedFields"], "the caller's object is not changed"
+    plain = {"metadata": {"name": "d"}}
+    assert watching.without_managed_fields(plain) is plain
