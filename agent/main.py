@@ -38,7 +38,7 @@ from agent import audit, health, inventory, publishing, simulated
 from agent import metrics as agent_metrics
 from gpualloc.api import constants, models
 from gpualloc.kube import client, errors, events, resources, transport, watching
-from gpualloc.runtime import backoff, options, serving, signals
+from gpualloc.runtime import backoff, eventloop, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
 
 log = logging.getLogger(__name__)
@@ -495,7 +495,7 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     runtime_logging.setup("agent", fmt=args.log_format, level=args.log_level)
     try:
-        return asyncio.run(_amain(args))
+        return eventloop.run(_amain(args))
     except simulated.ProfileError as exc:
         log.error("bad simulated profile", extra={"error": str(exc)})
         print(f"gpualloc agent: {exc}", file=sys.stderr)

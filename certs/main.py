@@ -15,7 +15,6 @@ given. A webhook configuration that does not exist yet is reported and skipped
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import ipaddress
 import sys
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 
 from certs import building, keys, storing
 from gpualloc.kube import client, errors
+from gpualloc.runtime import eventloop
 from gpualloc.runtime import logging as runtime_logging
 from gpualloc.runtime import options as runtime_options
 
@@ -96,7 +96,7 @@ def main(argv: Sequence[str]) -> int:
     wanted = _wanted(parser, args)
     runtime_logging.setup("certs", fmt=args.log_format, level=args.log_level)
     try:
-        return asyncio.run(run(args, wanted, now=datetime.datetime.now(datetime.UTC)))
+        return eventloop.run(run(args, wanted, now=datetime.datetime.now(datetime.UTC)))
     except (errors.KubeError, storing.StoreError, OSError) as exc:
         print(f"gpualloc certs: error: {exc}", file=sys.stderr)
         return 1

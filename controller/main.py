@@ -18,8 +18,8 @@ from controller import cluster, leader, reconciling, running, views
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import client
+from gpualloc.runtime import eventloop, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
-from gpualloc.runtime import options, serving, signals
 
 log = logging.getLogger(__name__)
 
@@ -208,4 +208,4 @@ async def _main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     runtime_logging.setup("controller", fmt=args.log_format, level=args.log_level)
-    return asyncio.run(_main(argv))
+    return eventloop.run(_main(argv))

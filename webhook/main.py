@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from gpualloc.kube import client, resources, watching
+from gpualloc.runtime import eventloop, serving, signals
 from gpualloc.runtime import logging as runtime_logging
 from gpualloc.runtime import options as runtime_options
-from gpualloc.runtime import serving, signals
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
 
@@ -92,7 +92,7 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--tls-cert-file and --tls-key-file are required (a webhook is only called over TLS)")
     runtime_logging.setup("webhook", fmt=args.log_format, level=args.log_level)
     try:
-        return asyncio.run(run(args))
+        return eventloop.run(run(args))
     except KeyboardInterrupt:
         return 130
 

@@ -10,6 +10,7 @@ involved: claims come from an in-memory store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import ssl
@@ -23,7 +24,7 @@ from cryptography import x509
 
 from certs import building, keys
 from gpualloc.api import constants
-from gpualloc.runtime import serving
+from gpualloc.runtime import eventloop, serving
 from tests import reviews
 from webhook import cache, server
 
@@ -102,8 +103,8 @@ REVIEW = reviews.pod_review(
 )
 
 
-@pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.CertificateReloader, int]]:
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.CertificateReloader, int]]:
     volume = SecretVolume(tmp_path)
     volume.write(*serving_pair(1))
     context = server.make_ssl_context(volume.cert_file, volume.key_file)
@@ -117,6 +118,12 @@ async def running(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.Ce
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await runner.cleanup()
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.CertificateReloader, int]]:
+    async with _serving(tmp_path) as served:
+        yield served
 
 
 async def _no_fetch(namespace: str, name: str) -> dict[str, Any] | None:
@@ -134,7 +141,22 @@ async def _wait_for(predicate: Any) -> None:
 async def test_rotated_certificate_is_presented_on_new_handshakes_with_no_failed_request(
     running: tuple[SecretVolume, server.CertificateReloader, int],
 ) -> None:
-    volume, reloader, port = running
+    await _rotate_under_load(*running)
+
+
+def test_rotation_on_the_event_loop_the_webhook_runs_on(tmp_path: Path) -> None:
+    """``gpualloc webhook`` runs on uvloop (``gpualloc.runtime.eventloop``), whose TLS transport is
+    not asyncio's: the same rotation, on that loop."""
+
+    async def scenario() -> str:
+        async with _serving(tmp_path) as served:
+            await _rotate_under_load(*served)
+        return type(asyncio.get_running_loop()).__module__
+
+    assert eventloop.run(scenario()).startswith("uvloop")
+
+
+async def _rotate_under_load(volume: SecretVolume, reloader: server.CertificateReloader, port: int) -> None:
     url = f"https://127.0.0.1:{port}/mutate"
     assert await peer_serial(port) == 1
     results = {"ok": 0, "failed": 0}
