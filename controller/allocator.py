@@ -581,9 +581,29 @@ def _screen_prefer_ids(
 # ------------------------------------------------------------------ set search
 
 
+SEARCHES_KEPT = 64  # set searches remembered per inventory (``nodes.Prepared.searches``)
+
+
 def _best_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
+    """The best set of ``ask.count`` of the node's usable devices, or why there is none.
+
+    The answer depends only on the inventory, the usable devices and the ask's
+    set terms, so it is remembered on the prepared inventory: the nodes a
+    strategy ranks first are searched again for claim after claim until their
+    free devices change."""
     if ask.exclusivity != "Exclusive":  # instances and slots in screening's order (packing)
         return _Choice(tuple(node.usable[: ask.count]), _NO_PAIRS, 1, 1, ())
+    searches = node.prep.searches
+    key = (tuple(d.index for d in node.usable), ask.count, ask.mode, ask.policy, ask.min_bw)
+    found: _Choice | _Miss | None = searches.get(key)
+    if found is None:
+        if len(searches) >= SEARCHES_KEPT:
+            searches.clear()
+        found = searches[key] = _search_set(node, ask)
+    return found
+
+
+def _search_set(node: _Screened, ask: _Ask) -> _Choice | _Miss:
     devs = node.usable
     m, k = len(devs), ask.count
     matrix, isl = node.prep.topology()

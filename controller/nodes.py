@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from controller import topology
 from gpualloc.api import constants, models
@@ -53,6 +54,9 @@ class Prepared:
     # Filled on the first set search: index -> index -> GB/s (0 for a missing link), index -> island.
     matrix: Mapping[int, Mapping[int, int]] | None = None
     island: Mapping[int, int] | None = None
+    # The allocator's set searches on this inventory, by the usable devices and what the claim
+    # asks (``allocator._best_set``): a node ranked first for many claims in a row is searched once.
+    searches: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def topology(self) -> tuple[Mapping[int, Mapping[int, int]], Mapping[int, int]]:
         if self.matrix is None or self.island is None:
