@@ -839,3 +839,18 @@ def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pyt
     screened.clear()
     assert picked(allocator.allocate(claim(3), views)) == ("n0001", (0, 1, 2))
     assert len(set(screened)) == 1000
+
+
+def test_a_node_set_search_is_remembered_until_its_free_devices_change() -> None:
+    inv = pcie("n1")  # two NUMA nodes of four: the best pair depends on which GPUs are free
+    first = allocator.allocate(claim(2), [node("n1", inv, taken=[0])])
+    searches = node_tables.prepare("n1", inv, 1).searches
+    remembered = dict(searches)
+    again = allocator.allocate(claim(2), [node("n1", inv, taken=[0])])
+    assert picked(again) == picked(first)
+    assert searches == remembered  # answered from the memo: nothing searched anew
+    moved = allocator.allocate(claim(2), [node("n1", inv, taken=[0, 2, 3])])
+    assert len(searches) == len(remembered) + 1  # other free GPUs: searched anew
+    assert picked(moved)[1] != picked(first)[1] and not {0, 2, 3} & set(picked(moved)[1])
+    searches.clear()
+    assert picked(allocator.allocate(claim(2), [node("n1", inv, taken=[0, 2, 3])])) == picked(moved)
