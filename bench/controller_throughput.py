@@ -19,14 +19,16 @@ Reported (``bench/results/controller_throughput.json`` and stdout):
   resolution, as the API stores it) and from the moment the client sent the
   create (sub-millisecond) to the watch event showing ``phase: Allocated``;
 * API requests per allocation: the controller's requests in the audit log
-  (matched by its user agent), all and writes only, per allocated claim;
+  (matched by its user agent) received by the last allocation, all and writes
+  only, per allocated claim;
 * the ceiling: Lease creates per second with ``--ceiling-concurrency`` in
   flight, through the same ``gpualloc.kube.leases`` calls the controller uses,
   and the controller's writes per second as a fraction of it;
 * CPU seconds per allocation of each process (the controller, kube-apiserver,
   etcd, and this script, which creates the claims and the heartbeats) over the
-  measured span, and the controller's peak resident memory: which process is
-  the limit.
+  measured span (first create to last allocation: not the quiet wait after it,
+  when the claims that fit nowhere are retried), and the controller's peak
+  resident memory: which process is the limit.
 
     .venv/bin/python bench/controller_throughput.py --nodes 100 --claims 400
     .venv/bin/python bench/controller_throughput.py --nodes 1000 --claims 5000
@@ -263,8 +265,9 @@ async def lease_ceiling(api: Api, namespace: str, count: int, concurrency: int) 
     }
 
 
-def audit_counts(audit_log: Path, offset: int) -> dict[str, Any]:
-    """The controller's requests in the audit log after ``offset`` bytes, by verb and resource."""
+def audit_counts(audit_log: Path, offset: int, until: float) -> dict[str, Any]:
+    """The controller's requests in the audit log after ``offset`` bytes and received by ``until``
+    (a Unix time), by verb and resource."""
     verbs: collections.Counter[str] = collections.Counter()
     by_resource: collections.Counter[str] = collections.Counter()
     total = 0
@@ -278,6 +281,9 @@ def audit_counts(audit_log: Path, offset: int) -> dict[str, Any]:
             if event.get("stage") != "ResponseComplete":
                 continue
             if not str(event.get("userAgent", "")).startswith(CONTROLLER_AGENT):
+                continue
+            received = str(event.get("requestReceivedTimestamp", "")).replace("Z", "+00:00")
+            if received and datetime.datetime.fromisoformat(received).timestamp() > until:
                 continue
             verb = str(event.get("verb", ""))
             ref = event.get("objectRef") or {}
@@ -405,21 +411,25 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         created_all = time.time()
         print(f"{args.claims} claims created in {created_all - start:.1f} s", flush=True)
         # Wait for the last allocations: until every claim is Allocated or nothing moved for a while.
+        # The CPU is read at each allocation seen, so what is reported is the CPU up to the last one
+        # (the span), not the quiet wait after it, when claims that fit nowhere are retried.
         last_count, last_change = -1, time.time()
+        cpu_used: dict[str, float] = {}
         while True:
             count = sum(1 for name in sent_at if name in allocated_at)
             if count != last_count:
                 last_count, last_change = count, time.time()
+                cpu_used = {name: procfs.cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+                cpu_used["bench"] = time.process_time() - cpu_before["bench"]
             if count == len(sent_at) or time.time() - last_change > args.quiet:
                 break
             await asyncio.sleep(0.1)
-        cpu_used = {name: procfs.cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
-        cpu_used["bench"] = time.process_time() - cpu_before["bench"]
         peak_rss = procfs.memory_kib(controller.pid).get("VmHWM", 0)
         await asyncio.sleep(1.0)  # let the audit log catch up
-        audit = audit_counts(plane.audit_log, audit_offset)
-
         done = [n for n in sent_at if n in allocated_at]
+        last = max((allocated_at[n] for n in done), default=start)
+        audit = audit_counts(plane.audit_log, audit_offset, until=last)  # the span's requests
+
         from_send = [allocated_at[n] - sent_at[n] for n in done]
         from_ts: list[float] = []
         for n in done:
@@ -427,7 +437,6 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             if stamp:
                 created = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
                 from_ts.append(allocated_at[n] - created)
-        last = max((allocated_at[n] for n in done), default=start)
         span = last - start
         demand = sum(sizes)
         writes_per_s = audit["writes"] / span if span > 0 else None
