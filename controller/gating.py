@@ -48,7 +48,10 @@ class PodGate:
         self._warned: dict[str, tuple[str, float]] = {}  # pod key -> (message, monotonic time)
 
     async def ungate(self, claim: models.GpuClaim) -> None:
-        for pod_key, pod in list(self.state.gated_pods(claim.key)):
+        gated = list(self.state.gated_pods(claim.key))
+        if not gated or not await self._is_current(claim):
+            return
+        for pod_key, pod in gated:
             allocation, why = gates.pod_allocation(pod, claim)
             if allocation is None:
                 self._warn(pod_key, pod, why)
@@ -81,6 +84,26 @@ class PodGate:
                     "replica": allocation.replica,
                 },
             )
+
+    async def _is_current(self, claim: models.GpuClaim) -> bool:
+        """Whether ``claim`` is the claim of its name that the API server holds now, not deleting.
+
+        A pod names its claim, not the claim's uid. A controller whose cache still holds a
+        deleted claim would otherwise release the pods of a new claim of the same name onto the
+        old one's devices, whose Leases are then freed for others (the deterministic simulation,
+        seed 1261337). While this claim exists, a pod naming it is its pod; and it cannot be
+        deleted while a released pod uses it (``InUse`` holds its finalizer)."""
+        namespace, name = claim.metadata.namespace, claim.metadata.name
+        try:
+            raw = await self.cluster.get_claim(namespace, name)
+        except errors.NotFound:
+            return False
+        metadata = raw.get("metadata") or {}
+        if metadata.get("uid") == claim.metadata.uid and not metadata.get("deletionTimestamp"):
+            return True
+        log.info("claim changed under the cache; not un-gating its pods yet", extra={"claim": claim.key})
+        self.requeue(claim.key, 1.0)
+        return False
 
     def warn_gated(self, claim: models.GpuClaim, message: str) -> None:
         """A Warning event on each pod still gated for a claim that will not release it."""

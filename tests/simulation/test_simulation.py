@@ -476,6 +476,19 @@ def test_a_pod_ungated_while_its_claim_is_released_keeps_the_claim(
     assert result.violation is None, f"{found}\n{_failure(runner, seed, _PINNED)}"
 
 
+# Found at commit 7d60acd, in seeds past 1,200,000: ns-a/c1 (claim-5, Allocated a MIG instance,
+# OnPodsCompleted) was deleted and created again under its name (claim-8) with a gated pod p1. c2,
+# whose cache still held claim-5 Allocated, listed ns-a's pods, found p1 naming c1, and un-gated it
+# onto claim-5's instance, whose Lease was being released (invariant 3). Its status write had met a
+# Conflict, but nothing else fenced the un-gating. Fixed: un-gating first reads the claim from the
+# API server and goes on only for the same uid, not deleting (gating.PodGate._is_current).
+def test_a_stale_cache_does_not_ungate_the_pod_of_a_new_claim_of_the_same_name(
+    runner: scheduler.Runner,
+) -> None:
+    result = runner.run(1261337)
+    assert result.violation is None, _failure(runner, 1261337)
+
+
 # Found on the first fixed controller: liveness, not safety. c1's finalizer patch of ns-a/c2 was
 # applied (rv 9) but answered only after c1 had seen the claim's DELETED event (rv 18); writing the
 # answer through into the cache (State.remember) brought the deleted claim back, and since no event
