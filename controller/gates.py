@@ -1,4 +1,4 @@
-"""Gate mode, pure: pods held by the ``gpu.scheduling/claim-allocated`` scheduling gate, and which
+"""The gate, pure: pods held by the ``gpu.scheduling/claim-allocated`` scheduling gate, and which
 pods use a claim.
 
 * ``pod_allocation`` / ``placement_conflict`` / ``ungate_patch``: what a gated pod gets once its
@@ -126,11 +126,22 @@ def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[mode
 def placement_conflict(
     pod: Mapping[str, Any], claim: models.GpuClaim, allocation: models.Allocation
 ) -> str | None:
-    """Why a gated pod cannot run on its allocation's node (a hostname nodeSelector or a required
-    node affinity that rules the node out), or None. The webhook denies the same pods at admission
-    when the claim is Allocated already."""
+    """Why a gated pod cannot have ``allocation``, or None: a hostname nodeSelector or a required
+    node affinity that rules its node out (the webhook denies such pods when it sees the claim
+    Allocated), or devices that the webhook recorded and the claim does not hold.
+
+    The webhook admits a pod of an Allocated claim from its watch, which may be behind: the claim
+    may have been deleted and created again under its name, and hold other devices now. Such a
+    pod carries the old devices in its spec, so it must never start."""
     spec = pod.get("spec") or {}
     node = allocation.node_name
+    recorded = ((pod.get("metadata") or {}).get("annotations") or {}).get(constants.ANNOTATION_DEVICES)
+    holds = ",".join(d.uuid for d in allocation.devices)
+    if recorded is not None and recorded != holds:
+        return (
+            f"the webhook gave the pod devices {recorded} from an out-of-date view of claim "
+            f"{claim.metadata.name}, which holds {holds} now; delete the pod and create it again"
+        )
     pinned = (spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL)
     if pinned and pinned != node:
         return f"pod is pinned to {pinned} but claim {claim.metadata.name} is on {node}"

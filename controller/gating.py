@@ -1,12 +1,17 @@
-"""Gate mode: hand gated pods their devices once their claim is Allocated.
+"""The gate: every claim pod waits at it until the controller has checked its claim.
 
-A pod with the scheduling gate ``gpu.scheduling/claim-allocated`` and the
-annotation ``gpu.scheduling/claim`` waits for its claim; once the claim is
-Allocated the pod gets the ``gpu.scheduling/devices`` annotation (its
-replica's UUIDs), a ``kubernetes.io/hostname`` nodeSelector, and loses the
-gate (``gates.ungate_patch``). A pod that cannot be released (no replica, a
-conflicting pin, a Failed or deleted claim) gets a ``StillGated`` Warning, at
-most once per ``event_interval`` for the same message.
+The webhook admits every pod with the annotation ``gpu.scheduling/claim``
+behind the scheduling gate ``gpu.scheduling/claim-allocated``: a pod of a claim
+not Allocated yet with no devices, a pod of an Allocated claim with the devices
+the webhook's watch showed. Once the claim is Allocated, and the API server
+still holds it (same uid, not being deleted), the pod gets the
+``gpu.scheduling/devices`` annotation (its replica's UUIDs), a
+``kubernetes.io/hostname`` nodeSelector, and loses the gate
+(``gates.ungate_patch``). The pod existed before its gate was lifted, so a
+release that lists the claim's pods finds it. A pod that cannot be released (no
+replica, a conflicting pin, devices from an out-of-date view of the claim, a
+Failed or deleted claim) gets a ``StillGated`` Warning, at most once per
+``event_interval`` for the same message.
 """
 
 from __future__ import annotations

@@ -9,9 +9,13 @@ calling) and answers; ``encode(answer)`` writes the answer as JSON:
 
 * claim Allocated: allow, with a JSON Patch that pins the pod to the node
   (``nodeSelector kubernetes.io/hostname``), sets ``CUDA_VISIBLE_DEVICES`` and
-  ``NVIDIA_VISIBLE_DEVICES`` in every container and init container, and records
+  ``NVIDIA_VISIBLE_DEVICES`` in every container and init container, records
   the allocation in the ``gpu.scheduling/devices`` annotation (UUIDs,
-  comma-joined);
+  comma-joined), and holds the pod behind the scheduling gate
+  ``gpu.scheduling/claim-allocated``. The claim was read from a watch, which
+  may be behind: the controller lifts the gate only once the API server still
+  holds that claim, with those devices, and nothing is releasing it. Until then
+  the pod exists, so it keeps the claim in use;
 * claim being deleted, or that lost devices to another claim (its ``DevicesLost``
   condition True with reason ``DevicesTaken``): deny, in gate mode too, saying
   so (delete and re-create the claim to get other GPUs);
@@ -397,8 +401,20 @@ def _allocation(claim: models.GpuClaim, replica: int) -> models.Allocation | Non
     return None
 
 
+_NODE_NAME_WHY = (
+    "the pod sets spec.nodeName, which cannot be combined with the scheduling gate the pod "
+    "waits behind; remove spec.nodeName"
+)
+
+
+def _sets_node_name(req: PodCreate) -> bool:
+    return req.pod.spec is not None and bool(req.pod.spec.node_name)
+
+
 def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Decision:
     uid, pod = req.uid, req.pod
+    if _sets_node_name(req):
+        return _denied(uid, f"{req.claim_words} is Allocated; {_NODE_NAME_WHY}")
     replica = _replica(req, claim)
     if isinstance(replica, str):
         return _denied(uid, replica)
@@ -442,12 +458,8 @@ _GATED_ENV = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NA
 
 def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
     uid, pod = req.uid, req.pod
-    if pod.spec is not None and pod.spec.node_name:
-        return _denied(
-            uid,
-            f"{why}; the pod sets spec.nodeName, which cannot be combined with the scheduling gate the pod "
-            "would wait behind; remove spec.nodeName",
-        )
+    if _sets_node_name(req):
+        return _denied(uid, f"{why}; {_NODE_NAME_WHY}")
     if claim is not None:
         replica = _replica(req, claim)
         if isinstance(replica, str):
@@ -495,15 +507,17 @@ def edit_allocated(
     extra_env: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[mutations.Op], list[str]]:
     """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``).
-    ``extra_env``: more entries for every container (``sharing_env``)."""
+    ``extra_env``: more entries for every container (``sharing_env``). The pod waits at the gate
+    until the controller has checked the claim against the API server (``controller.gating``)."""
     ops: list[mutations.Op] = []
-    mutations.remove_scheduling_gate(pod, ops)
     mutations.add_tolerations(pod, tolerations, ops)
     mutations.pin_to_node(pod, allocation.node_name, ops)
     entries = [*device_env(allocation.devices, device_ids), *extra_env]
     replaced = mutations.set_env_everywhere(pod, entries, ops)
     uuids = ",".join(d.uuid for d in allocation.devices)
     mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
+    mutations.add_scheduling_gate(pod, ops)
+    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
     return ops, replaced
 
 

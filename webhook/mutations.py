@@ -73,6 +73,16 @@ def copy(source: str, path: str) -> Op:
     return {"op": "copy", "from": source, "path": path}
 
 
+def add_member(ops: list[Op], parent: str, member: str, value: Any) -> None:
+    """Add ``{member: value}`` as ``parent``, which the pod lacks: into the object an earlier
+    operation of ``ops`` added there, if one did (a second ``add`` would replace it)."""
+    for op in ops:
+        if op["op"] == "add" and op["path"] == parent:
+            op["value"][member] = value
+            return
+    ops.append(add(parent, {member: value}))
+
+
 # ------------------------------------------------------------------ reading
 
 
@@ -132,12 +142,11 @@ def device_plugin_requests(pod: objects.Pod[Any]) -> list[str]:
 
 
 def node_pin(pod: objects.Pod[Any]) -> tuple[str, str] | None:
-    """``(how, node)`` when the pod is already tied to a node by spec.nodeName or a hostname selector."""
+    """``(how, node)`` when the pod is already tied to a node by a hostname selector (a claim pod
+    cannot set spec.nodeName: it waits behind a scheduling gate)."""
     spec = pod.spec
     if spec is None:
         return None
-    if spec.node_name:
-        return ("spec.nodeName", spec.node_name)
     hostname = (spec.node_selector or _EMPTY).get(constants.HOSTNAME_LABEL)
     if hostname:
         return (f"nodeSelector {constants.HOSTNAME_LABEL}", hostname)
@@ -261,7 +270,7 @@ def _put(
 ) -> None:
     """Set ``key`` in the string map ``parent/member`` (now ``mapping``), creating what is missing."""
     if mapping is None and not parent_present:
-        ops.append(add(parent, {member: {key: value}}))
+        add_member(ops, parent, member, {key: value})
     elif mapping is None:
         ops.append(add(f"{parent}/{member}", {key: value}))
     elif mapping.get(key) != value:  # add replaces a member
@@ -298,7 +307,7 @@ def add_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
     spec = pod.spec
     gate = {"name": name}
     if spec is None:
-        ops.append(add("/spec", {"schedulingGates": [gate]}))
+        add_member(ops, "/spec", "schedulingGates", [gate])
     elif spec.scheduling_gates is None:
         ops.append(add("/spec/schedulingGates", [gate]))
     elif not any(g.name == name for g in spec.scheduling_gates):
@@ -318,21 +327,8 @@ def add_tolerations(pod: objects.Pod[Any], wanted: Sequence[models.Toleration], 
     if not missing:
         return
     if spec is None:
-        ops.append(add("/spec", {"tolerations": missing}))
+        add_member(ops, "/spec", "tolerations", missing)
     elif spec.tolerations is None:
         ops.append(add("/spec/tolerations", missing))
     else:
         ops.extend(add("/spec/tolerations/-", t) for t in missing)
-
-
-def remove_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
-    """Remove the gate ``gpu.scheduling/claim-allocated``; the whole list when no other gate is left."""
-    name = constants.SCHEDULING_GATE
-    gates = pod.spec.scheduling_gates if pod.spec is not None else None
-    if not gates:
-        return
-    ours = [i for i, g in enumerate(gates) if g.name == name]
-    if len(ours) == len(gates):
-        ops.append(remove("/spec/schedulingGates"))
-    else:
-        ops.extend(remove(f"/spec/schedulingGates/{i}") for i in reversed(ours))

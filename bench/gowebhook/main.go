@@ -6,8 +6,9 @@
 // does), refuses a pod that also asks the device plugin for nvidia.com/gpu or is pinned to
 // another node, and answers with the same JSON Patch as gpualloc: the node selector, the two
 // device variables in every container (a user's entry replaced in place, later containers
-// copying the entries from the first one that got them), the devices annotation, and a warning
-// when a user-set variable was replaced. Only one-replica claims and UUIDs; no metrics.
+// copying the entries from the first one that got them), the devices annotation, the scheduling
+// gate and the gated label (the controller lifts the gate), and a warning when a user-set
+// variable was replaced. Only one-replica claims and UUIDs; no metrics.
 //
 // Two ways to decode, everything else shared:
 //
@@ -38,7 +39,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 )
 
-const claimAnnotation = "gpu.scheduling/claim"
+const (
+	claimAnnotation = "gpu.scheduling/claim"
+	schedulingGate  = "gpu.scheduling/claim-allocated"
+	gatedLabel      = "gpu.scheduling/gated"
+)
 
 type claim struct {
 	Node  string   `json:"node"`
@@ -62,18 +67,24 @@ type container struct {
 	Resources *resources `json:"resources"`
 }
 
+type gate struct {
+	Name string `json:"name"`
+}
+
 type pod struct {
 	Metadata struct {
 		Name         string            `json:"name"`
 		GenerateName string            `json:"generateName"`
 		Namespace    string            `json:"namespace"`
 		Annotations  map[string]string `json:"annotations"`
+		Labels       map[string]string `json:"labels"`
 	} `json:"metadata"`
 	Spec struct {
-		NodeName       string            `json:"nodeName"`
-		NodeSelector   map[string]string `json:"nodeSelector"`
-		InitContainers []container       `json:"initContainers"`
-		Containers     []container       `json:"containers"`
+		NodeName        string            `json:"nodeName"`
+		NodeSelector    map[string]string `json:"nodeSelector"`
+		InitContainers  []container       `json:"initContainers"`
+		Containers      []container       `json:"containers"`
+		SchedulingGates []gate            `json:"schedulingGates"`
 	} `json:"spec"`
 }
 
@@ -165,7 +176,10 @@ func decodeK8s(body []byte) (*review, error) {
 func fromPod(p *corev1.Pod) *pod {
 	out := &pod{}
 	out.Metadata.Name, out.Metadata.GenerateName, out.Metadata.Namespace = p.Name, p.GenerateName, p.Namespace
-	out.Metadata.Annotations = p.Annotations
+	out.Metadata.Annotations, out.Metadata.Labels = p.Annotations, p.Labels
+	for _, g := range p.Spec.SchedulingGates {
+		out.Spec.SchedulingGates = append(out.Spec.SchedulingGates, gate{Name: g.Name})
+	}
 	out.Spec.NodeName, out.Spec.NodeSelector = p.Spec.NodeName, p.Spec.NodeSelector
 	out.Spec.InitContainers = fromContainers(p.Spec.InitContainers)
 	out.Spec.Containers = fromContainers(p.Spec.Containers)
@@ -249,8 +263,8 @@ func (h *webhook) decide(rv *review) response {
 			}
 		}
 	}
-	if p.Spec.NodeName != "" && p.Spec.NodeName != c.Node {
-		return deny("the pod is pinned to another node by spec.nodeName")
+	if p.Spec.NodeName != "" {
+		return deny("the pod sets spec.nodeName, which cannot be combined with the scheduling gate")
 	}
 	if pinned := p.Spec.NodeSelector["kubernetes.io/hostname"]; pinned != "" && pinned != c.Node {
 		return deny("the pod is pinned to another node by its nodeSelector")
@@ -328,6 +342,20 @@ func (h *webhook) decide(rv *review) response {
 	key := "/metadata/annotations/" + escape("gpu.scheduling/devices")
 	if p.Metadata.Annotations["gpu.scheduling/devices"] != uuids {
 		ops = append(ops, op{Op: "add", Path: key, Value: uuids})
+	}
+	gated := false
+	for _, g := range p.Spec.SchedulingGates {
+		gated = gated || g.Name == schedulingGate
+	}
+	if p.Spec.SchedulingGates == nil {
+		ops = append(ops, op{Op: "add", Path: "/spec/schedulingGates", Value: []gate{{Name: schedulingGate}}})
+	} else if !gated {
+		ops = append(ops, op{Op: "add", Path: "/spec/schedulingGates/-", Value: gate{Name: schedulingGate}})
+	}
+	if p.Metadata.Labels == nil {
+		ops = append(ops, op{Op: "add", Path: "/metadata/labels", Value: map[string]string{gatedLabel: "true"}})
+	} else if p.Metadata.Labels[gatedLabel] != "true" {
+		ops = append(ops, op{Op: "add", Path: "/metadata/labels/" + escape(gatedLabel), Value: "true"})
 	}
 	patch, err := json.Marshal(ops)
 	if err != nil {

@@ -680,6 +680,18 @@ async def test_claim_pods_keep_what_the_webhook_writes_and_their_debug_container
     for c in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]:
         assert device_entries(c) == [value(NV, UUIDS)], c["name"]
         assert device_entries(c, CUDA) == [value(CUDA, UUIDS)], c["name"]
+    # It waits at the gate until the controller has checked the claim; the tenant cannot lift it.
+    assert {"name": constants.SCHEDULING_GATE} in stored["spec"]["schedulingGates"]
+    for patch, kind in (
+        ([{"op": "remove", "path": "/spec/schedulingGates"}], JSON_PATCH),
+        ({"spec": {"schedulingGates": None}}, MERGE),
+    ):
+        message = await refused(
+            call(
+                setup.tenant, "PATCH", f"/api/v1/namespaces/{ns}/pods/trainer", body=patch, content_type=kind
+            )
+        )
+        assert "lifted only by gpualloc's controller" in message
 
     # kubectl debug on a claim pod: the debug container gets no GPU, the others keep theirs.
     debugged = await add_ephemeral(setup.tenant, ns, "trainer", container("debug", value(NV, UUIDS)))

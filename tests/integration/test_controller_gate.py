@@ -1,4 +1,4 @@
-"""Gate mode: a pod held by the scheduling gate gets its devices and node once its claim is allocated."""
+"""The scheduling gate: the controller lifts it once a claim pod's claim is allocated and checked."""
 
 from __future__ import annotations
 
@@ -127,5 +127,82 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
                 gates = {g["name"] for g in stored["spec"]["schedulingGates"]}
                 assert constants.SCHEDULING_GATE in gates, f"{name} was un-gated"
                 assert constants.ANNOTATION_DEVICES not in (stored["metadata"].get("annotations") or {})
+    finally:
+        await delete_gpu_node(api, node)
+
+
+def admitted_pod(name: str, claim: str, node: str, uuids: str) -> dict[str, Any]:
+    """A pod as the webhook admits it for a claim it sees Allocated: the devices in its env and
+    annotation, the node pin, and held at the gate for the controller to check."""
+    body = gated_pod(name, claim)
+    body["metadata"]["annotations"][constants.ANNOTATION_DEVICES] = uuids
+    body["spec"]["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
+    body["spec"]["nodeSelector"] = {constants.HOSTNAME_LABEL: node}
+    body["spec"]["containers"][0]["env"] = [
+        {"name": name, "value": uuids} for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+    ]
+    return body
+
+
+async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stays_gated(
+    api: Api, kubeconfig: str, namespace: str
+) -> None:
+    """The webhook's watch may still show a deleted claim Allocated when a claim of the same name
+    has been created again and holds other GPUs: a pod admitted from that view carries the old
+    GPUs in its env. The controller lifts the gate only for the devices the claim holds now."""
+    run = uuid.uuid4().hex[:8]
+    node = f"gpu-{run}-a"
+    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    pods_path = f"/api/v1/namespaces/{namespace}/pods"
+    crs = resources.CustomResources(api)
+
+    async def allocated(name: str) -> str:
+        async def uuids() -> str | None:
+            claim = await crs.get_claim(namespace, name)
+            if (claim.get("status") or {}).get("phase") != constants.PHASE_ALLOCATED:
+                return None
+            return ",".join(d["uuid"] for d in claim["status"]["allocations"][0]["devices"])
+
+        return await wait_for(uuids, within=30, what=f"claim {name} Allocated")
+
+    try:
+        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+            await crs.create_claim(namespace, claim_body("train", 2, run=run))
+            old = await allocated("train")
+            await crs.delete_claim(namespace, "train")
+
+            async def gone() -> bool | None:
+                claims = (await crs.list_claims(namespace))["items"]
+                return True if all(c["metadata"]["name"] != "train" for c in claims) else None
+
+            await wait_for(gone, within=30, what="claim train gone")
+            # Another claim takes the old GPUs (binpack: the first free ones), so the new "train"
+            # gets others.
+            await crs.create_claim(namespace, claim_body("filler", 2, run=run))
+            assert await allocated("filler") == old
+            await crs.create_claim(namespace, claim_body("train", 2, run=run))
+            new = await allocated("train")
+            assert new != old
+            await transport.request(api, "POST", pods_path, body=admitted_pod("stale", "train", node, old))
+            await transport.request(api, "POST", pods_path, body=admitted_pod("fresh", "train", node, new))
+
+            async def fresh_ungated() -> bool | None:
+                pod = await transport.request(api, "GET", f"{pods_path}/fresh")
+                return True if not pod["spec"].get("schedulingGates") else None
+
+            await wait_for(fresh_ungated, within=30, what="pod fresh un-gated")
+
+            async def warning() -> str | None:
+                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+                for event in listing["items"]:
+                    if event["reason"] == "StillGated" and event["involvedObject"]["name"] == "stale":
+                        return str(event["message"])
+                return None
+
+            message = await wait_for(warning, within=30, what="a StillGated warning on pod stale")
+            assert "out-of-date view of claim train" in message and old in message and new in message
+            stale = await transport.request(api, "GET", f"{pods_path}/stale")
+            assert stale["spec"]["schedulingGates"] == [{"name": constants.SCHEDULING_GATE}]
+            assert stale["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == old
     finally:
         await delete_gpu_node(api, node)

@@ -161,7 +161,9 @@ def test_decision_is_well_formed_idempotent_and_leaves_the_input_alone(
         assert out["spec"]["nodeSelector"][constants.HOSTNAME_LABEL] == allocation.node_name
         uuids = ",".join(d.uuid for d in allocation.devices)
         assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids
-        assert constants.SCHEDULING_GATE not in [g["name"] for g in out["spec"].get("schedulingGates", [])]
+        # The controller lifts the gate once it has checked the claim against the API server.
+        assert {"name": constants.SCHEDULING_GATE} in out["spec"]["schedulingGates"]
+        assert out["metadata"]["labels"][constants.LABEL_GATED] == "true"
         want = uuids if options.device_ids == "uuid" else ",".join(str(d.index) for d in allocation.devices)
         for c in every:
             names = [e["name"] for e in c["env"]]

@@ -97,30 +97,29 @@ def put(obj: dict[str, Any], member: str, key: str, value: str) -> None:
     obj[member][key] = value
 
 
-def edit_allocated(pod: dict[str, Any]) -> None:
-    spec = pod.get("spec")
-    if spec is not None and spec.get("schedulingGates"):
-        gates = [g for g in spec["schedulingGates"] if g["name"] != GATE]
-        if gates:
-            spec["schedulingGates"] = gates
-        else:
-            del spec["schedulingGates"]
-    put(pod.setdefault("spec", {}), "nodeSelector", constants.HOSTNAME_LABEL, "n1")
-    for key in ("initContainers", "containers"):
-        for container in pod["spec"].get(key) or []:
-            set_env(container, ENTRIES)
-    put(pod.setdefault("metadata", {}), "annotations", constants.ANNOTATION_DEVICES, "GPU-1")
-
-
-def edit_gated(pod: dict[str, Any]) -> None:
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    annotations.pop(constants.ANNOTATION_DEVICES, None)
+def gate(pod: dict[str, Any]) -> None:
     spec = pod.setdefault("spec", {})
     if spec.get("schedulingGates") is None:
         spec["schedulingGates"] = []
     if {"name": GATE} not in spec["schedulingGates"]:
         spec["schedulingGates"].append({"name": GATE})
     put(pod.setdefault("metadata", {}), "labels", constants.LABEL_GATED, "true")
+
+
+def edit_allocated(pod: dict[str, Any]) -> None:
+    put(pod.setdefault("spec", {}), "nodeSelector", constants.HOSTNAME_LABEL, "n1")
+    for key in ("initContainers", "containers"):
+        for container in pod["spec"].get(key) or []:
+            set_env(container, ENTRIES)
+    put(pod.setdefault("metadata", {}), "annotations", constants.ANNOTATION_DEVICES, "GPU-1")
+    gate(pod)
+
+
+def edit_gated(pod: dict[str, Any]) -> None:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations.pop(constants.ANNOTATION_DEVICES, None)
+    gate(pod)
+    spec = pod["spec"]
     for key in ("initContainers", "containers"):
         for container in spec.get(key) or []:
             set_env(container, GATED_ENTRIES)

@@ -538,7 +538,8 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     expected |= {("*", "gpu.scheduling", "gpuquotas", v, ()) for v in ("get", "list", "watch")}
     expected |= {("*", "gpu.scheduling", "gpuquotas/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
-    expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch")}
+    # patch: it lifts the scheduling gate the webhook holds every claim pod at.
+    expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
     expected |= {("*", "batch", "jobs", "get", ()), ("*", "jobset.x-k8s.io", "jobsets", "get", ())}
     expected |= {("*", "", "pods/eviction", "create", ())}
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
@@ -579,11 +580,6 @@ def test_tenant_roles_write_claims_and_only_read_quotas() -> None:
     assert not any(r.endswith("/status") for _, r, _ in _aggregated_into(objs, "admin"))
     off = render(rbac__aggregateToTenantRoles="false")
     assert not [o for o in off if "aggregate-to-view" in str(o["metadata"].get("labels"))]
-
-
-def test_controller_may_patch_pods_only_in_gate_mode() -> None:
-    assert ("*", "", "pods", "patch", ()) not in _rules_of(render(), "controller")
-    assert ("*", "", "pods", "patch", ()) in _rules_of(render(webhook__pendingMode="gate"), "controller")
 
 
 def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_can_be_turned_off() -> None:

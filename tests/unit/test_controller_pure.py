@@ -267,6 +267,18 @@ def test_placement_conflict_names_a_selector_or_affinity_that_keeps_a_gated_pod_
     assert gates.placement_conflict(pod, claim(), allocation) == conflict
 
 
+def test_placement_conflict_refuses_devices_the_webhook_took_from_an_out_of_date_claim() -> None:
+    allocation = alloc(0, "n1", 1, (0, 1))
+    holds = ",".join(d.uuid for d in allocation.devices)
+    admitted = {"metadata": {"name": "p", "annotations": {constants.ANNOTATION_DEVICES: holds}}, "spec": {}}
+    assert gates.placement_conflict(admitted, claim(), allocation) is None
+    older = alloc(0, "n1", 1, (2, 3))
+    stale = ",".join(d.uuid for d in older.devices)
+    admitted["metadata"]["annotations"][constants.ANNOTATION_DEVICES] = stale
+    conflict = gates.placement_conflict(admitted, claim(), allocation)
+    assert conflict is not None and "out-of-date" in conflict and stale in conflict and holds in conflict
+
+
 # ------------------------------------------------------------------ status
 
 

@@ -244,25 +244,25 @@ def test_mig_instances_are_given_by_uuid_in_every_mode(device_ids: admission.Dev
 
 
 def test_pod_already_pinned_to_the_allocated_node_is_admitted() -> None:
-    pod = make_pod(spec={"nodeName": "gpu-node-1", "nodeSelector": {constants.HOSTNAME_LABEL: "gpu-node-1"}})
+    pod = make_pod(spec={"nodeSelector": {constants.HOSTNAME_LABEL: "gpu-node-1"}})
     out = patched(pod, answer(pod, make_claim()))
-    assert out["spec"]["nodeName"] == "gpu-node-1"
+    assert out["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: "gpu-node-1"}
 
 
-@pytest.mark.parametrize(
-    ("spec", "how"),
-    [
-        ({"nodeName": "other-node"}, "spec.nodeName"),
-        ({"nodeSelector": {constants.HOSTNAME_LABEL: "other-node"}}, "nodeSelector kubernetes.io/hostname"),
-    ],
-)
-def test_pod_pinned_to_another_node_is_denied_with_a_message_saying_so(
-    spec: dict[str, Any], how: str
-) -> None:
-    response = answer(make_pod(spec=spec), make_claim())
+def test_pod_pinned_to_another_node_is_denied_with_a_message_saying_so() -> None:
+    response = answer(make_pod(spec={"nodeSelector": {constants.HOSTNAME_LABEL: "other-node"}}), make_claim())
     assert response["allowed"] is False
     message = response["status"]["message"]
-    assert "other-node" in message and how in message and "gpu-node-1" in message
+    assert "other-node" in message and "nodeSelector kubernetes.io/hostname" in message
+    assert "gpu-node-1" in message
+
+
+@pytest.mark.parametrize("node", ["gpu-node-1", "other-node"])
+def test_pod_that_sets_node_name_is_denied_because_it_could_not_wait_at_the_gate(node: str) -> None:
+    response = answer(make_pod(spec={"nodeName": node}), make_claim())
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert "spec.nodeName" in message and "scheduling gate" in message and "is Allocated" in message
 
 
 def test_pod_kept_off_the_allocated_node_by_required_node_affinity_is_denied_naming_the_rule() -> None:
@@ -287,7 +287,7 @@ def test_pod_whose_node_affinity_allows_the_allocated_node_is_admitted_and_keeps
 
 
 def test_generate_name_only_pod_gets_a_message_without_crashing() -> None:
-    pod = make_pod(spec={"nodeName": "other-node"})
+    pod = make_pod(spec={"nodeSelector": {constants.HOSTNAME_LABEL: "other-node"}})
     del pod["metadata"]["name"]
     pod["metadata"]["generateName"] = "job-"
     response = answer(pod, make_claim())
@@ -583,17 +583,20 @@ def test_gated_pod_reinvoked_after_allocation_gets_its_devices_without_a_replace
     response = answer(gated, make_claim(), options=options)  # reinvoked: the claim is Allocated now
     assert "warnings" not in response, "the env entries replaced are the webhook's own, not the user's"
     out = patched(gated, response)
-    assert "schedulingGates" not in out["spec"]
+    assert out["spec"]["schedulingGates"] == [{"name": constants.SCHEDULING_GATE}], "once, still there"
     assert out["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "gpu-node-1"}
     assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids()
     for container in all_containers(out):
         assert env_of(container)["CUDA_VISIBLE_DEVICES"] == uuids()
 
 
-def test_allocated_claim_removes_our_gate_if_present() -> None:
-    pod = make_pod(spec={"schedulingGates": [{"name": "other"}, {"name": constants.SCHEDULING_GATE}]})
+def test_pod_of_an_allocated_claim_gets_its_devices_and_waits_at_our_gate_for_the_controller() -> None:
+    pod = make_pod(spec={"schedulingGates": [{"name": "other"}]})
     out = patched(pod, answer(pod, make_claim()))
-    assert out["spec"]["schedulingGates"] == [{"name": "other"}]
+    assert out["spec"]["schedulingGates"] == [{"name": "other"}, {"name": constants.SCHEDULING_GATE}]
+    assert out["metadata"]["labels"][constants.LABEL_GATED] == "true"
+    assert out["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids()
+    assert out["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: "gpu-node-1"}
 
 
 # ------------------------------------------------------------ device plugin
