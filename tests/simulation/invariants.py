@@ -11,7 +11,9 @@
    not terminal (Succeeded or Failed), the claim it is bound to exists, and
    Leases held by it exist for every device the claim lists and the pod uses.
    A pod is bound to the claim it was admitted for; a gated pod (which uses no
-   device yet) to the claim of its name when it is un-gated.
+   device yet) to the claim of its name when it is un-gated. The devices a pod
+   uses are the ones in its containers' env (what the webhook wrote there from
+   its view of the claim, which may be out of date), else its devices annotation.
 4. Once settled, no Lease is held by a claim that no longer exists, and no
    quota ledger counts a claim that no longer exists.
 5. No quota is exceeded: the GPUs listed by the Allocated claims of a
@@ -126,6 +128,17 @@ def _product_matches(uuid: str, pattern: str) -> bool:
     return not pattern or fnmatch.fnmatchcase(model.PRODUCT, pattern)
 
 
+def _devices_used(pod: dict[str, Any]) -> str:
+    """The devices a pod's containers get: the value the webhook wrote into their env, else (a pod
+    admitted for a Pending claim reads it through the downward API) the devices annotation."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for entry in container.get("env") or []:
+            if entry.get("name") == "CUDA_VISIBLE_DEVICES" and "value" in entry:
+                return str(entry["value"])
+    annotations = model.meta(pod).get("annotations") or {}
+    return str(annotations.get(constants.ANNOTATION_DEVICES) or "")
+
+
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
     owners: dict[str, str] = {}
@@ -177,7 +190,7 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
             raise Violation(
                 3, f"claim {claim_key} ({admitted_for}) is gone while its pod {pod_key} is {phase}"
             )
-        used = [u for u in str(annotations.get(constants.ANNOTATION_DEVICES) or "").split(",") if u]
+        used = [u for u in _devices_used(pod).split(",") if u]
         listed = [lock for lock, _, _ in listed_devices(claim)]
         lock_of = {parent[lock]: lock for lock in listed if _SLOT.fullmatch(lock) and lock in parent}
         for uuid in listed + [lock_of.get(u, u) for u in used]:

@@ -230,6 +230,9 @@ class ApiServer:
         # pod the claim of its name when it was un-gated ("" when there was none).
         self.pod_claim_uid: dict[str, str] = {}
         self.events_emitted = 0
+        # Every version of each claim key ever stored, oldest first: what a webhook whose watch is
+        # behind may still see (the scheduler's "stale-pod" action admits pods from them).
+        self.claim_history: dict[str, list[Obj]] = {}
         self.mig_gpus: dict[str, tuple[int, ...]] = {}  # node -> its GPUs in MIG mode (fixed)
         self.shared_gpus: dict[str, dict[int, int]] = {}  # node -> its shared GPUs' slots (fixed)
 
@@ -296,6 +299,8 @@ class ApiServer:
         new = dict(new)
         new["metadata"] = {**meta(new), "resourceVersion": str(self.rv)}
         store[key] = new
+        if kind == "claims":
+            self.claim_history.setdefault(key, []).append(new)
         self._fan_out(kind, old, new, new)
         return new
 

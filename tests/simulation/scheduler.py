@@ -13,9 +13,14 @@ its seeded ``random.Random``, one step:
 * start a reconcile of a claim key on a controller (never two of the same key
   at once in one controller; any number across controllers), or a sweep;
 * a user action: create or delete a claim, create a pod for an Allocated claim
-  (as the webhook admits it, with the claim's devices) or a gated pod for a
-  Pending one, complete or delete a pod, delete a Lease as an admin would, or
-  flap a node (Ready toggles, a device turns Unhealthy or recovers);
+  (with the claim's devices, as if admitted and un-gated at once: more than the
+  real webhook allows, which holds every claim pod at the gate) or a gated pod
+  for a Pending one, complete or delete a pod, delete a Lease as an admin
+  would, or flap a node (Ready toggles, a device turns Unhealthy or recovers);
+* a stale webhook admits a pod: from any earlier version of a claim of that
+  name that showed it Allocated (the claim may since have been released,
+  deleted, or created again), the pod is stored gated with that version's
+  devices, and the controller alone may lift the gate;
 * rarely: crash a controller (its in-flight requests applied or not, their
   answers lost; its tasks cancelled) and start a fresh one with fresh lists;
   or move the virtual clock on.
@@ -78,6 +83,7 @@ ACTIONS = frozenset(
         "preempt",
         "mig",
         "shared",
+        "stale-pod",
         "tick",
     }
 )
@@ -234,6 +240,27 @@ def _releasing(claim: Obj) -> bool:
     return any(
         c.get("type") == constants.CONDITION_RELEASING and c.get("status") == "True" for c in conditions
     )
+
+
+def _admits_with_devices(claim: Obj) -> bool:
+    """Whether a webhook that sees this version of a claim admits its pods with devices: Allocated,
+    not being deleted or released, replica 0 holding devices."""
+    status = claim.get("status") or {}
+    allocations = status.get("allocations") or []
+    return (
+        status.get("phase") == constants.PHASE_ALLOCATED
+        and not model.meta(claim).get("deletionTimestamp")
+        and not _releasing(claim)
+        and bool(allocations)
+        and bool(allocations[0].get("devices"))
+    )
+
+
+def _device_env(devices: Sequence[str]) -> Obj:
+    """The env entry by which the webhook gives a container the devices of an Allocated claim: a
+    value in the pod's spec, which nobody can change once the pod exists (a gated pod of a Pending
+    claim reads the devices annotation instead, which the controller writes as it lifts the gate)."""
+    return {"name": "CUDA_VISIBLE_DEVICES", "value": ",".join(devices)}
 
 
 def _draw_quota(rng: random.Random, scenario: Scenario) -> Obj | None:
@@ -492,6 +519,9 @@ class Simulation:
         )
         # Sharing (the last GPU of n0 offered to Shared claims with 2 or 3 slots in half the
         # schedules; a third of the claims then ask for a slot), likewise.
+        # Pods a webhook admits from an out-of-date view of their claim, likewise (the option's
+        # presence changes the main RNG's pick: seeds pinned before it run with "stale-pod" off).
+        self._stale_rng = None if "stale-pod" in without else random.Random(seed ^ 0x57A1E)
         self._shared_rng = None if "shared" in without else random.Random(seed ^ 0x5A4E)
         self._shared_slots = (
             self._shared_rng.choice((2, 3))
@@ -909,6 +939,10 @@ class Simulation:
             elif phase not in (constants.PHASE_FAILED, constants.PHASE_RELEASED, constants.PHASE_PREEMPTED):
                 # the webhook refuses those
                 options.append(("gated-pod", 0.5, functools.partial(self._create_pod, claim, gated=True)))
+        if self._stale_rng is not None:
+            for key in self.scenario.claims:
+                if any(_admits_with_devices(v) for v in server.claim_history.get(key, ())):
+                    options.append(("stale-pod", 1.0, functools.partial(self._create_stale_pod, key)))
         for key, pod in sorted(server.objects["pods"].items()):
             if (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES:
                 options.append(("finish-pod", 1.0, functools.partial(self._finish_pod, key)))
@@ -991,6 +1025,7 @@ class Simulation:
             alloc = claim["status"]["allocations"][0]
             devices = [d["uuid"] for d in alloc["devices"]]
             annotations[constants.ANNOTATION_DEVICES] = ",".join(devices)
+            spec["containers"][0]["env"] = [_device_env(devices)]
             spec["nodeSelector"] = {constants.HOSTNAME_LABEL: alloc["nodeName"]}
             phase = "Running"
         body = {
@@ -1007,6 +1042,47 @@ class Simulation:
         shown = [self._labels.get(u, u) for u in devices]
         what = "a gated pod" if gated else f"pod using {shown}"
         self.log("user", f"creates {what} {m['namespace']}/{name} for claim {m['name']} ({m['uid']})")
+
+    def _create_stale_pod(self, key: str) -> None:
+        """A webhook whose watch still shows an earlier version of claim ``key`` Allocated admits a
+        pod with that version's devices, held at the gate as the webhook holds every claim pod."""
+        assert self._stale_rng is not None
+        views = [v for v in self.server.claim_history[key] if _admits_with_devices(v)]
+        current = self.server.objects["claims"].get(key)
+        uid = model.meta(current).get("uid") if current is not None else None
+        older = [v for v in views if model.meta(v).get("uid") != uid]
+        # Mostly a claim of the name since deleted: the view the bug it guards against needs.
+        view = self._stale_rng.choice(older if older and self._stale_rng.random() < 0.7 else views)
+        m = model.meta(view)
+        alloc = view["status"]["allocations"][0]
+        devices = [d["uuid"] for d in alloc["devices"]]
+        self._pods += 1
+        name = f"p{self._pods}"
+        body = {
+            "metadata": {
+                "name": name,
+                "namespace": m["namespace"],
+                "labels": {constants.LABEL_GATED: "true"},
+                "annotations": {
+                    constants.ANNOTATION_CLAIM: m["name"],
+                    constants.ANNOTATION_DEVICES: ",".join(devices),
+                },
+            },
+            "spec": {
+                "containers": [{"name": "main", "image": "cuda", "env": [_device_env(devices)]}],
+                "nodeSelector": {constants.HOSTNAME_LABEL: alloc["nodeName"]},
+                "schedulingGates": [{"name": constants.SCHEDULING_GATE}],
+            },
+            "status": {"phase": "Pending"},
+        }
+        self.server.create_pod(body, claim_uid=m["uid"])
+        self.count("stale_pods")
+        shown = [self._labels.get(u, u) for u in devices]
+        self.log(
+            "user",
+            f"a webhook admits gated pod {m['namespace']}/{name} with {shown} from claim {m['name']} "
+            f"({m['uid']}) at rv {m['resourceVersion']}",
+        )
 
     def _finish_pod(self, key: str) -> None:
         self.server.set_pod_phase(key, "Succeeded")
