@@ -31,7 +31,8 @@ the API server and etcd, idle while measuring, to that other one too.
 The request is ``bench/webhook_request.py``'s: an 11.8 KB AdmissionReview
 for a Job's pod with 3 containers and 1 init container, shaped as the API server
 sends it (``tests/integration/test_bench_review.py``), whose claim is Allocated
-with 4 GPUs; the answer is a 10-operation JSON Patch and a warning.
+with 4 GPUs; the answer is a 12-operation JSON Patch (the last two hold the pod at the scheduling gate)
+and a warning.
 
 Per round and server (the order alternates between rounds):
 
