@@ -521,3 +521,27 @@ def test_a_ledger_written_without_its_precondition_lets_racing_controllers_pass_
     assert result.violation is not None and result.violation.number == 5, result.violation
     monkeypatch.undo()
     assert runner.run(30, without=_BEFORE_STALE_PODS).violation is None
+
+
+# Before 479bb54 the webhook admitted a pod of a claim it saw Allocated without the gate, so a
+# webhook whose watch was behind (the "stale-pod" action) started pods on devices their claim no
+# longer held: in seed 101, ns-a/p1 runs on claim-5's n1/0 and n1/1 after claim-5 let them go. Now
+# every claim pod waits at the gate until the controller has checked its claim and devices.
+def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gated_create = model.ApiServer.create_pod
+
+    def ungated_create(self: model.ApiServer, body: dict[str, Any], *, claim_uid: str) -> dict[str, Any]:
+        spec = dict(body.get("spec") or {})
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        if constants.ANNOTATION_DEVICES in annotations and spec.pop("schedulingGates", None):
+            body = {**body, "spec": spec, "status": {"phase": "Running"}}
+            body["metadata"] = {**body["metadata"], "labels": {}}
+        return gated_create(self, body, claim_uid=claim_uid)
+
+    monkeypatch.setattr(model.ApiServer, "create_pod", ungated_create)
+    result = runner.run(101)
+    assert result.violation is not None and result.violation.number == 3, result.violation
+    monkeypatch.undo()
+    assert runner.run(101).violation is None, _failure(runner, 101)
