@@ -24,7 +24,7 @@ from typing import Any
 from controller import cluster as kube
 from controller import gates
 from controller.state import State
-from gpualloc.api import models
+from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,12 @@ class PodGate:
 
     async def ungate(self, claim: models.GpuClaim) -> None:
         gated = list(self.state.gated_pods(claim.key))
-        if not gated or not await self._is_current(claim):
+        if not gated:
             return
+        current = await self._current(claim)
+        if current is None:
+            return
+        claim = current  # what the pods get is decided on what the API server holds now
         for pod_key, pod in gated:
             allocation, why = gates.pod_allocation(pod, claim)
             if allocation is None:
@@ -90,25 +94,29 @@ class PodGate:
                 },
             )
 
-    async def _is_current(self, claim: models.GpuClaim) -> bool:
-        """Whether ``claim`` is the claim of its name that the API server holds now, not deleting.
+    async def _current(self, claim: models.GpuClaim) -> models.GpuClaim | None:
+        """The claim as the API server holds it now, if it is still ``claim`` (same uid), not being
+        deleted, Allocated and not releasing; else None (and a retry soon).
 
-        A pod names its claim, not the claim's uid. A controller whose cache still holds a
-        deleted claim would otherwise release the pods of a new claim of the same name onto the
-        old one's devices, whose Leases are then freed for others (the deterministic simulation,
-        seed 1261337). While this claim exists, a pod naming it is its pod; and it cannot be
-        deleted while a released pod uses it (``InUse`` holds its finalizer)."""
+        A pod names its claim, not the claim's uid, and the caches may be behind: a controller
+        whose cache still held a deleted claim released the pods of a new claim of the same name
+        onto the old one's devices (the deterministic simulation, seed 1261337); and a pod the
+        webhook admitted from an out-of-date view carries devices the claim may have given up
+        since (moved off a lost node, say). So the devices are checked against this read. The
+        pod existed before it, so a release that starts after it lists the pod and waits."""
         namespace, name = claim.metadata.namespace, claim.metadata.name
         try:
             raw = await self.cluster.get_claim(namespace, name)
         except errors.NotFound:
-            return False
+            return None
         metadata = raw.get("metadata") or {}
         if metadata.get("uid") == claim.metadata.uid and not metadata.get("deletionTimestamp"):
-            return True
+            current = codecs.parse_claim(raw)
+            if current.status.phase == constants.PHASE_ALLOCATED and not current.releasing:
+                return current
         log.info("claim changed under the cache; not un-gating its pods yet", extra={"claim": claim.key})
         self.requeue(claim.key, 1.0)
-        return False
+        return None
 
     def warn_gated(self, claim: models.GpuClaim, message: str) -> None:
         """A Warning event on each pod still gated for a claim that will not release it."""

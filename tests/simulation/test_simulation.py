@@ -483,7 +483,7 @@ def test_a_pod_ungated_while_its_claim_is_released_keeps_the_claim(
 # whose cache still held claim-5 Allocated, listed ns-a's pods, found p1 naming c1, and un-gated it
 # onto claim-5's instance, whose Lease was being released (invariant 3). Its status write had met a
 # Conflict, but nothing else fenced the un-gating. Fixed: un-gating first reads the claim from the
-# API server and goes on only for the same uid, not deleting (gating.PodGate._is_current).
+# API server and goes on only for the same uid, not deleting (gating.PodGate._current).
 def test_a_stale_cache_does_not_ungate_the_pod_of_a_new_claim_of_the_same_name(
     runner: scheduler.Runner,
 ) -> None:
