@@ -31,10 +31,12 @@ Meanwhile:
   run (after the first 10% as warm-up) to the median over its last 5%, plus
   the least-squares slope after warm-up; a flapping agent's RSS starts over at
   each restart, so it gets no growth figure;
-* safety from a list + watch of GpuClaims and device Leases in ``soak``,
+* safety from a list + watch of GpuClaims, device Leases and pods in ``soak``,
   checked after every event (``tests/integration/chaos_support.Mirror``): no
   GPU listed by two claims; every GPU an Allocated claim lists has a Lease
-  (Terminating or not) held by that claim's UID;
+  (Terminating or not) held by that claim's UID; and no claim in use released:
+  every GPU a claim pod's containers get, once its gate is lifted and until it
+  is gone, is listed by its claim and held by that claim's Lease;
 * liveness: every ``--sample-interval`` the GPUs the controller counts as taken
   (``gpualloc_devices{state="allocated"}`` on its /metrics) beside those the
   API server holds (the mirror's device Leases and the GPUs its claims list),
@@ -600,7 +602,7 @@ async def soak(
     kubeconfig = str(plane.kubeconfig)
     api = await client.connect(kubeconfig)
     timeline = support.Timeline()
-    mirror = support.Mirror(api, NAMESPACE, label=RUN_LABEL, value=run_id, timeline=timeline)
+    mirror = support.Mirror(api, NAMESPACE, label=RUN_LABEL, value=run_id, timeline=timeline, pods=True)
     agents = Agents(comps, kubeconfig, workdir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -54,6 +54,7 @@ Obj = dict[str, Any]
 
 CLAIMS = "claims"
 LEASES = "leases"
+PODS = "pods"
 TICK = "race-tick"  # the Lease and the GpuClaim the mirror writes to move a quiet watch on
 NUDGE_EVERY_S = 0.5  # at most one tick write per kind this often, and only while events wait
 
@@ -246,6 +247,33 @@ def silicon_of(inventories: Iterable[models.NodeInventory]) -> dict[str, str]:
     }
 
 
+def devices_used(pod: Mapping[str, Any]) -> list[str]:
+    """The GPU UUIDs a claim pod's containers get: the ``CUDA_VISIBLE_DEVICES`` value the webhook
+    wrote, else (a pod admitted before its claim was Allocated reads it through the downward API)
+    the devices annotation; none while the pod waits at the gate or once it is Succeeded or Failed."""
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = metadata.get("annotations") or {}
+    if constants.ANNOTATION_CLAIM not in annotations:
+        return []
+    if any(g.get("name") == constants.SCHEDULING_GATE for g in spec.get("schedulingGates") or []):
+        return []
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return []
+    value = annotations.get(constants.ANNOTATION_DEVICES) or ""
+    for container in spec.get("containers") or []:
+        for entry in container.get("env") or []:
+            if entry.get("name") == "CUDA_VISIBLE_DEVICES" and "value" in entry:
+                value = entry["value"]
+    return [u for u in str(value).split(",") if u]
+
+
+def _pod_claim(pod: Mapping[str, Any]) -> str:
+    metadata = pod.get("metadata") or {}
+    name = (metadata.get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+    return f"{metadata.get('namespace', '')}/{name}"
+
+
 def _lease_names(claim: Mapping[str, Any] | None) -> set[str]:
     return {constants.lease_name(u) for u in recorded(claim)} if claim else set()
 
@@ -292,7 +320,11 @@ class Books:
       lists one twice;
     * with ``silicon`` (``silicon_of``): no GPU is listed whole by one claim while
       another lists a MIG instance or a slot of it, and no claim lists a slot or an
-      instance of a GPU that has none by that name.
+      instance of a GPU that has none by that name;
+    * no claim in use is released (pods, when the mirror follows them): every device a
+      claim pod's containers get (``devices_used``: past the gate, not Succeeded or
+      Failed) is listed by the claim of its annotation, which exists (being deleted
+      counts) and holds that device's Lease.
 
     ``apply_*`` return what they touched, so that a check after an event looks
     only at the claims and Leases the event can affect.
@@ -309,6 +341,8 @@ class Books:
         self.leases: dict[str, Obj] = {}  # name -> device Lease
         self.other_leases: dict[str, Obj] = {}  # the election Lease, the tick
         self._listers: dict[str, set[str]] = collections.defaultdict(set)  # lease name -> claim keys
+        self.pods: dict[str, Obj] = {}  # namespace/name -> a claim pod using devices
+        self._pods_of: dict[str, set[str]] = collections.defaultdict(set)  # claim key -> pod keys
 
     @classmethod
     def of(
@@ -360,6 +394,52 @@ class Books:
         if not device:
             return set(), set()
         return set(self._listers.get(name, ())), {name}
+
+    def apply_pod(self, type_: str, obj: Obj) -> tuple[set[str], set[str]]:
+        """Apply a pod event; the claim it names (the touched key) and no Lease."""
+        if ((obj.get("metadata") or {}).get("labels") or {}).get(self.label) != self.value:
+            return set(), set()
+        key = watching.object_key(obj)
+        touched = {_pod_claim(obj)}
+        old = self.pods.pop(key, None)
+        if old is not None:
+            touched.add(_pod_claim(old))
+            self._pods_of[_pod_claim(old)].discard(key)
+            if not self._pods_of[_pod_claim(old)]:
+                del self._pods_of[_pod_claim(old)]
+        if type_ != watching.DELETED and devices_used(obj):
+            self.pods[key] = obj
+            self._pods_of[_pod_claim(obj)].add(key)
+        return touched, set()
+
+    def pod_problems(self, claim_key: str) -> list[str]:
+        """The claim pods of ``claim_key`` using devices that it does not hold (see the class doc)."""
+        problems = []
+        for pod_key in sorted(self._pods_of.get(claim_key, ())):
+            used = devices_used(self.pods[pod_key])
+            claim = self.claims.get(claim_key)
+            if claim is None:
+                problems.append(f"pod {pod_key} uses {used}, but its claim {claim_key} is gone")
+                continue
+            uid = claim["metadata"]["uid"]
+            locks = {
+                d["uuid"]: d["uuid"]
+                if d.get("slot") is None
+                else constants.slot_id(d["uuid"], int(d["slot"]))
+                for a in (claim.get("status") or {}).get("allocations") or []
+                for d in a.get("devices") or []
+            }
+            for gpu in used:
+                if gpu not in locks:
+                    problems.append(
+                        f"pod {pod_key} uses {gpu}, which its claim {claim_key} (uid {uid}) does not list"
+                    )
+                elif self.holder(constants.lease_name(locks[gpu])) != uid:
+                    held = self.holder(constants.lease_name(locks[gpu]))
+                    problems.append(
+                        f"pod {pod_key} uses {gpu} of claim {claim_key} (uid {uid}), whose Lease {held=}"
+                    )
+        return problems
 
     def holder(self, lease_name: str) -> str | None:
         lease = self.leases.get(lease_name)
@@ -421,9 +501,9 @@ class Books:
 
     def problems(self, claims: Iterable[str] | None = None, leases: Iterable[str] | None = None) -> list[str]:
         """What breaks the invariants among ``claims`` and ``leases`` (default: everything)."""
-        claim_keys = sorted(self.claims if claims is None else claims)
+        claim_keys = sorted((self.claims.keys() | self._pods_of.keys()) if claims is None else claims)
         lease_names = sorted(self._listers if leases is None else leases)
-        return [p for key in claim_keys for p in self.claim_problems(key)] + [
+        return [p for key in claim_keys for p in (*self.claim_problems(key), *self.pod_problems(key))] + [
             p for name in lease_names for p in self.lease_problems(name)
         ]
 
@@ -438,8 +518,9 @@ class Books:
 
 
 class Mirror:
-    """``Books`` kept from list + watch of GpuClaims and Leases in ``namespace``, checked after
-    every event it applies (only what the event touched), and in full after a re-list.
+    """``Books`` kept from list + watch of GpuClaims and Leases in ``namespace`` (and, with
+    ``pods``, its pods), checked after every event it applies (only what the event touched),
+    and in full after a re-list.
 
     Violations go to ``violations`` (and the timeline), each once; the test fails on them.
     """
@@ -453,32 +534,35 @@ class Mirror:
         value: str,
         timeline: Timeline,
         silicon: Mapping[str, str] | None = None,
+        pods: bool = False,
     ) -> None:
         self.api = api
         self.namespace = namespace
         self.timeline = timeline
+        self.kinds = (CLAIMS, LEASES, PODS) if pods else (CLAIMS, LEASES)
         self.books = Books(label=label, value=value, silicon=silicon)
         self.revision = 0
         self.violations: list[str] = []
         self.synced = asyncio.Event()
         self.stats: collections.Counter[str] = collections.Counter()
         self._seen: set[str] = set()
-        self._received: dict[str, dict[str, Obj]] = {CLAIMS: {}, LEASES: {}}
-        self._upto: dict[str, int] = {CLAIMS: 0, LEASES: 0}  # each stream's newest revision
+        self._received: dict[str, dict[str, Obj]] = {kind: {} for kind in self.kinds}
+        self._upto: dict[str, int] = dict.fromkeys(self.kinds, 0)  # each stream's newest revision
         self._queue: list[_Item] = []
         self._seq = 0
         self._windows: list[_Window] = []
-        self._nudged: dict[str, float] = {CLAIMS: 0.0, LEASES: 0.0}
+        self._nudged: dict[str, float] = dict.fromkeys(self.kinds, 0.0)
         self._ticks = 0
 
     # ------------------------------------------------------------ running
 
     async def run(self) -> None:
-        """Create the tick objects, then follow both kinds until cancelled."""
+        """Create the tick objects, then follow every kind until cancelled."""
         await self._create_ticks()
+        resources_ = {CLAIMS: watching.CLAIMS, LEASES: watching.LEASES, PODS: watching.PODS}
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._follow(CLAIMS, watching.CLAIMS))
-            group.create_task(self._follow(LEASES, watching.LEASES))
+            for kind in self.kinds:
+                group.create_task(self._follow(kind, resources_[kind]))
             group.create_task(self._pump())
 
     async def _create_ticks(self) -> None:
@@ -502,6 +586,22 @@ class Mirror:
             await until_available(
                 lambda: transport.request(self.api, "POST", self._lease_path(), body=tick_lease)
             )
+        if PODS in self.kinds:
+            tick_pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": TICK},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "containers": [{"name": "tick", "image": "registry.invalid/tick:1"}],
+                },
+            }
+            with contextlib.suppress(errors.AlreadyExists):
+                await until_available(
+                    lambda: transport.request(
+                        self.api, "POST", watching.PODS.path(self.namespace), body=tick_pod
+                    )
+                )
 
     def _lease_path(self, name: str | None = None) -> str:
         return watching.LEASES.path(self.namespace) + (f"/{name}" if name else "")
@@ -540,7 +640,7 @@ class Mirror:
                 continue
             head = self._queue[0].rv
             now = time.monotonic()
-            for kind in (CLAIMS, LEASES):
+            for kind in self.kinds:
                 if self._upto[kind] < head and now - self._nudged[kind] > NUDGE_EVERY_S:
                     self._nudged[kind] = now
                     await self._nudge(kind)
@@ -554,10 +654,11 @@ class Mirror:
                 if kind == CLAIMS:
                     await resources.CustomResources(self.api).patch_claim(self.namespace, TICK, patch)
                 else:
+                    path = self._lease_path(TICK) if kind == LEASES else watching.PODS.path(self.namespace)
                     await transport.request(
                         self.api,
                         "PATCH",
-                        self._lease_path(TICK),
+                        path if kind == LEASES else f"{path}/{TICK}",
                         body=patch,
                         content_type=transport.MERGE_PATCH,
                     )
@@ -601,7 +702,7 @@ class Mirror:
         passed = min(self._upto.values())
         while self._queue and self._queue[0].rv <= passed:
             self._apply(heapq.heappop(self._queue))
-        if passed and not self.synced.is_set() and all(self.stats[f"{k} lists"] for k in (CLAIMS, LEASES)):
+        if passed and not self.synced.is_set() and all(self.stats[f"{k} lists"] for k in self.kinds):
             self.synced.set()
 
     def _blurred(self, item: _Item) -> bool:
@@ -623,7 +724,11 @@ class Mirror:
         leases: set[str] = set()
         for type_, obj in item.events:
             self.stats["events"] += 1
-            apply = self.books.apply_claim if item.kind == CLAIMS else self.books.apply_lease
+            apply = {
+                CLAIMS: self.books.apply_claim,
+                LEASES: self.books.apply_lease,
+                PODS: self.books.apply_pod,
+            }[item.kind]
             touched_claims, touched_leases = apply(type_, obj)
             claims |= touched_claims
             leases |= touched_leases

@@ -1,8 +1,8 @@
 """The race test's safety mirror (chaos_support.Mirror), fed by hand: no API server needed.
 
-It must flag a double-booked GPU and an Allocated claim whose Lease is missing
-or held by another claim, and must not flag what only two watch streams
-arriving out of step make look wrong.
+It must flag a double-booked GPU, an Allocated claim whose Lease is missing
+or held by another claim, and a claim pod running on a device its claim does not
+hold, and must not flag what only watch streams arriving out of step make look wrong.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpualloc.api import constants
-from tests.integration.chaos_support import CLAIMS, LEASES, Mirror, Timeline
+from tests.integration.chaos_support import CLAIMS, LEASES, PODS, Mirror, Timeline
 
 NS = "ns"
 RUN = "r1"
@@ -213,3 +213,77 @@ def test_a_slot_the_gpu_does_not_have_is_a_violation() -> None:
     m._watched(CLAIMS, event("ADDED", slot_claim("a", 3, 2)))
     m._watched(LEASES, bookmark(4))
     assert any(f"list {third}, which no GPU has" in v for v in m.violations), m.violations
+
+
+# ------------------------------------------------------------------ pods: no claim in use released
+
+
+def pod(name: str, rv: int, claim_name: str, *, uses: str = GPU, gated: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "containers": [{"name": "main", "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": uses}]}]
+    }
+    if gated:
+        spec["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "resourceVersion": str(rv),
+            "labels": {"gpualloc.test/run": RUN},
+            "annotations": {constants.ANNOTATION_CLAIM: claim_name, constants.ANNOTATION_DEVICES: uses},
+        },
+        "spec": spec,
+    }
+
+
+def pod_mirror() -> Mirror:
+    m = Mirror(None, NS, label="gpualloc.test/run", value=RUN, timeline=Timeline(), pods=True)  # type: ignore[arg-type]
+    for kind in (CLAIMS, LEASES, PODS):
+        m._relisted(kind, {}, 1)
+    return m
+
+
+def test_a_claim_released_while_its_pod_runs_is_a_violation() -> None:
+    m = pod_mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(PODS, event("ADDED", pod("p", 4, "a")))
+    m._watched(CLAIMS, event("MODIFIED", claim("a", 5, gpus=(GPU,), deleting=True)))
+    m._watched(LEASES, event("DELETED", lease(6, "uid-a")))  # released while p still runs
+    for kind in (CLAIMS, PODS):
+        m._watched(kind, bookmark(7))
+
+    assert len(m.violations) == 1, m.violations
+    assert "pod ns/p uses" in m.violations[0] and "held=None" in m.violations[0]
+
+
+def test_a_release_after_the_pod_is_gone_is_not_a_violation_whatever_order_the_streams_arrive_in() -> None:
+    m = pod_mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(LEASES, event("DELETED", lease(7, "uid-a")))  # seen before the pod's deletion (6)
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(CLAIMS, event("MODIFIED", claim("a", 5, gpus=(GPU,), deleting=True)))
+    m._watched(CLAIMS, event("DELETED", claim("a", 8, gpus=(GPU,), deleting=True)))
+    m._watched(PODS, event("ADDED", pod("p", 4, "a")))
+    m._watched(PODS, event("DELETED", pod("p", 6, "a")))
+    for kind in (CLAIMS, LEASES, PODS):
+        m._watched(kind, bookmark(9))
+
+    assert m.revision == 8
+    assert not m.violations
+
+
+def test_a_gated_pod_with_devices_no_claim_holds_is_not_a_violation_until_its_gate_is_lifted() -> None:
+    other = "GPU-00000000-0000-0000-0000-000000000002"
+    m = pod_mirror()
+    m._watched(LEASES, event("ADDED", lease(2, "uid-a")))
+    m._watched(CLAIMS, event("ADDED", claim("a", 3, gpus=(GPU,))))
+    m._watched(PODS, event("ADDED", pod("stale", 4, "a", uses=other, gated=True)))
+    for kind in (CLAIMS, LEASES):
+        m._watched(kind, bookmark(5))
+    assert not m.violations
+
+    m._watched(PODS, event("MODIFIED", pod("stale", 6, "a", uses=other)))  # the gate lifted
+    for kind in (CLAIMS, LEASES):
+        m._watched(kind, bookmark(7))
+    assert len(m.violations) == 1 and "which its claim ns/a (uid uid-a) does not list" in m.violations[0]
