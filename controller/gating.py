@@ -3,11 +3,11 @@
 The webhook admits every pod with the annotation ``gpu.scheduling/claim``
 behind the scheduling gate ``gpu.scheduling/claim-allocated``: a pod of a claim
 not Allocated yet with no devices, a pod of an Allocated claim with the devices
-the webhook's watch showed. Once the claim is Allocated, and the API server
-still holds it (same uid, not being deleted), the pod gets the
-``gpu.scheduling/devices`` annotation (its replica's UUIDs), a
-``kubernetes.io/hostname`` nodeSelector, and loses the gate
-(``gates.ungate_patch``). The pod existed before its gate was lifted, so a
+the webhook's watch showed. Once the claim is Allocated, the controller reads
+it from the API server (same uid, not being deleted or released) and judges
+each pod on that read: the pod gets the ``gpu.scheduling/devices`` annotation
+(its replica's UUIDs), a ``kubernetes.io/hostname`` nodeSelector, and loses the
+gate (``gates.ungate_patch``). The pod existed before its gate was lifted, so a
 release that lists the claim's pods finds it. A pod that cannot be released (no
 replica, a conflicting pin, devices from an out-of-date view of the claim, a
 Failed or deleted claim) gets a ``StillGated`` Warning, at most once per
