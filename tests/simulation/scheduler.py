@@ -517,11 +517,11 @@ class Simulation:
         self._mig_gpus: tuple[int, ...] = (
             (0,) if self._mig_rng is not None and self._mig_rng.random() < 0.5 else ()
         )
-        # Sharing (the last GPU of n0 offered to Shared claims with 2 or 3 slots in half the
-        # schedules; a third of the claims then ask for a slot), likewise.
         # Pods a webhook admits from an out-of-date view of their claim, likewise (the option's
         # presence changes the main RNG's pick: seeds pinned before it run with "stale-pod" off).
         self._stale_rng = None if "stale-pod" in without else random.Random(seed ^ 0x57A1E)
+        # Sharing (the last GPU of n0 offered to Shared claims with 2 or 3 slots in half the
+        # schedules; a third of the claims then ask for a slot), likewise.
         self._shared_rng = None if "shared" in without else random.Random(seed ^ 0x5A4E)
         self._shared_slots = (
             self._shared_rng.choice((2, 3))
