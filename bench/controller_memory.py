@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import controller_throughput as shared
+import local_plane
 
 from gpualloc.api import constants
-from gpualloc.devcluster import binaries, cluster
+from gpualloc.devcluster import cluster
 from gpualloc.kube import client, transport
 
 DEFAULT_OUT = shared.REPO_ROOT / "bench" / "results" / "controller_memory.json"
@@ -136,17 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of stable RSS to wait for")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    paths = binaries.ensure(["kube-apiserver", "etcd"])
-    with tempfile.TemporaryDirectory(prefix="gpualloc-bench-mem-") as tmp:
-        workdir = Path(tmp)
-        plane = cluster.ControlPlane(workdir / "plane", binaries=paths)
-        plane.start()
-        try:
-            result = asyncio.run(run(args, plane, workdir))
-        finally:
-            plane.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    with local_plane.temporary("gpualloc-bench-mem-", crds=False) as (control_plane, workdir):
+        result = asyncio.run(run(args, control_plane, workdir))
+    local_plane.write(args.out, result)
     rss = result["controller_rss_mib"]
     print(
         f"{args.pods} hostile pods with {args.ballast_kb} KB annotations, "

@@ -50,7 +50,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ import yaml
 from gpualloc.kube.client import Api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import local_plane
 import procfs
 
 from gpualloc.api import constants
@@ -68,7 +68,6 @@ from gpualloc.kube import client, errors, leases, resources, transport, watching
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "helm" / "gpualloc"
-CRD_DIR = CHART / "crds"
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "controller_throughput.json"
 CONTROLLER_AGENT = "gpualloc-controller"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
@@ -560,18 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    paths = binaries.ensure(["kube-apiserver", "etcd"])
-    with tempfile.TemporaryDirectory(prefix="gpualloc-bench-") as tmp:
-        workdir = Path(tmp)
-        plane = cluster.ControlPlane(args.state_dir or workdir / "plane", binaries=paths)
-        plane.start()
-        try:
-            plane.apply_crds(CRD_DIR)
-            result = asyncio.run(run(args, plane, workdir))
-        finally:
-            plane.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    with local_plane.temporary("gpualloc-bench-", state_dir=args.state_dir) as (control_plane, workdir):
+        result = asyncio.run(run(args, control_plane, workdir))
+    local_plane.write(args.out, result)
     ttl = result["time_to_allocated_from_client_send_s"]
     ttl_ts = result["time_to_allocated_from_creation_timestamp_s"]
     print(

@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import local_plane
 import procfs
 from controller_throughput import (
-    CRD_DIR,
     bounded,
     claim,
     create_node,
@@ -53,7 +51,7 @@ from controller_throughput import (
 )
 
 from gpualloc.api import constants
-from gpualloc.devcluster import binaries, cluster
+from gpualloc.devcluster import cluster
 from gpualloc.kube import client, resources, transport, watching
 from gpualloc.kube.client import Api
 
@@ -243,18 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
-    paths = binaries.ensure(["kube-apiserver", "etcd"])
-    with tempfile.TemporaryDirectory(prefix="gpualloc-bench-") as tmp:
-        workdir = Path(tmp)
-        plane = cluster.ControlPlane(workdir / "plane", binaries=paths)
-        plane.start()
-        try:
-            plane.apply_crds(CRD_DIR)
-            result = asyncio.run(run(args, plane, workdir))
-        finally:
-            plane.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    with local_plane.temporary("gpualloc-bench-") as (control_plane, workdir):
+        result = asyncio.run(run(args, control_plane, workdir))
+    local_plane.write(args.out, result)
     t = result["time_to_ungated_from_client_send_s"]
     print(
         f"time from create to un-gated at {args.rate}/s: p50 {t['p50']} s, p90 {t['p90']} s, "
