@@ -399,17 +399,18 @@ class Books:
         """Apply a pod event; the claim it names (the touched key) and no Lease."""
         if ((obj.get("metadata") or {}).get("labels") or {}).get(self.label) != self.value:
             return set(), set()
-        key = watching.object_key(obj)
-        touched = {_pod_claim(obj)}
+        key, claim = watching.object_key(obj), _pod_claim(obj)
+        touched = {claim}
         old = self.pods.pop(key, None)
         if old is not None:
-            touched.add(_pod_claim(old))
-            self._pods_of[_pod_claim(old)].discard(key)
-            if not self._pods_of[_pod_claim(old)]:
-                del self._pods_of[_pod_claim(old)]
+            old_claim = _pod_claim(old)
+            touched.add(old_claim)
+            self._pods_of[old_claim].discard(key)
+            if not self._pods_of[old_claim]:
+                del self._pods_of[old_claim]
         if type_ != watching.DELETED and devices_used(obj):
             self.pods[key] = obj
-            self._pods_of[_pod_claim(obj)].add(key)
+            self._pods_of[claim].add(key)
         return touched, set()
 
     def pod_problems(self, claim_key: str) -> list[str]:
