@@ -154,7 +154,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
         )
     lost = elector.lost.is_set if elector is not None else (lambda: False)
     ready = running.make_ready_check(controller, lost)
-    runners: list[web.AppRunner] = []
+    runners: list[web.BaseRunner] = []
     tasks: list[asyncio.Task[None]] = []
     code = 0
     try:

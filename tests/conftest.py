@@ -9,6 +9,8 @@
   ``integration``, ``e2e`` and ``gpu``.
 - With ``GPUALLOC_REQUIRE_INTEGRATION=1`` (set by .ci/run) the session fails
   when no integration test ran, or when any was skipped or deselected.
+- ``serve`` (function): an aiohttp test client for a request handler on aiohttp's
+  low-level server, as ``gpualloc.runtime.serving`` serves one.
 - A test that leaves asyncio tasks running fails.
 """
 
@@ -20,11 +22,13 @@ import os
 import re
 import tomllib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import BaseTestServer, TestClient
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -222,6 +226,36 @@ async def generated_client(kubeconfig: str) -> Any:
     cfg = client.Configuration()
     await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
     return client.ApiClient(configuration=cfg)
+
+
+# ------------------------------------------------------------ serving a handler
+
+
+class _Served(BaseTestServer):
+    """aiohttp's test server around a ``web.Server`` made by ``serving.server`` (its body limit kept)."""
+
+    def __init__(self, server: web.Server) -> None:
+        super().__init__()
+        self._server = server
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        return web.ServerRunner(self._server, **kwargs)
+
+
+@pytest.fixture
+def serve(aiohttp_client: Any) -> Callable[..., Awaitable[TestClient[web.BaseRequest, None]]]:
+    """``await serve(handler, max_body=...)``: a test client of ``handler`` served as production does."""
+    from gpualloc.runtime import serving
+
+    async def client(
+        handler: serving.Handler, *, max_body: int = serving.DEFAULT_MAX_BODY
+    ) -> TestClient[web.BaseRequest, None]:
+        served: TestClient[web.BaseRequest, None] = await aiohttp_client(
+            _Served(serving.server(handler, max_body=max_body))
+        )
+        return served
+
+    return client
 
 
 # ------------------------------------------------------------ leaked tasks

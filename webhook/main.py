@@ -114,18 +114,17 @@ async def run(args: argparse.Namespace) -> int:
         claims = cache.ClaimCache(
             reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics
         )
-        app = server.make_app(claims=claims, options=options, metrics=metrics)
-        state = app[server.STATE]
+        webhook = server.Webhook(claims, options, metrics)
         reloader = server.CertificateReloader(
             context, args.tls_cert_file, args.tls_key_file, interval=args.cert_poll_interval, metrics=metrics
         )
-        runner = await serving.start_app(
-            app, args.host, args.port, ssl_context=context, shutdown_timeout=args.shutdown_timeout
+        runner = await server.start(
+            webhook, args.host, args.port, ssl_context=context, shutdown_timeout=args.shutdown_timeout
         )
         extra = await serving.start_probe_servers(
             args.bind_address,
             (args.metrics_port, args.health_port),
-            ready=state.ready,
+            ready=webhook.ready,
             registry=metrics.registry,
         )
         try:
@@ -140,7 +139,7 @@ async def run(args: argparse.Namespace) -> int:
                     "compiled": str(admission.__file__).endswith(".so"),
                 },
             )
-            return await _until_stopped(stop, reflector, reloader, app, runner, args)
+            return await _until_stopped(stop, reflector, reloader, webhook, runner, args)
         finally:
             for probe_runner in extra:
                 await probe_runner.cleanup()
@@ -152,8 +151,8 @@ async def _until_stopped(
     stop: asyncio.Event,
     reflector: watching.Reflector,
     reloader: server.CertificateReloader,
-    app: web.Application,
-    runner: web.AppRunner,
+    webhook: server.Webhook,
+    runner: web.BaseRunner,
     args: argparse.Namespace,
 ) -> int:
     """Run the background loops until a signal; a loop that dies stops the process (exit 1)."""
@@ -173,7 +172,7 @@ async def _until_stopped(
                 )
                 code = 1
         log.info("shutting down", extra={"delay": args.shutdown_delay, "timeout": args.shutdown_timeout})
-        await server.stop(app, runner, drain_delay=args.shutdown_delay if code == 0 else 0.0)
+        await server.stop(webhook, runner, drain_delay=args.shutdown_delay if code == 0 else 0.0)
     finally:
         for task in [*tasks, stopper]:
             task.cancel()

@@ -1,18 +1,21 @@
-"""HTTP for the webhook: the aiohttp app, TLS, and reloading the certificate when its files change.
+"""HTTP for the webhook: its request handler, TLS, and reloading the certificate when its files change.
 
-Routes, all on the one TLS port (the kubelet probes it with ``scheme: HTTPS``,
-so a replica is ready only when it serves with its certificate):
+Paths, all on the one TLS port (the kubelet probes it with ``scheme: HTTPS``,
+so a replica is ready only when it serves with its certificate), served by
+``Webhook.handle`` on aiohttp's low-level server (``serving.start``):
 
 * ``POST /mutate``: an ``admission.k8s.io/v1`` AdmissionReview. A body over
   3 MiB (the API server's own request limit) is refused with 413 before it is
   read; a body that is not JSON, or has no ``request.uid`` to answer, gets 400;
   everything else gets 200 with an AdmissionReview echoing the uid, a denial
   included. An unexpected failure is answered with a denial, never a 500.
+  Another method gets 405.
 * ``GET /healthz``: 200 while the process serves.
 * ``GET /readyz``: 200 once the claim cache has synced, 503 before and while
   shutting down.
 * ``GET /metrics``: Prometheus text (also served over plain HTTP on
   ``--metrics-port`` by ``gpualloc.runtime.serving``, for scrapers without TLS).
+* anything else: 404.
 
 Certificate rotation: cert-manager and the kubelet replace a mounted Secret by
 swapping the ``..data`` symlink to a new directory. ``CertificateReloader``
@@ -26,7 +29,6 @@ connections already open keep theirs, nothing restarts.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import ssl
@@ -48,54 +50,66 @@ SHUTDOWN_TIMEOUT = 10.0
 
 
 class ClaimSource(Protocol):
-    """What the app needs from the claim cache (``cache.ClaimCache``)."""
+    """What the webhook needs from the claim cache (``cache.ClaimCache``)."""
 
     def synced(self) -> bool: ...
 
     async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup: ...
 
 
-class State:
-    """Mutable serving state: set ``stopping`` to turn readiness off before shutting down."""
+class Webhook:
+    """The webhook's request handler (``handle``) and serving state: set ``stopping`` to turn
+    readiness off before shutting down."""
 
-    def __init__(self, claims: ClaimSource, options: admission.Options, metrics: metrics_.Metrics) -> None:
+    def __init__(
+        self,
+        claims: ClaimSource,
+        options: admission.Options | None = None,
+        metrics: metrics_.Metrics | None = None,
+    ) -> None:
         self.claims = claims
-        self.options = options
-        self.metrics = metrics
+        self.options = options or admission.Options()
+        self.metrics = metrics or metrics_.Metrics()
         self.stopping = False
+        self._probes = serving.probes(ready=self.ready, registry=self.metrics.registry)
 
     def ready(self) -> bool:
         return not self.stopping and self.claims.synced()
 
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """``/mutate``, else the probes and metrics."""
+        if request.path != "/mutate":
+            return await self._probes(request)
+        if request.method != "POST":
+            return web.Response(status=405, text="method not allowed\n", headers={"Allow": "POST"})
+        return await mutate(self, request)
 
-STATE: web.AppKey[State] = web.AppKey("state", State)
+
+# ------------------------------------------------------------------ /mutate
 
 
-# ------------------------------------------------------------------ handlers
-
-
-def _bad_request(state: State, started: float, message: str) -> web.Response:
-    state.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
+def _bad_request(webhook: Webhook, started: float, message: str) -> web.Response:
+    webhook.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
     return web.Response(status=400, text=message + "\n")
 
 
-async def mutate(state: State, request: web.Request) -> web.Response:
+async def mutate(webhook: Webhook, request: web.BaseRequest) -> web.Response:
     """Decode the review, decide, encode the answer."""
     started = time.perf_counter()
     try:
-        body = await request.read()  # raises 413 past client_max_size
+        body = await request.read()  # raises 413 past MAX_BODY
     except web.HTTPRequestEntityTooLarge:
-        state.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
+        webhook.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
         raise
     try:
         prepared = admission.decode(body)
     except (admission.NotJSON, admission.BadReview) as invalid:
-        return _bad_request(state, started, str(invalid))
+        return _bad_request(webhook, started, str(invalid))
     if isinstance(prepared, admission.PodCreate):
         uid = prepared.uid
         try:
-            lookup = await state.claims.lookup_for(prepared.claim_ref)  # the watch cache, or one GET
-            decision = admission.decide(prepared, lookup, state.options)
+            lookup = await webhook.claims.lookup_for(prepared.claim_ref)  # the watch cache, or one GET
+            decision = admission.decide(prepared, lookup, webhook.options)
         except Exception as failure:  # never a 500: the API server shows the denial to the user
             log.exception("admission failed", extra={"uid": uid})
             answer = admission.deny(
@@ -108,7 +122,7 @@ async def mutate(state: State, request: web.Request) -> web.Response:
     else:
         decision = prepared  # not a claim pod: answered by decode
     text = admission.encode(decision.answer)
-    state.metrics.admissions.record(decision.outcome, time.perf_counter() - started)
+    webhook.metrics.admissions.record(decision.outcome, time.perf_counter() - started)
     status = decision.answer.response.status
     if decision.outcome in (admission.DENIED, admission.INVALID) and status is not None:
         log.info(
@@ -122,20 +136,23 @@ async def mutate(state: State, request: web.Request) -> web.Response:
     return web.Response(body=text, content_type="application/json")  # JSON is UTF-8 (RFC 8259: no charset)
 
 
-def make_app(
+async def start(
+    webhook: Webhook,
+    host: str,
+    port: int,
     *,
-    claims: ClaimSource,
-    options: admission.Options | None = None,
-    metrics: metrics_.Metrics | None = None,
-) -> web.Application:
-    """The webhook's aiohttp app; ``app[STATE]`` holds its serving state."""
-    app = web.Application(client_max_size=MAX_BODY)
-    state = State(claims, options or admission.Options(), metrics or metrics_.Metrics())
-    app[STATE] = state
-    app.router.add_post("/mutate", functools.partial(mutate, state))
-    # The probes and /metrics are the shared ones, on the TLS port too.
-    serving.add_probes(app, ready=state.ready, registry=state.metrics.registry)
-    return app
+    ssl_context: ssl.SSLContext | None,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+) -> web.BaseRunner:
+    """Serve ``webhook`` on ``host:port``, request bodies up to MAX_BODY; ``stop`` ends it."""
+    return await serving.start(
+        webhook.handle,
+        host,
+        port,
+        ssl_context=ssl_context,
+        shutdown_timeout=shutdown_timeout,
+        max_body=MAX_BODY,
+    )
 
 
 # ------------------------------------------------------------------ TLS
@@ -240,10 +257,10 @@ class CertificateReloader:
 # ------------------------------------------------------------------ running
 
 
-async def stop(app: web.Application, runner: web.AppRunner, *, drain_delay: float = 0.0) -> None:
+async def stop(webhook: Webhook, runner: web.BaseRunner, *, drain_delay: float = 0.0) -> None:
     """Graceful stop: readiness goes false, requests keep being served for ``drain_delay`` seconds
     (while endpoints drop this replica), then the runner shuts down."""
-    app[STATE].stopping = True
+    webhook.stopping = True
     if drain_delay > 0:
         await asyncio.sleep(drain_delay)
     await runner.cleanup()

@@ -1,84 +1,106 @@
-"""Health probes and metrics over HTTP: ``/healthz``, ``/readyz``, ``/metrics``.
+"""Serving HTTP with aiohttp's low-level server, and the health probes and metrics.
 
-``/healthz`` answers 200 while the event loop runs (the process is alive);
-``/readyz`` answers 200 only while ``ready()`` is true (e.g. the caches have
-synced), else 503; ``/metrics`` is the Prometheus text format of a registry.
+One handler per server, no router: a component's handler looks at the path
+itself (the webhook answers ``/mutate`` and hands the rest to the probes).
+aiohttp's ``web.Server`` skips the ``Application``'s routing, match info and
+middleware machinery, which costs the webhook about 6% of its CPU per admission
+(BENCHMARKS.md, "Webhook under vegeta").
+
+The probes: ``/healthz`` and ``/livez`` answer 200 while the event loop runs
+(the process is alive); ``/readyz`` answers 200 only while ``ready()`` is true
+(e.g. the caches have synced), else 503; ``/metrics`` is the Prometheus text
+format of a registry. Any other path is 404.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import prometheus_client
-from aiohttp import web
+from aiohttp import abc, web
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 
 ReadyCheck = Callable[[], bool]
-
-READY: web.AppKey[ReadyCheck] = web.AppKey("ready")
-REGISTRY: web.AppKey[prometheus_client.CollectorRegistry] = web.AppKey(
-    "registry", prometheus_client.CollectorRegistry
-)
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+RequestFactory = Callable[
+    [RawRequestMessage, StreamReader, RequestHandler, abc.AbstractStreamWriter, "asyncio.Task[None]"],
+    web.BaseRequest,
+]
 
 # Shorter than any pod's termination grace period (30 s by default).
 SHUTDOWN_TIMEOUT = 5.0
+# aiohttp's own default: the largest request body ``request.read()`` accepts (413 past it).
+DEFAULT_MAX_BODY = 1024**2
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
-
-
-async def readyz(request: web.Request) -> web.Response:
-    try:
-        ready = request.app[READY]()
-    except Exception as exc:  # a failing check means not ready, not a 500
-        return web.Response(status=503, text=f"not ready: {exc}\n")
-    if ready:
-        return web.Response(text="ok\n")
-    return web.Response(status=503, text="not ready\n")
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = prometheus_client.generate_latest(request.app[REGISTRY])
-    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
-
-
-def add_probes(
-    app: web.Application, *, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None
-) -> None:
-    """Add ``/healthz``, ``/livez``, ``/readyz`` and ``/metrics`` to ``app`` (the webhook's TLS app too).
+def probes(*, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None) -> Handler:
+    """The handler of ``/healthz``, ``/livez``, ``/readyz`` and ``/metrics``; 404 for other paths.
 
     ``registry`` defaults to the process-wide default registry.
     """
-    app[READY] = ready
-    app[REGISTRY] = registry if registry is not None else prometheus_client.REGISTRY
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    scraped = registry if registry is not None else prometheus_client.REGISTRY
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        if path not in ("/healthz", "/livez", "/readyz", "/metrics"):
+            return web.Response(status=404, text="not found\n")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="method not allowed\n", headers={"Allow": "GET, HEAD"})
+        if path == "/metrics":
+            body = prometheus_client.generate_latest(scraped)
+            return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+        if path == "/readyz":
+            try:
+                is_ready = ready()
+            except Exception as exc:  # a failing check means not ready, not a 500
+                return web.Response(status=503, text=f"not ready: {exc}\n")
+            if not is_ready:
+                return web.Response(status=503, text="not ready\n")
+        return web.Response(text="ok\n")
+
+    return handle
 
 
-def make_probe_app(
-    *, ready: ReadyCheck, registry: prometheus_client.CollectorRegistry | None = None
-) -> web.Application:
-    """The probe and metrics app; ``registry`` defaults to the process-wide default registry."""
-    app = web.Application()
-    add_probes(app, ready=ready, registry=registry)
-    return app
+def requests_up_to(max_body: int) -> RequestFactory:
+    """aiohttp's request factory, with request bodies of up to ``max_body`` bytes."""
+
+    def make(
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: abc.AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        loop = asyncio.get_running_loop()
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body)
+
+    return make
 
 
-async def start_app(
-    app: web.Application,
+def server(handler: Handler, *, max_body: int = DEFAULT_MAX_BODY) -> web.Server:
+    """aiohttp's low-level server for ``handler``; ``request.read()`` raises 413 past ``max_body`` bytes."""
+    return web.Server(handler, request_factory=requests_up_to(max_body))
+
+
+async def start(
+    handler: Handler,
     host: str,
     port: int,
     *,
     ssl_context: ssl.SSLContext | None = None,
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,
-) -> web.AppRunner:
-    """Serve ``app`` on ``host:port`` (over TLS with ``ssl_context``); the caller does
+    max_body: int = DEFAULT_MAX_BODY,
+) -> web.BaseRunner:
+    """Serve ``handler`` on ``host:port`` (over TLS with ``ssl_context``); the caller does
     ``await runner.cleanup()``, which lets requests in flight finish for up to
     ``shutdown_timeout`` seconds, then closes the connections."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    runner = web.ServerRunner(
+        server(handler, max_body=max_body), access_log=None, shutdown_timeout=shutdown_timeout
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
@@ -94,12 +116,12 @@ async def start_probes(
     *,
     ready: ReadyCheck,
     registry: prometheus_client.CollectorRegistry | None = None,
-) -> web.AppRunner:
+) -> web.BaseRunner:
     """Serve ``/healthz``, ``/readyz`` and ``/metrics`` on ``host:port`` (port 0: any free port).
 
     The caller does ``await runner.cleanup()``; ``bound_port(runner)`` tells the port.
     """
-    return await start_app(make_probe_app(ready=ready, registry=registry), host, port)
+    return await start(probes(ready=ready, registry=registry), host, port)
 
 
 async def start_probe_servers(
@@ -108,9 +130,9 @@ async def start_probe_servers(
     *,
     ready: ReadyCheck,
     registry: prometheus_client.CollectorRegistry | None = None,
-) -> list[web.AppRunner]:
+) -> list[web.BaseRunner]:
     """``start_probes`` once per distinct port, 0 meaning off; those started are cleaned up on a failure."""
-    runners: list[web.AppRunner] = []
+    runners: list[web.BaseRunner] = []
     try:
         for port in sorted({p for p in ports if p}):
             runners.append(await start_probes(host, port, ready=ready, registry=registry))
@@ -121,7 +143,7 @@ async def start_probe_servers(
     return runners
 
 
-def bound_port(runner: web.AppRunner) -> int:
+def bound_port(runner: web.BaseRunner) -> int:
     """The port the runner's first site listens on (useful after asking for port 0)."""
     for address in runner.addresses:
         if isinstance(address, tuple) and len(address) >= 2:

@@ -48,7 +48,6 @@ from gpualloc.devcluster import cluster as cluster_mod
 from gpualloc.kube import client as kube_client
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.kube.client import Api
-from gpualloc.runtime import serving
 from tests.integration.controller_support import (
     RUN_LABEL,
     condition,
@@ -286,15 +285,15 @@ async def _start_webhook(admin: Api) -> LocalWebhook:
     metrics = metrics_.Metrics()
     reflector = watching.Reflector(admin, watching.CLAIMS)
     claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(admin)), metrics=metrics)
-    app = server.make_app(claims=claims, options=admission.Options(pending="gate"), metrics=metrics)
-    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    webhook = server.Webhook(claims, admission.Options(pending="gate"), metrics)
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reflector.run())
     await asyncio.wait_for(reflector.synced.wait(), 30)
 
     async def stop() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await server.stop(app, runner)
+        await server.stop(webhook, runner)
 
     return LocalWebhook(f"https://127.0.0.1:{runner.addresses[0][1]}/mutate", ca_pem, stop)
 

@@ -44,20 +44,20 @@ async def recorded(api: Api, namespace: str) -> AsyncIterator[list[bytes]]:
     """Bodies of the reviews the API server sends for pods in ``namespace``; every pod is allowed."""
     bodies: list[bytes] = []
 
-    async def record(request: web.Request) -> web.Response:
+    async def record(request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()
         bodies.append(body)
         uid = json.loads(body)["request"]["uid"]
         return web.Response(body=ALLOWED % uid.encode(), content_type="application/json")
 
-    app = web.Application(client_max_size=3 * 1024 * 1024)
-    app.router.add_post("/mutate", record)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     with tempfile.TemporaryDirectory() as tmp:
         ca_file, cert_file, key_file = write_serving_pair(Path(tmp))
         context.load_cert_chain(str(cert_file), str(key_file))
         ca_pem = ca_file.read_bytes()
-    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1)
+    runner = await serving.start(
+        record, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=1, max_body=3 * 1024 * 1024
+    )
     name = f"gpualloc-bench-{uuid.uuid4().hex[:10]}"
     config = webhook_configuration(name, namespace, runner.addresses[0][1], ca_pem)
     await transport.request(api, "POST", MWC_PATH, body=config)

@@ -24,7 +24,7 @@ from cryptography import x509
 
 from certs import building, keys
 from gpualloc.api import constants
-from gpualloc.runtime import eventloop, serving
+from gpualloc.runtime import eventloop
 from tests import reviews
 from webhook import cache, server
 
@@ -108,9 +108,9 @@ async def _serving(tmp_path: Path) -> AsyncIterator[tuple[SecretVolume, server.C
     volume = SecretVolume(tmp_path)
     volume.write(*serving_pair(1))
     context = server.make_ssl_context(volume.cert_file, volume.key_file)
-    app = server.make_app(claims=cache.ClaimCache(cache.StaticStore([]), _no_fetch))
+    webhook = server.Webhook(cache.ClaimCache(cache.StaticStore([]), _no_fetch))
     reloader = server.CertificateReloader(context, volume.cert_file, volume.key_file, interval=0.05)
-    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reloader.run())
     try:
         yield volume, reloader, runner.addresses[0][1]

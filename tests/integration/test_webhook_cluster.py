@@ -25,7 +25,6 @@ from aiohttp import web
 from gpualloc.api import constants
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.kube.client import Api
-from gpualloc.runtime import serving
 from tests import admitting, reviews
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
@@ -39,13 +38,13 @@ IMAGE = "registry.k8s.io/pause:3.10"
 class RunningWebhook:
     def __init__(
         self,
-        app: web.Application,
-        runner: web.AppRunner,
+        webhook: server.Webhook,
+        runner: web.BaseRunner,
         reflector: watching.Reflector,
         metrics: metrics_.Metrics,
         port: int,
     ) -> None:
-        self.app = app
+        self.webhook = webhook
         self.runner = runner
         self.reflector = reflector
         self.metrics = metrics
@@ -55,7 +54,7 @@ class RunningWebhook:
     async def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
-            await server.stop(self.app, self.runner)
+            await server.stop(self.webhook, self.runner)
 
 
 def webhook_configuration(name: str, namespace: str, port: int, ca_pem: bytes) -> dict[str, Any]:
@@ -181,10 +180,10 @@ async def webhook(
     metrics = metrics_.Metrics()
     reflector = watching.Reflector(api, watching.CLAIMS)
     claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics)
-    app = server.make_app(claims=claims, options=webhook_options, metrics=metrics)
-    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
+    webhook = server.Webhook(claims, webhook_options, metrics)
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
     task = asyncio.create_task(reflector.run())
-    running = RunningWebhook(app, runner, reflector, metrics, runner.addresses[0][1])
+    running = RunningWebhook(webhook, runner, reflector, metrics, runner.addresses[0][1])
     name = f"gpualloc-test-{uuid.uuid4().hex[:10]}"
     await transport.request(
         api, "POST", MWC_PATH, body=webhook_configuration(name, namespace, running.port, ca_pem)

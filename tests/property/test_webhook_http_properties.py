@@ -183,10 +183,10 @@ class NoApi:
 
 
 @pytest.fixture(params=["deny", "gate"])
-async def client(request: pytest.FixtureRequest, aiohttp_client: Any) -> Any:
+async def client(request: pytest.FixtureRequest, serve: Any) -> Any:
     claims = cache.ClaimCache(cache.StaticStore(CLAIMS), NoApi())
-    app = server.make_app(claims=claims, options=admission.Options(pending=request.param, device_ids="index"))
-    return await aiohttp_client(app)
+    webhook = server.Webhook(claims, admission.Options(pending=request.param, device_ids="index"))
+    return await serve(webhook.handle, max_body=server.MAX_BODY)
 
 
 def uid_of(body: Any) -> str | None:

@@ -1,4 +1,4 @@
-"""The probe app: /healthz always 200, /readyz follows ready(), /metrics is Prometheus text."""
+"""The probes: /healthz always 200, /readyz follows ready(), /metrics is Prometheus text."""
 
 from __future__ import annotations
 
@@ -10,30 +10,30 @@ import prometheus_client
 from gpualloc.runtime import serving
 
 
-async def test_readyz_flips_from_503_to_200_when_ready(aiohttp_client: Any) -> None:
+async def test_readyz_flips_from_503_to_200_when_ready(serve: Any) -> None:
     state = {"ready": False}
-    client = await aiohttp_client(serving.make_probe_app(ready=lambda: state["ready"]))
+    client = await serve(serving.probes(ready=lambda: state["ready"]))
     assert (await client.get("/healthz")).status == 200
     assert (await client.get("/readyz")).status == 503
     state["ready"] = True
     assert (await client.get("/readyz")).status == 200
 
 
-async def test_readyz_is_503_when_the_check_raises(aiohttp_client: Any) -> None:
+async def test_readyz_is_503_when_the_check_raises(serve: Any) -> None:
     def broken() -> bool:
         raise RuntimeError("cache not there")
 
-    client = await aiohttp_client(serving.make_probe_app(ready=broken))
+    client = await serve(serving.probes(ready=broken))
     response = await client.get("/readyz")
     assert response.status == 503
     assert "cache not there" in await response.text()
 
 
-async def test_metrics_serves_the_given_registry_in_prometheus_text_format(aiohttp_client: Any) -> None:
+async def test_metrics_serves_the_given_registry_in_prometheus_text_format(serve: Any) -> None:
     registry = prometheus_client.CollectorRegistry()
     counter = prometheus_client.Counter("gpualloc_test_things", "things", registry=registry)
     counter.inc(3)
-    client = await aiohttp_client(serving.make_probe_app(ready=lambda: True, registry=registry))
+    client = await serve(serving.probes(ready=lambda: True, registry=registry))
     response = await client.get("/metrics")
     assert response.status == 200
     assert response.headers["Content-Type"] == prometheus_client.CONTENT_TYPE_LATEST

@@ -8,7 +8,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
@@ -55,14 +54,14 @@ class CountingFetch:
         return self.result
 
 
-async def client_for(aiohttp_client: Any, claims: cache.ClaimCache, **kwargs: Any) -> Any:
-    return await aiohttp_client(server.make_app(claims=claims, **kwargs))
+async def client_for(serve: Any, claims: server.ClaimSource, **kwargs: Any) -> Any:
+    return await serve(server.Webhook(claims, **kwargs).handle, max_body=server.MAX_BODY)
 
 
-async def test_mutate_answers_an_allocated_claim_pod_with_a_patch_from_the_cache(aiohttp_client: Any) -> None:
+async def test_mutate_answers_an_allocated_claim_pod_with_a_patch_from_the_cache(serve: Any) -> None:
     fetch = CountingFetch()
     claims = cache.ClaimCache(cache.StaticStore([raw_claim()]), fetch)
-    client = await client_for(aiohttp_client, claims)
+    client = await client_for(serve, claims)
     for _ in range(3):
         resp = await client.post("/mutate", json=review())
         assert resp.status == 200
@@ -72,26 +71,26 @@ async def test_mutate_answers_an_allocated_claim_pod_with_a_patch_from_the_cache
     assert fetch.calls == [], "a cached claim costs no API call"
 
 
-async def test_cache_miss_does_one_get_per_admission(aiohttp_client: Any) -> None:
+async def test_cache_miss_does_one_get_per_admission(serve: Any) -> None:
     fetch = CountingFetch(result=raw_claim("late"))
     claims = cache.ClaimCache(cache.StaticStore([]), fetch)
-    client = await client_for(aiohttp_client, claims)
+    client = await client_for(serve, claims)
     body = await (await client.post("/mutate", json=review("late"))).json()
     assert body["response"]["allowed"] is True and "patch" in body["response"]
     assert fetch.calls == [(NS, "late")]
 
 
-async def test_pods_without_the_annotation_need_no_lookup(aiohttp_client: Any) -> None:
+async def test_pods_without_the_annotation_need_no_lookup(serve: Any) -> None:
     fetch = CountingFetch()
-    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), fetch))
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), fetch))
     body = await (await client.post("/mutate", json=review(None))).json()
     assert body["response"] == {"uid": "u-1", "allowed": True}
     assert fetch.calls == []
 
 
-async def test_failed_get_denies_the_pod_with_the_reason(aiohttp_client: Any) -> None:
+async def test_failed_get_denies_the_pod_with_the_reason(serve: Any) -> None:
     fetch = CountingFetch(error=errors.Unavailable(503, "ServiceUnavailable", "apiserver is down"))
-    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), fetch))
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), fetch))
     resp = await client.post("/mutate", json=review())
     assert resp.status == 200
     out = (await resp.json())["response"]
@@ -99,13 +98,13 @@ async def test_failed_get_denies_the_pod_with_the_reason(aiohttp_client: Any) ->
     assert "apiserver is down" in out["status"]["message"]
 
 
-async def test_slow_get_is_cut_short_and_denied(aiohttp_client: Any) -> None:
+async def test_slow_get_is_cut_short_and_denied(serve: Any) -> None:
     async def slow(namespace: str, name: str) -> Mapping[str, Any] | None:
         await asyncio.sleep(10)
         return None
 
     claims = cache.ClaimCache(cache.StaticStore([]), slow, get_timeout=0.05)
-    client = await client_for(aiohttp_client, claims)
+    client = await client_for(serve, claims)
     out = (await (await client.post("/mutate", json=review())).json())["response"]
     assert out["allowed"] is False and "no answer from the API server" in out["status"]["message"]
 
@@ -123,20 +122,20 @@ async def test_slow_get_is_cut_short_and_denied(aiohttp_client: Any) -> None:
         (b"{}", "no request"),
     ],
 )
-async def test_malformed_bodies_get_400(aiohttp_client: Any, body: bytes, fragment: str) -> None:
-    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+async def test_malformed_bodies_get_400(serve: Any, body: bytes, fragment: str) -> None:
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
     resp = await client.post("/mutate", data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 400
     assert fragment in await resp.text()
 
 
-async def test_body_over_three_mebibytes_is_refused_with_413(aiohttp_client: Any) -> None:
-    client = await client_for(aiohttp_client, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+async def test_body_over_three_mebibytes_is_refused_with_413(serve: Any) -> None:
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
     resp = await client.post("/mutate", data=b" " * (server.MAX_BODY + 1))
     assert resp.status == 413
 
 
-async def test_unexpected_failure_is_a_denial_not_a_500(aiohttp_client: Any) -> None:
+async def test_unexpected_failure_is_a_denial_not_a_500(serve: Any) -> None:
     class Broken:
         def synced(self) -> bool:
             return True
@@ -144,33 +143,33 @@ async def test_unexpected_failure_is_a_denial_not_a_500(aiohttp_client: Any) -> 
         async def lookup_for(self, ref: tuple[str, str] | None) -> admission.ClaimLookup:
             raise RuntimeError("boom")
 
-    client = await aiohttp_client(server.make_app(claims=Broken()))
+    client = await client_for(serve, Broken())
     resp = await client.post("/mutate", json=review())
     assert resp.status == 200
     out = (await resp.json())["response"]
     assert out["uid"] == "u-1" and out["allowed"] is False and out["status"]["code"] == 500
 
 
-async def test_readyz_follows_the_cache_sync_and_turns_false_when_stopping(aiohttp_client: Any) -> None:
+async def test_readyz_follows_the_cache_sync_and_turns_false_when_stopping(serve: Any) -> None:
     store = cache.StaticStore([])
     store.synced.clear()
-    app = server.make_app(claims=cache.ClaimCache(store, CountingFetch()))
-    client = await aiohttp_client(app)
+    webhook = server.Webhook(cache.ClaimCache(store, CountingFetch()))
+    client = await serve(webhook.handle)
     assert (await client.get("/readyz")).status == 503
     assert (await client.get("/healthz")).status == 200
     store.synced.set()
     assert (await client.get("/readyz")).status == 200
-    app[server.STATE].stopping = True
+    webhook.stopping = True
     assert (await client.get("/readyz")).status == 503
     assert (await client.get("/healthz")).status == 200
 
 
-async def test_metrics_count_admissions_by_outcome_and_time_them(aiohttp_client: Any) -> None:
+async def test_metrics_count_admissions_by_outcome_and_time_them(serve: Any) -> None:
     metrics = metrics_.Metrics()
     claims = cache.ClaimCache(
         cache.StaticStore([raw_claim(), raw_claim("p", phase="Pending")]), CountingFetch()
     )
-    client = await client_for(aiohttp_client, claims, metrics=metrics)
+    client = await client_for(serve, claims, metrics=metrics)
     await client.post("/mutate", json=review())
     await client.post("/mutate", json=review("p"))
     await client.post("/mutate", json=review(None))
@@ -201,15 +200,15 @@ async def test_graceful_stop_finishes_a_request_in_flight() -> None:
             await release.wait()
             return admitting.lookup_from({})
 
-    app = server.make_app(claims=Slow())
-    runner = await serving.start_app(app, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
+    webhook = server.Webhook(Slow())
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=None, shutdown_timeout=5)
     port = runner.addresses[0][1]
     async with aiohttp.ClientSession() as session:
         pending = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/mutate", json=review()))
         await asyncio.wait_for(entered.wait(), 10)  # the request is in the handler
-        stopping = asyncio.create_task(server.stop(app, runner))
+        stopping = asyncio.create_task(server.stop(webhook, runner))
         await asyncio.sleep(0.2)
-        assert not app[server.STATE].ready()
+        assert not webhook.ready()
         release.set()
         resp = await pending
         assert resp.status == 200
@@ -250,10 +249,28 @@ async def test_fetch_from_maps_not_found_to_none() -> None:
     assert await fetch(NS, "x") is None
 
 
-def test_app_refuses_bodies_over_the_api_servers_limit() -> None:
-    app = server.make_app(claims=cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
-    assert app._client_max_size == 3 * 1024 * 1024
-    assert isinstance(app, web.Application)
+async def test_a_body_of_the_api_servers_limit_is_read_and_one_byte_more_is_413() -> None:
+    """As ``main`` serves it (``server.start``): the limit is 3 MiB, not aiohttp's 1 MiB default."""
+    webhook = server.Webhook(cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=None)
+    port = serving.bound_port(runner)
+    try:
+        async with aiohttp.ClientSession() as session:
+            padded = b" " * (3 * 1024 * 1024 - 2) + b"{}"
+            async with session.post(f"http://127.0.0.1:{port}/mutate", data=padded) as resp:
+                assert resp.status == 400 and "no request" in await resp.text()  # read whole, then judged
+            async with session.post(f"http://127.0.0.1:{port}/mutate", data=padded + b" ") as resp:
+                assert resp.status == 413
+    finally:
+        await runner.cleanup()
+
+
+async def test_other_paths_are_404_and_other_methods_405(serve: Any) -> None:
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    assert (await client.get("/mutate")).status == 405
+    assert (await client.post("/readyz")).status == 405
+    assert (await client.get("/nothing-here")).status == 404
+    assert (await client.get("/livez")).status == 200
 
 
 def test_the_claim_cache_forgets_deleted_claims_whatever_the_churn() -> None:
