@@ -236,7 +236,7 @@ def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops
         return []
     wanted = {entry["name"]: entry for entry in entries}
     replaced: list[str] = []
-    source: tuple[str, int] | None = None  # where an earlier container's new entries are: (env path, index)
+    sources: list[str] | None = None  # where an earlier container's new entries are, one path each
     for prefix, containers in (
         ("/spec/initContainers/", spec.init_containers),
         ("/spec/containers/", spec.containers),
@@ -246,16 +246,16 @@ def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops
             env = container.env
             if env is None:
                 ops.append(add(f"{path}/env", entries))
-                source = source or (f"{path}/env", 0)
-            elif any(item.name in wanted for item in env):
+                sources = sources or [f"{path}/env/{k}" for k in range(len(entries))]
+            elif not wanted.keys().isdisjoint([item.name for item in env]):
                 name = container.name or "<unnamed>"
                 replaced.extend(f"{name}/{var}" for var in set_env(path, env, wanted, ops))
-            elif source is None:
-                ops.extend(add(f"{path}/env/-", entry) for entry in entries)
-                source = (f"{path}/env", len(env))
+            elif sources is None:
+                ops.extend([add(f"{path}/env/-", entry) for entry in entries])
+                sources = [f"{path}/env/{len(env) + k}" for k in range(len(entries))]
             else:
-                at, first = source
-                ops.extend(copy(f"{at}/{first + k}", f"{path}/env/-") for k in range(len(entries)))
+                end = f"{path}/env/-"
+                ops.extend([copy(source, end) for source in sources])
     return replaced
 
 
