@@ -30,7 +30,7 @@ from typing import Literal
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -149,26 +149,17 @@ def build_serving_cert(
     if not dns_names and not ip_addresses:
         raise ValueError("a serving certificate needs at least one DNS name or IP address")
     common_name = dns_names[0] if dns_names else ip_addresses[0]
-    public = key.public_key()
-    ca_public = ca_key.public_key()
-    return (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])]))
-        .issuer_name(ca_cert.subject)
-        .public_key(public)
-        .serial_number(serial)
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(min(now + validity, ca_cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            certificates.key_usage(ca=False, key_encipherment=isinstance(key, rsa.RSAPrivateKey)),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(certificates.alt_names(dns_names, ip_addresses), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_public), critical=False)
-        .sign(ca_key, hashes.SHA256())
+    return certificates.build_leaf(
+        key,
+        subject=x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])]),
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        dns_names=dns_names,
+        ips=ip_addresses,
+        now=now,
+        serial=serial,
+        not_after=min(now + validity, ca_cert.not_valid_after_utc),
     )
 
 

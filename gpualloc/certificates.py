@@ -86,3 +86,44 @@ def build_ca(
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .sign(key, hashes.SHA256())
     )
+
+
+def build_leaf(
+    key: PrivateKey,
+    *,
+    subject: x509.Name,
+    ca_cert: x509.Certificate,
+    ca_key: PrivateKey,
+    usage: x509.ObjectIdentifier,
+    dns_names: Iterable[str] = (),
+    ips: Iterable[str] = (),
+    now: datetime.datetime,
+    serial: int,
+    not_after: datetime.datetime,
+) -> x509.Certificate:
+    """An end-entity certificate for ``key``, signed by the CA, valid from ``now - BACKDATE`` to
+    ``not_after``; ``usage`` is its one extended key usage (``ExtendedKeyUsageOID.SERVER_AUTH`` or
+    ``CLIENT_AUTH``). The names, if any, go in its subjectAltName."""
+    public = key.public_key()
+    dns_names, ips = list(dns_names), list(ips)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(public)
+        .serial_number(serial)
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            key_usage(ca=False, key_encipherment=isinstance(key, rsa.RSAPrivateKey)), critical=True
+        )
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if dns_names or ips:
+        builder = builder.add_extension(alt_names(dns_names, ips), critical=False)
+    return builder.sign(ca_key, hashes.SHA256())

@@ -13,7 +13,7 @@ import datetime
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -122,25 +122,19 @@ def build_leaf(
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate signed by the CA: a serving one (``server``) or a client one."""
     key = _new_key()
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name, organization))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - certificates.BACKDATE)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(certificates.key_usage(ca=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
+    cert = certificates.build_leaf(
+        key,
+        subject=_name(common_name, organization),
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH,
+        dns_names=dns_names,
+        ips=ips,
+        now=now,
+        serial=x509.random_serial_number(),
+        not_after=now + VALIDITY,
     )
-    if dns_names or ips:
-        builder = builder.add_extension(certificates.alt_names(dns_names, ips), critical=False)
-    return builder.sign(ca_key, hashes.SHA256()), key
+    return cert, key
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:
