@@ -18,7 +18,6 @@ import collections
 import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from controller import allocator, preemption, quotas, state
 from controller import views as node_views_
@@ -138,22 +137,6 @@ def verdict_rows(per_node: Mapping[str, str], in_full: int = ROWS_IN_FULL) -> li
     return rows + [[f"({n:,} nodes)", verdict] for n, verdict in shared]
 
 
-async def _fetch(kubeconfig: str | None, namespace: str) -> dict[str, Any]:
-    from gpualloc.kube import client, resources, transport, watching
-
-    api = await client.connect(views.kubeconfig_path(kubeconfig))
-    try:
-        crs = resources.CustomResources(api)
-        return {
-            "claims": (await crs.list_claims())["items"],
-            "statuses": (await crs.list_node_statuses())["items"],
-            "nodes": (await transport.request(api, "GET", watching.NODES.path()))["items"],
-            "quotas": (await transport.request(api, "GET", watching.QUOTAS.path(namespace)))["items"],
-        }
-    finally:
-        await api.close()
-
-
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpualloc explain")
     parser.add_argument("kind", choices=["claim"], help="what to explain")
@@ -161,7 +144,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("-n", "--namespace", default="default", help="the claim's namespace")
     parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     args = parser.parse_args(argv)
-    raw = views.run_or_exit(_fetch(args.kubeconfig, args.namespace))
+    lists = {"claims": None, "statuses": None, "nodes": None, "quotas": args.namespace}
+    raw = views.run_or_exit(views.fetch(args.kubeconfig, lists))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
     if claim is None:

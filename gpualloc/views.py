@@ -14,7 +14,7 @@ import asyncio
 import datetime as dt
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,20 +194,24 @@ def kubeconfig_path(explicit: str | None) -> str | None:
     return str(default) if default.exists() else None
 
 
-async def _fetch(kubeconfig: str | None, what: str, namespace: str | None) -> dict[str, Any]:
-    from gpualloc.kube import client, resources, transport, watching
+async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+    """The items of each list that ``lists`` names (``claims``, ``statuses``: GpuNodeStatuses,
+    ``nodes``: core Nodes, ``quotas``), in the namespace it maps to (None: every namespace; ignored
+    for the cluster-scoped ones), read over one connection."""
+    from gpualloc.kube import client, transport, watching
 
+    kinds = {
+        "claims": watching.CLAIMS,
+        "statuses": watching.NODE_STATUSES,
+        "nodes": watching.NODES,
+        "quotas": watching.QUOTAS,
+    }
     api = await client.connect(kubeconfig_path(kubeconfig))
     try:
-        crs = resources.CustomResources(api)
-        out: dict[str, Any] = {}
-        if what in ("nodes", "topo"):
-            out["nodes"] = (await crs.list_node_statuses())["items"]
-        if what in ("nodes", "claims"):
-            out["claims"] = (await crs.list_claims(namespace))["items"]
-        if what == "quotas":
-            out["quotas"] = (await transport.request(api, "GET", watching.QUOTAS.path(namespace)))["items"]
-        return out
+        return {
+            name: (await transport.request(api, "GET", kinds[name].path(namespace)))["items"]
+            for name, namespace in lists.items()
+        }
     finally:
         await api.close()
 
@@ -253,14 +257,14 @@ def get_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     what = KINDS[args.what]
     if what == "nodes":
-        raw = run_or_exit(_fetch(args.kubeconfig, "nodes", None))
-        nodes = [codecs.parse_node_status(n) for n in raw["nodes"]]
+        raw = run_or_exit(fetch(args.kubeconfig, {"statuses": None, "claims": None}))
+        nodes = [codecs.parse_node_status(n) for n in raw["statuses"]]
         claims = [codecs.parse_claim(c) for c in raw["claims"]]
         print(format_nodes(nodes, allocated_uuids(claims), _now()) if nodes else "No GPU nodes found.")
         return 0
     namespace = None if args.all_namespaces else args.namespace
     where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"
-    raw = run_or_exit(_fetch(args.kubeconfig, what, namespace))
+    raw = run_or_exit(fetch(args.kubeconfig, {what: namespace}))
     if what == "quotas":
         quotas = [codecs.parse_quota(q) for q in raw["quotas"]]
         listed = format_quotas(quotas, all_namespaces=args.all_namespaces) if quotas else ""
@@ -276,11 +280,11 @@ def topo_main(argv: Sequence[str]) -> int:
     parser = _parser("gpualloc topo")
     parser.add_argument("node", help="node name (the GpuNodeStatus of the same name)")
     args = parser.parse_args(argv)
-    raw = run_or_exit(_fetch(args.kubeconfig, "topo", None))
-    for item in raw["nodes"]:
+    raw = run_or_exit(fetch(args.kubeconfig, {"statuses": None}))
+    for item in raw["statuses"]:
         if item.get("metadata", {}).get("name") == args.node:
             print(format_topology(codecs.parse_node_status(item)))
             return 0
-    known = ", ".join(sorted(i["metadata"]["name"] for i in raw["nodes"])) or "none"
+    known = ", ".join(sorted(i["metadata"]["name"] for i in raw["statuses"])) or "none"
     print(f"error: no GpuNodeStatus named {args.node!r} (known: {known})", file=sys.stderr)
     return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -177,15 +178,15 @@ def test_get_quota_lists_the_quotas_of_a_namespace_or_all(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    asked: list[tuple[str, str | None]] = []
+    asked: list[Mapping[str, str | None]] = []
 
-    async def fetch(kubeconfig: str | None, what: str, ns: str | None) -> dict[str, Any]:
-        asked.append((what, ns))
+    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+        asked.append(lists)
         return {"quotas": [QUOTA]}
 
-    monkeypatch.setattr(views, "_fetch", fetch)
+    monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(argv) == 0
-    assert asked == [("quotas", namespace)]
+    assert asked == [{"quotas": namespace}]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == ("NAMESPACE" if namespace is None else "NAME")
     assert "default" in lines[1].split() and "*H100*" in lines[2]
@@ -194,9 +195,9 @@ def test_get_quota_lists_the_quotas_of_a_namespace_or_all(
 def test_get_quota_says_so_when_there_is_none(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async def fetch(kubeconfig: str | None, what: str, ns: str | None) -> dict[str, Any]:
+    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
         return {"quotas": []}
 
-    monkeypatch.setattr(views, "_fetch", fetch)
+    monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(["quota", "-n", "ml"]) == 0
     assert capsys.readouterr().out == "No GpuQuotas found in namespace ml.\n"
