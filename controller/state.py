@@ -136,6 +136,7 @@ class State:
         # Claims.
         self._parsed: dict[str, tuple[str, models.GpuClaim | None]] = {}  # key -> (resourceVersion, model)
         self._uid_to_key: dict[str, str] = {}
+        self._key_to_uid: dict[str, str] = {}
         self.pending: set[str] = set()
         self._allocated_on: dict[str, set[str]] = collections.defaultdict(set)  # node -> claim keys
         self._claim_nodes: dict[str, frozenset[str]] = {}
@@ -400,10 +401,17 @@ class State:
             self.pending.discard(key)
             if self._uid_to_key.get(uid) == key:
                 del self._uid_to_key[uid]
+            self._key_to_uid.pop(key, None)
             self._wake_pending()  # its devices are free for the others now
             self.wake(key)  # gone: the controller forgets what it kept about it
             return
+        previous = self._key_to_uid.get(key)
+        if previous is not None and previous != uid:  # re-created under its name; its DELETED was missed
+            self._bury(previous)
+            if self._uid_to_key.get(previous) == key:
+                del self._uid_to_key[previous]
         self._uid_to_key[uid] = key
+        self._key_to_uid[key] = uid
         status = raw.get("status") or {}
         phase = status.get("phase") or constants.PHASE_PENDING
         if meta.get("deletionTimestamp") or phase in (constants.PHASE_ALLOCATED, constants.PHASE_FAILED):

@@ -491,6 +491,20 @@ def test_a_stale_cache_does_not_ungate_the_pod_of_a_new_claim_of_the_same_name(
     assert result.violation is None, _failure(runner, 1261337, _BEFORE_STALE_PODS)
 
 
+# Found by the long run at b635076 (seed 3,634,710, after 634,710 schedules without a violation):
+# ns-a/c1 (claim-8) was deleted while c0 reconciled an older view of it; c1 removed its finalizer,
+# then c0's stale reconcile admitted claim-8 into the quota's ledger. ns-a/c1 was created again
+# (claim-11), and both caches re-listed, so neither saw claim-8's DELETED: its uid still mapped to
+# ns-a/c1, and the sweep's drop_gone took claim-8 for alive, so the quota counted its 2 GPUs for
+# ever (invariant 4). Fixed: a claim event whose uid differs from the one cached under its key buries
+# the old uid and unmaps it (State, _key_to_uid).
+def test_a_claim_recreated_under_its_name_unseen_does_not_stay_in_a_quota(
+    runner: scheduler.Runner,
+) -> None:
+    result = runner.run(3634710)
+    assert result.violation is None, _failure(runner, 3634710, frozenset())
+
+
 # Found on the first fixed controller: liveness, not safety. c1's finalizer patch of ns-a/c2 was
 # applied (rv 9) but answered only after c1 had seen the claim's DELETED event (rv 18); writing the
 # answer through into the cache (State.remember) brought the deleted claim back, and since no event
