@@ -82,8 +82,9 @@ def requests_up_to(max_body: int) -> RequestFactory:
 
 
 def server(handler: Handler, *, max_body: int = DEFAULT_MAX_BODY) -> web.Server:
-    """aiohttp's low-level server for ``handler``; ``request.read()`` raises 413 past ``max_body`` bytes."""
-    return web.Server(handler, request_factory=requests_up_to(max_body))
+    """aiohttp's low-level server for ``handler``, with no access log; ``request.read()`` raises
+    413 past ``max_body`` bytes."""
+    return web.Server(handler, request_factory=requests_up_to(max_body), access_log=None)
 
 
 async def start(
@@ -98,9 +99,7 @@ async def start(
     """Serve ``handler`` on ``host:port`` (over TLS with ``ssl_context``); the caller does
     ``await runner.cleanup()``, which lets requests in flight finish for up to
     ``shutdown_timeout`` seconds, then closes the connections."""
-    runner = web.ServerRunner(
-        server(handler, max_body=max_body), access_log=None, shutdown_timeout=shutdown_timeout
-    )
+    runner = web.ServerRunner(server(handler, max_body=max_body), shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
@@ -117,7 +116,7 @@ async def start_probes(
     ready: ReadyCheck,
     registry: prometheus_client.CollectorRegistry | None = None,
 ) -> web.BaseRunner:
-    """Serve ``/healthz``, ``/readyz`` and ``/metrics`` on ``host:port`` (port 0: any free port).
+    """Serve ``/healthz``, ``/livez``, ``/readyz`` and ``/metrics`` on ``host:port`` (port 0: any free port).
 
     The caller does ``await runner.cleanup()``; ``bound_port(runner)`` tells the port.
     """

@@ -1,11 +1,14 @@
-"""The probes: /healthz always 200, /readyz follows ready(), /metrics is Prometheus text."""
+"""The probes: /healthz always 200, /readyz follows ready(), /metrics is Prometheus text; 404 and
+405 otherwise; no access log."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
 import prometheus_client
+import pytest
 
 from gpualloc.runtime import serving
 
@@ -49,3 +52,23 @@ async def test_start_probes_binds_the_given_host_and_cleans_up() -> None:
             assert r.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_other_paths_get_404_and_other_methods_405(serve: Any) -> None:
+    client = await serve(serving.probes(ready=lambda: True))
+    assert (await client.get("/mutate")).status == 404
+    response = await client.post("/healthz")
+    assert response.status == 405
+    assert response.headers["Allow"] == "GET, HEAD"
+
+
+async def test_a_served_request_writes_no_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
+    runner = await serving.start_probes("127.0.0.1", 0, ready=lambda: True)
+    try:
+        url = f"http://127.0.0.1:{serving.bound_port(runner)}/healthz"
+        async with aiohttp.ClientSession() as session, session.get(url) as r:
+            assert r.status == 200
+    finally:
+        await runner.cleanup()
+    assert [record for record in caplog.records if record.name == "aiohttp.access"] == []
