@@ -6,11 +6,12 @@ so a replica is ready only when it serves with its certificate), served by
 
 * ``POST /mutate``: an ``admission.k8s.io/v1`` AdmissionReview. A body over
   3 MiB (the API server's own request limit) is refused with 413 before it is
-  read; a body that is not JSON, or has no ``request.uid`` to answer, gets 400;
+  read; a body that cannot be read (a broken ``Content-Encoding``), is not
+  JSON, or has no ``request.uid`` to answer, gets 400;
   everything else gets 200 with an AdmissionReview echoing the uid, a denial
   included. An unexpected failure is answered with a denial, never a 500.
   Another method gets 405.
-* ``GET /healthz``: 200 while the process serves.
+* ``GET /healthz`` and ``GET /livez``: 200 while the process serves.
 * ``GET /readyz``: 200 once the claim cache has synced, 503 before and while
   shutting down.
 * ``GET /metrics``: Prometheus text (also served over plain HTTP on
@@ -101,6 +102,8 @@ async def mutate(webhook: Webhook, request: web.BaseRequest) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         webhook.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
         raise
+    except web.RequestPayloadError as unreadable:  # e.g. a Content-Encoding its bytes do not follow
+        return _bad_request(webhook, started, f"the body could not be read: {unreadable}")
     try:
         prepared = admission.decode(body)
     except (admission.NotJSON, admission.BadReview) as invalid:

@@ -129,6 +129,17 @@ async def test_malformed_bodies_get_400(serve: Any, body: bytes, fragment: str) 
     assert fragment in await resp.text()
 
 
+async def test_a_body_its_content_encoding_does_not_decode_gets_400(serve: Any) -> None:
+    client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    resp = await client.post(
+        "/mutate",
+        data=b"this is not gzip",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
+    assert resp.status == 400
+    assert "could not be read" in await resp.text()
+
+
 async def test_body_over_three_mebibytes_is_refused_with_413(serve: Any) -> None:
     client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
     resp = await client.post("/mutate", data=b" " * (server.MAX_BODY + 1))
