@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,16 +78,21 @@ def start_webhook(
 
 
 def one_round(
-    index: int, sources: dict[str, Path], certs: tuple[str, str, str], plane: Any, tmp: Path, steps: int
+    index: int,
+    sources: dict[str, Path],
+    certs: tuple[str, str, str],
+    plane: Any,
+    tmp: Path,
+    steps: int,
+    vegeta: Path,
 ) -> dict[str, Any]:
-    vegeta = binaries.ensure(["vegeta"])["vegeta"]
     ca = certs[0]
-    body = request_shape.review_body()
+    body = (tmp / "review.json").read_bytes()
     ports = dict(zip(sources, cluster.free_ports(len(sources)), strict=True))
-    processes = {
-        name: start_webhook(source, ports[name], certs, plane.kubeconfig) for name, source in sources.items()
-    }
+    processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
+        for name, source in sources.items():
+            processes[name] = start_webhook(source, ports[name], certs, plane.kubeconfig)
         shapes = []
         for name, process in processes.items():
             vegeta_bench.wait_ready(ports[name], ca, "/readyz", process)
@@ -113,9 +117,7 @@ def one_round(
                     raise RuntimeError(f"{name}: {report['errors']} errors: {report['error_samples']}")
                 cpu[name].append(report["server_cpu_us_per_request"])
     finally:
-        for process in processes.values():
-            process.send_signal(signal.SIGTERM)
-            process.wait(10)
+        vegeta_bench.stop_all(list(processes.values()))
     medians = {name: statistics.median(values) for name, values in cpu.items()}
     return {
         "first": order[0],
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rounds = []
         try:
             for index in range(args.rounds):
-                result = one_round(index, sources, certs, plane, tmp, args.steps)
+                result = one_round(index, sources, certs, plane, tmp, args.steps, bins["vegeta"])
                 rounds.append(result)
                 print(
                     f"round {index + 1}/{args.rounds}: old {result['median']['old']:.1f} µs, "

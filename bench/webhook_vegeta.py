@@ -270,6 +270,18 @@ def measure(
 # ------------------------------------------------------------------ orchestration
 
 
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every process, then wait for each; one still running after 15 s is killed."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs 2 CPUs: one for the servers, one for vegeta")
@@ -366,14 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     result["loadavg_1m_before"] = round(os.getloadavg()[0], 2)
                     rounds[name].append(result)
         finally:
-            for process in processes:
-                process.send_signal(signal.SIGTERM)
-            for process in processes:
-                try:
-                    process.wait(15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_all(processes)
             if plane is not None:
                 plane.stop()
     after = os.getloadavg()
