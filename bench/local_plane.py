@@ -11,8 +11,6 @@ from typing import Any
 
 from gpualloc.devcluster import binaries, cluster
 
-CRD_DIR = Path(__file__).resolve().parents[1] / "helm" / "gpualloc" / "crds"
-
 
 @contextlib.contextmanager
 def temporary(
@@ -26,7 +24,7 @@ def temporary(
         workdir = Path(tmp)
         with cluster.ControlPlane(state_dir or workdir / "plane", binaries=paths) as plane:
             if crds:
-                plane.apply_crds(CRD_DIR)
+                plane.apply_crds()
             yield plane, workdir
 
 

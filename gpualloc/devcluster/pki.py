@@ -109,7 +109,7 @@ def build_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurve
     return cert, key
 
 
-def build_leaf(
+def issue_leaf(
     ca_cert: x509.Certificate,
     ca_key: ec.EllipticCurvePrivateKey,
     *,
@@ -120,7 +120,7 @@ def build_leaf(
     server: bool,
     now: datetime.datetime,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A certificate signed by the CA: a serving one (``server``) or a client one."""
+    """A new key and its certificate signed by the CA: a serving one (``server``) or a client one."""
     key = _new_key()
     cert = certificates.build_leaf(
         key,
@@ -152,7 +152,7 @@ def ensure(directory: Path, *, now: datetime.datetime | None = None) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     now = now or datetime.datetime.now(datetime.UTC)
     ca_cert, ca_key = build_ca(now)
-    serving_cert, serving_key = build_leaf(
+    serving_cert, serving_key = issue_leaf(
         ca_cert,
         ca_key,
         common_name="kube-apiserver",
@@ -161,7 +161,7 @@ def ensure(directory: Path, *, now: datetime.datetime | None = None) -> Pki:
         server=True,
         now=now,
     )
-    admin_cert, admin_key = build_leaf(
+    admin_cert, admin_key = issue_leaf(
         ca_cert, ca_key, common_name=ADMIN_USER, organization=ADMIN_GROUP, server=False, now=now
     )
     sa_key = _new_key()
