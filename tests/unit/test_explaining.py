@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
 
 from controller import explaining, views
-from gpualloc.api import models
+from gpualloc import views as cli_views
+from gpualloc.api import codecs, models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 READY = models.Condition(type="Ready", status="True", reason="Heartbeat")
@@ -175,3 +180,28 @@ def test_explain_names_whom_a_claim_that_does_not_fit_would_preempt() -> None:
     equal = dataclasses.replace(high, spec=dataclasses.replace(high.spec, priority=1))
     out = explaining.explain(equal, claims=[holder, equal], statuses=statuses, nodes=nodes, now=NOW)
     assert "preempt: no claim of lower priority in its namespace frees enough" in out
+
+
+def test_explain_main_reads_the_claims_statuses_nodes_and_the_namespaces_quotas(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: list[Mapping[str, str | None]] = []
+    claim = _claim("a100-quad", "u1", product="NVIDIA A100*")
+    node = _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)
+    beat = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # main judges freshness by the clock
+    node = dataclasses.replace(node, status=dataclasses.replace(node.status, last_heartbeat_time=beat))
+
+    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+        asked.append(lists)
+        return {
+            "claims": [codecs.encode(claim)],
+            "statuses": [codecs.encode(node)],
+            "nodes": [{"metadata": {"name": "gpu-node-a"}, "spec": {}}],
+            "quotas": [],
+        }
+
+    monkeypatch.setattr(cli_views, "fetch", fetch)
+    assert explaining.main(["claim", "a100-quad"]) == 0
+    assert asked == [{"claims": None, "statuses": None, "nodes": None, "quotas": "default"}]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu-node-a"))
+    assert "A100" in row  # the node's own reason: no device matches the product glob

@@ -201,3 +201,33 @@ def test_get_quota_says_so_when_there_is_none(
     monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(["quota", "-n", "ml"]) == 0
     assert capsys.readouterr().out == "No GpuQuotas found in namespace ml.\n"
+
+
+def test_get_nodes_reads_every_status_and_claim_and_lists_the_nodes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: list[Mapping[str, str | None]] = []
+
+    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+        asked.append(lists)
+        return {"statuses": [codecs.encode(_node("node-a", 4))], "claims": []}
+
+    monkeypatch.setattr(views, "fetch", fetch)
+    assert views.get_main(["nodes"]) == 0
+    assert asked == [{"statuses": None, "claims": None}]
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "node-a"
+
+
+def test_topo_reads_every_status_and_prints_the_named_nodes_matrix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: list[Mapping[str, str | None]] = []
+
+    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+        asked.append(lists)
+        return {"statuses": [codecs.encode(_node("node-a", 2)), codecs.encode(_node("node-b", 4))]}
+
+    monkeypatch.setattr(views, "fetch", fetch)
+    assert views.topo_main(["node-b"]) == 0
+    assert asked == [{"statuses": None}]
+    assert capsys.readouterr().out == views.format_topology(_node("node-b", 4)) + "\n"
