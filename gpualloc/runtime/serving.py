@@ -4,7 +4,13 @@ One handler per server, no router: a component's handler looks at the path
 itself (the webhook answers ``/mutate`` and hands the rest to the probes).
 aiohttp's ``web.Server`` skips the ``Application``'s routing, match info and
 middleware machinery, which costs the webhook about 6% of its CPU per admission
-(BENCHMARKS.md, "Webhook under vegeta").
+(BENCHMARKS.md, "Webhook under vegeta"). This is the one place that departs from
+STYLE.md's aiohttp app factory, ``web.AppKey`` and ``cleanup_ctx``, on purpose:
+components keep their state on their handler's object instead.
+
+``requests_up_to`` builds aiohttp's ``BaseRequest`` itself, an API aiohttp does
+not document; ``tests/unit/test_webhook_server.py`` posts a body of exactly the
+limit and one byte more, so an aiohttp upgrade that changes it fails there.
 
 The probes: ``/healthz`` and ``/livez`` answer 200 while the event loop runs
 (the process is alive); ``/readyz`` answers 200 only while ``ready()`` is true
