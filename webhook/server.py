@@ -6,11 +6,11 @@ so a replica is ready only when it serves with its certificate), served by
 
 * ``POST /mutate``: an ``admission.k8s.io/v1`` AdmissionReview. A body over
   3 MiB (the API server's own request limit) is refused with 413 before it is
-  read; a body that cannot be read (a broken ``Content-Encoding``), is not
-  JSON, or has no ``request.uid`` to answer, gets 400;
-  everything else gets 200 with an AdmissionReview echoing the uid, a denial
-  included. An unexpected failure is answered with a denial, never a 500.
-  Another method gets 405.
+  read; a body that cannot be read (a broken ``Content-Encoding``, a client
+  gone before the whole body came), is not JSON, or has no ``request.uid`` to
+  answer, gets 400; everything else gets 200 with an AdmissionReview echoing
+  the uid, a denial included. An unexpected failure is answered with a
+  denial, never a 500. Another method gets 405.
 * ``GET /healthz`` and ``GET /livez``: 200 while the process serves.
 * ``GET /readyz``: 200 once the claim cache has synced, 503 before and while
   shutting down.
@@ -102,7 +102,8 @@ async def mutate(webhook: Webhook, request: web.BaseRequest) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         webhook.metrics.admissions.record(admission.INVALID, time.perf_counter() - started)
         raise
-    except web.RequestPayloadError as unreadable:  # e.g. a Content-Encoding its bytes do not follow
+    except (web.RequestPayloadError, ConnectionResetError) as unreadable:
+        # A Content-Encoding its bytes do not follow, or a client gone before its whole body came.
         return _bad_request(webhook, started, f"the body could not be read: {unreadable}")
     try:
         prepared = admission.decode(body)

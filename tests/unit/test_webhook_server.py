@@ -276,6 +276,26 @@ async def test_a_body_of_the_api_servers_limit_is_read_and_one_byte_more_is_413(
         await runner.cleanup()
 
 
+async def test_a_client_gone_before_its_whole_body_is_counted_invalid_without_an_error_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    webhook = server.Webhook(cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
+    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=None)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", serving.bound_port(runner))
+        writer.write(b'POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"request": ')
+        await writer.drain()
+        writer.close()  # 11 of the 1,000 bytes sent
+        for _ in range(200):
+            if webhook.metrics.admissions.counts[admission.INVALID]:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await runner.cleanup()
+    assert webhook.metrics.admissions.counts[admission.INVALID] == 1
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 async def test_other_paths_are_404_and_other_methods_405(serve: Any) -> None:
     client = await client_for(serve, cache.ClaimCache(cache.StaticStore([]), CountingFetch()))
     assert (await client.get("/mutate")).status == 405
