@@ -168,6 +168,18 @@ def test_quotas_table_shows_used_above_hard_as_it_is() -> None:
     assert product.split() == ["*H100*", "0", "4"]
 
 
+class FakeFetch:
+    """``views.fetch`` answering ``answer`` and keeping what each call asked for."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+        self.asked: list[Mapping[str, str | None]] = []
+
+    async def __call__(self, kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
+        self.asked.append(lists)
+        return self.answer
+
+
 @pytest.mark.parametrize(
     ("argv", "namespace"),
     [(["quota", "-n", "ml"], "ml"), (["quotas", "-A"], None), (["quota"], "default")],
@@ -178,15 +190,10 @@ def test_get_quota_lists_the_quotas_of_a_namespace_or_all(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    asked: list[Mapping[str, str | None]] = []
-
-    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
-        asked.append(lists)
-        return {"quotas": [QUOTA]}
-
+    fetch = FakeFetch({"quotas": [QUOTA]})
     monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(argv) == 0
-    assert asked == [{"quotas": namespace}]
+    assert fetch.asked == [{"quotas": namespace}]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == ("NAMESPACE" if namespace is None else "NAME")
     assert "default" in lines[1].split() and "*H100*" in lines[2]
@@ -195,10 +202,7 @@ def test_get_quota_lists_the_quotas_of_a_namespace_or_all(
 def test_get_quota_says_so_when_there_is_none(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
-        return {"quotas": []}
-
-    monkeypatch.setattr(views, "fetch", fetch)
+    monkeypatch.setattr(views, "fetch", FakeFetch({"quotas": []}))
     assert views.get_main(["quota", "-n", "ml"]) == 0
     assert capsys.readouterr().out == "No GpuQuotas found in namespace ml.\n"
 
@@ -206,28 +210,18 @@ def test_get_quota_says_so_when_there_is_none(
 def test_get_nodes_reads_every_status_and_claim_and_lists_the_nodes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    asked: list[Mapping[str, str | None]] = []
-
-    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
-        asked.append(lists)
-        return {"statuses": [codecs.encode(_node("node-a", 4))], "claims": []}
-
+    fetch = FakeFetch({"statuses": [codecs.encode(_node("node-a", 4))], "claims": []})
     monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(["nodes"]) == 0
-    assert asked == [{"statuses": None, "claims": None}]
+    assert fetch.asked == [{"statuses": None, "claims": None}]
     assert capsys.readouterr().out.splitlines()[1].split()[0] == "node-a"
 
 
 def test_topo_reads_every_status_and_prints_the_named_nodes_matrix(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    asked: list[Mapping[str, str | None]] = []
-
-    async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
-        asked.append(lists)
-        return {"statuses": [codecs.encode(_node("node-a", 2)), codecs.encode(_node("node-b", 4))]}
-
+    fetch = FakeFetch({"statuses": [codecs.encode(_node("node-a", 2)), codecs.encode(_node("node-b", 4))]})
     monkeypatch.setattr(views, "fetch", fetch)
     assert views.topo_main(["node-b"]) == 0
-    assert asked == [{"statuses": None}]
+    assert fetch.asked == [{"statuses": None}]
     assert capsys.readouterr().out == views.format_topology(_node("node-b", 4)) + "\n"
