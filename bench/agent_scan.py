@@ -11,9 +11,13 @@
    of a real ``gpualloc agent --source simulated`` process publishing to the
    local kube-apiserver (the one the tests use), sampled once it has published.
 
-Prints the figures and writes ``bench/results/agent_scan.json``.
+With ``--source nvml``, on a machine with an NVIDIA driver, the agent process
+reads this machine's GPUs through the real driver instead, and the CPU figures
+add ``NvmlSource.scan`` against that driver.
 
-    .venv/bin/python bench/agent_scan.py [--rounds 2000] [--settle 10] [--window 20]
+Prints the figures and writes ``bench/results/agent_scan.json`` (``agent_scan_nvml.json``).
+
+    .venv/bin/python bench/agent_scan.py [--source nvml] [--rounds 2000] [--settle 10] [--window 20]
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def cpu_us_per_call(fn: Callable[[], Any], rounds: int) -> float:
     return (time.process_time() - start) / rounds * 1e6
 
 
-def scan_figures(rounds: int) -> dict[str, float]:
+def scan_figures(rounds: int, real_driver: bool) -> dict[str, float]:
     source = simulated.SimulatedSource(simulated.load_profile(PROFILE), "bench-node")
     facts = source.scan()
     inv = inventory.derive(facts)
@@ -69,15 +73,31 @@ def scan_figures(rounds: int) -> dict[str, float]:
         nvml_module=fake_pynvml.FakeNvml(fake_pynvml.h100_nvswitch_box()), sysfs_root="/nonexistent"
     )
     assert len(inventory.derive(nvml_source.scan()).links) == 28
-    return {
+    figures = {
         "simulated_scan_us": cpu_us_per_call(source.scan, rounds),
         "derive_8gpu_nvswitch_us": cpu_us_per_call(lambda: inventory.derive(facts), rounds),
         "agent_round_us": cpu_us_per_call(full_round, rounds),
         "nvml_scan_fake_driver_us": cpu_us_per_call(nvml_source.scan, max(1, rounds // 10)),
     }
+    if real_driver:
+        real = nvml.NvmlSource()
+        try:
+            figures["nvml_scan_real_driver_us"] = cpu_us_per_call(real.scan, max(1, rounds // 10))
+        finally:
+            real.close()
+    return figures
 
 
-def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
+def gpu_count() -> int:
+    """How many GPUs the real driver reports here (the agent must publish that many)."""
+    source = nvml.NvmlSource()
+    try:
+        return len(source.scan().devices)
+    finally:
+        source.close()
+
+
+def agent_process_figures(settle: float, window: float, source: str) -> dict[str, Any]:
     from gpualloc.devcluster import binaries, cluster
 
     paths = binaries.ensure(["kube-apiserver", "etcd"], progress=lambda m: print(f"[control plane] {m}"))
@@ -87,14 +107,15 @@ def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
         proc: subprocess.Popen[bytes] | None = None
         try:
             plane.apply_crds(ROOT / "helm" / "gpualloc" / "crds")
+            expected = 8 if source == "simulated" else gpu_count()
             argv = [
                 sys.executable,
                 "-m",
                 "gpualloc.cli",
                 "agent",
                 "--node-name=bench-node",
-                "--source=simulated",
-                f"--profile={PROFILE}",
+                f"--source={source}",
+                f"--profile={PROFILE}",  # read by the simulated source only
                 f"--kubeconfig={plane.kubeconfig}",
                 # As the chart runs it: watching its device Leases and its node's pods (usage audit).
                 "--lease-namespace=default",
@@ -112,7 +133,7 @@ def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
                     )
                 try:
                     obj = plane.request("GET", "/apis/gpu.scheduling/v1/gpunodestatuses/bench-node")
-                    if obj.get("status", {}).get("total") == 8:
+                    if obj.get("status", {}).get("total") == expected:
                         break
                 except cluster.RequestError:
                     pass
@@ -129,6 +150,7 @@ def agent_process_figures(settle: float, window: float) -> dict[str, Any]:
             wall = time.monotonic() - wall_start
             status = procfs.memory_kib(proc.pid)
             return {
+                "gpus": expected,
                 "rss_mib_last": status["VmRSS"] / 1024,
                 "rss_mib_max": max(rss) / 1024,
                 "hwm_mib": status["VmHWM"] / 1024,
@@ -151,16 +173,23 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the first publish")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of RSS and CPU sampling")
     parser.add_argument("--skip-process", action="store_true", help="only the in-process CPU figures")
+    parser.add_argument(
+        "--source",
+        choices=("simulated", "nvml"),
+        default="simulated",
+        help="what the agent process reads: the simulated box, or this machine's GPUs through NVML",
+    )
     args = parser.parse_args()
 
-    scans = scan_figures(args.rounds)
+    scans = scan_figures(args.rounds, real_driver=args.source == "nvml")
     print(f"CPU per call, {PROFILE} (8 GPUs, NVSwitch), mean of {args.rounds}:")
     for key, value in scans.items():
         print(f"  {key:<28} {value:9.1f} us")
     process: dict[str, Any] | None = None
     if not args.skip_process:
-        process = agent_process_figures(args.settle, args.window)
-        print(f"running agent (simulated {PROFILE}, publishing to a local kube-apiserver):")
+        process = agent_process_figures(args.settle, args.window, args.source)
+        what = f"simulated {PROFILE}" if args.source == "simulated" else "this machine's GPUs through NVML"
+        print(f"running agent ({what}, publishing to a local kube-apiserver):")
         rss, peak, hwm = process["rss_mib_last"], process["rss_mib_max"], process["hwm_mib"]
         print(f"  VmRSS {rss:.1f} MiB (max {peak:.1f}, HWM {hwm:.1f})")
         cpu, window = process["idle_cpu_percent"], process["window_s"]
@@ -168,6 +197,7 @@ def main() -> int:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
+        "source": args.source,
         "profile": PROFILE,
         "rounds": args.rounds,
         "cpu_us_per_call": scans,
@@ -178,8 +208,9 @@ def main() -> int:
             "cpus": os.cpu_count(),
         },
     }
-    (RESULTS / "agent_scan.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'agent_scan.json'}")
+    path = RESULTS / ("agent_scan.json" if args.source == "simulated" else "agent_scan_nvml.json")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
     return 0
 
 
