@@ -103,8 +103,15 @@ def pin_all_threads(pid: int, cpu: int) -> None:
     subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True, stdout=subprocess.DEVNULL)
 
 
-def build_go_webhook(out: Path, experiment: str = "") -> Path:
+def build_go_webhook(out: Path, experiment: str = "", prebuilt: Path | None = None) -> Path:
+    """Build bench/gowebhook into ``out``, or take the binary of that name from ``prebuilt``
+    (for a machine without Go: build them elsewhere with the same command)."""
     binary = out / f"gowebhook{'-' + experiment if experiment else ''}"
+    if prebuilt is not None:
+        binary = prebuilt / binary.name
+        if not binary.is_file():
+            raise SystemExit(f"--go-prebuilt: {binary} is missing")
+        return binary
     subprocess.run(
         ["go", "build", "-trimpath", "-o", str(binary), "."],
         cwd=GO_SOURCE,
@@ -251,6 +258,12 @@ def measure(
     attack(vegeta, targets, ca, pid, tmp, "warm", duration=3, rate=args.rate)
     print(f"  {server}: open loop at {args.rate:g}/s for {args.duration:g} s", file=sys.stderr, flush=True)
     open_loop = attack(vegeta, targets, ca, pid, tmp, "open", duration=args.duration, rate=args.rate)
+    print(
+        f"  {server}: open loop: p50 {open_loop['p50_ms']:.2f} ms, p99 {open_loop['p99_ms']:.2f} ms, "
+        f"max {open_loop['max_ms']:.2f} ms, errors {open_loop['errors']}",
+        file=sys.stderr,
+        flush=True,
+    )
     sweep = []
     for n in args.workers:
         step = attack(vegeta, targets, ca, pid, tmp, f"w{n}", duration=args.sweep_duration, workers=n)
@@ -293,7 +306,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plane: cluster.ControlPlane | None = None
     with tempfile.TemporaryDirectory(prefix="webhook-vegeta-") as tmp_name:
         tmp = Path(tmp_name)
-        builds = {experiment: build_go_webhook(tmp, experiment) for _, experiment in GO_SERVERS.values()}
+        builds = {
+            experiment: build_go_webhook(tmp, experiment, args.go_prebuilt)
+            for _, experiment in GO_SERVERS.values()
+        }
         ca, cert, key = request_shape.make_certs(tmp / "certs")
         body = request_shape.review_body()
         (tmp / "review.json").write_bytes(body)
@@ -314,10 +330,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 env["PYTHONPATH"] = os.pathsep.join(
                     filter(None, [str(ROOT / ".compiled"), env.get("PYTHONPATH")])
                 )
+            script = Path(sys.executable).with_name("gpualloc")  # the command a source checkout installs
+            command = [str(script)] if script.exists() else [sys.executable, "-m", "gpualloc.cli"]
             gpualloc = subprocess.Popen(
                 [
                     *pin,
-                    str(Path(sys.executable).with_name("gpualloc")),
+                    *command,
                     "webhook",
                     f"--tls-cert-file={cert}",
                     f"--tls-key-file={key}",
@@ -423,7 +441,8 @@ def summarise(
     ratio = round(statistics.median(ratios), 3)
     p99 = servers["gpualloc"]["open_loop"]["p99_ms"]
     version = subprocess.run([str(vegeta), "-version"], capture_output=True, text=True).stdout.split("\n")[0]
-    go_version = subprocess.run(["go", "version"], capture_output=True, text=True).stdout.strip()
+    go = shutil.which("go")  # absent where the Go servers were built elsewhere (--go-prebuilt)
+    go_version = subprocess.run([go, "version"], capture_output=True, text=True).stdout.strip() if go else ""
     races = subprocess.run(["pgrep", "-f", "test_race_crash"], capture_output=True, text=True).stdout.split()
     return {
         "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -530,9 +549,15 @@ def main() -> int:
         "--compiled", action="store_true", help="run the webhook's admission path compiled (make compiled)"
     )
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument(
+        "--go-prebuilt",
+        type=Path,
+        default=None,
+        help="a folder with gowebhook and gowebhook-jsonv2 built elsewhere, instead of building them here",
+    )
     args = parser.parse_args()
-    if shutil.which("taskset") is None or shutil.which("go") is None:
-        raise SystemExit("needs taskset and go on PATH")
+    if shutil.which("taskset") is None or (shutil.which("go") is None and args.go_prebuilt is None):
+        raise SystemExit("needs taskset, and go on PATH unless --go-prebuilt is given")
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
