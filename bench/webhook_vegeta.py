@@ -1,6 +1,7 @@
 """The admission webhook under vegeta, against a plain Go ``net/http`` webhook doing the same work.
 
     .venv/bin/python bench/webhook_vegeta.py [--rate 500] [--duration 10] [--rounds 3] [--compiled]
+        [--go-prebuilt DIR]   # DIR: gowebhook and gowebhook-jsonv2 built elsewhere (no Go here)
 
 What runs, all on 127.0.0.1:
 
