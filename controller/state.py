@@ -66,19 +66,32 @@ class Feed(Protocol):
     def get(self, key: str) -> Obj | None: ...
 
 
+# What the caches keep of the objects that are not gpualloc's own, rather than all of it: a
+# tenant's large annotations or labels cost the controller nothing, nor does the status a
+# kubelet writes to its Node. The write-through (``State.remember``) keeps the same part of
+# the answers to the controller's own writes.
+KEPT: dict[str, Callable[[Obj], Obj]] = {
+    "claims": codecs.kept_of_claim,
+    "nodes": views.kept_of_node,
+    "pods": gates.kept_of_pod,
+}
+
+
 def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, watching.Reflector]:
     """The feeds on a real API server."""
     return {
-        "claims": watching.Reflector(api, watching.CLAIMS, label_selector=claim_selector),
+        "claims": watching.Reflector(
+            api, watching.CLAIMS, label_selector=claim_selector, transform=KEPT["claims"]
+        ),
         "node_statuses": watching.Reflector(api, watching.NODE_STATUSES),
-        "nodes": watching.Reflector(api, watching.NODES),
+        "nodes": watching.Reflector(api, watching.NODES, transform=KEPT["nodes"]),
         "leases": watching.Reflector(
             api, watching.LEASES, namespace=namespace, label_selector=leases.MANAGED
         ),
         # Only the pods the webhook gated (it labels them), never every pod in the cluster, and
         # only the few fields gate mode reads (``gates.kept_of_pod``).
         "pods": watching.Reflector(
-            api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", transform=gates.kept_of_pod
+            api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", transform=KEPT["pods"]
         ),
         "quotas": watching.Reflector(api, watching.QUOTAS),
     }
@@ -335,6 +348,8 @@ class State:
         """
         cache = self.feeds[feed].cache
         obj = watching.without_managed_fields(obj)  # as the feeds keep their objects
+        if feed in KEPT:
+            obj = KEPT[feed](obj)
         key = watching.object_key(obj)
         if _newer(cache.get(key), obj) or str(_meta(obj).get("uid", "")) in self._gone:
             return

@@ -26,6 +26,20 @@ class NodeFacts:
     taints: tuple[models.Taint, ...] = ()
 
 
+def kept_of_node(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a core/v1 Node the controller caches: what ``node_facts`` reads. A kubelet's
+    Node carries much more (its status lists every image on the node, its conditions, addresses
+    and capacity), which at thousands of nodes is most of the controller's memory."""
+    metadata = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    return {
+        "apiVersion": raw.get("apiVersion", "v1"),
+        "kind": raw.get("kind", "Node"),
+        "metadata": {k: metadata[k] for k in ("name", "uid", "resourceVersion", "labels") if k in metadata},
+        "spec": {k: spec[k] for k in ("unschedulable", "taints") if k in spec},
+    }
+
+
 def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
     metadata = raw.get("metadata") or {}
     spec = raw.get("spec") or {}

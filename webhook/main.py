@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from gpualloc.api import codecs
 from gpualloc.kube import client, resources, watching
 from gpualloc.runtime import eventloop, serving, signals
 from gpualloc.runtime import logging as runtime_logging
@@ -110,7 +111,7 @@ async def run(args: argparse.Namespace) -> int:
     api = await client.connect(args.kubeconfig)
     try:
         metrics = metrics_.Metrics()
-        reflector = watching.Reflector(api, watching.CLAIMS)
+        reflector = watching.Reflector(api, watching.CLAIMS, transform=codecs.kept_of_claim)
         claims = cache.ClaimCache(
             reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics
         )

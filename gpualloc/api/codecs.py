@@ -234,6 +234,36 @@ def parse_quota(raw: Mapping[str, Any]) -> models.GpuQuota:
     )
 
 
+# What a cache keeps of a claim's metadata: what the controller and the webhook read (the
+# ObjectMeta fields other than labels and annotations, and the owner references the release on
+# a workload's completion follows). Tenants create claims; the CRD bounds spec and only the
+# controller writes status, but labels and annotations are free up to 256 KiB of annotations
+# (``kubectl apply`` alone puts a copy of the whole claim in one).
+_KEPT_CLAIM_METADATA = (
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "finalizers",
+    "ownerReferences",
+)
+
+
+def kept_of_claim(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a claim a cache keeps (a ``watching.Reflector`` transform): the whole of it but
+    its labels, annotations, managedFields and other metadata nothing in gpualloc reads.
+
+    Safe because gpualloc writes claims only by merge patch of the fields it owns (status,
+    finalizers), never by a PUT of the cached object."""
+    metadata = raw.get("metadata") or {}
+    kept = {key: raw[key] for key in ("apiVersion", "kind", "spec", "status") if key in raw}
+    kept["metadata"] = {key: metadata[key] for key in _KEPT_CLAIM_METADATA if key in metadata}
+    return kept
+
+
 def claim_body(name: str, spec: models.GpuClaimSpec, namespace: str = "") -> dict[str, Any]:
     """A GpuClaim object ready to create."""
     metadata: dict[str, Any] = {"name": name}

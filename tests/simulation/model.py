@@ -51,6 +51,7 @@ import jsonpatch
 import jsonpointer
 import msgspec
 
+from controller import state
 from gpualloc.api import constants
 from gpualloc.kube import errors, watching
 
@@ -661,20 +662,26 @@ _WRITABLE_META = frozenset({"finalizers", "labels", "annotations"})
 
 
 class SimFeed:
-    """A controller cache with the interface of ``watching.Reflector`` the controller uses."""
+    """A controller cache with the interface of ``watching.Reflector`` the controller uses; it keeps
+    what the controller's reflector of that kind keeps (``state.KEPT``)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.cache: dict[str, Obj] = {}
         self.synced = asyncio.Event()
         self.on_event: Callable[[str, Obj], None] | None = None
+        self._kept = state.KEPT.get(kind)
 
     def get(self, key: str) -> Obj | None:
         return self.cache.get(key)
 
+    def _keep(self, obj: Obj) -> Obj:
+        return obj if self._kept is None else self._kept(obj)
+
     def apply(self, type_: str, obj: Obj) -> None:
         """One watch event, as ``Reflector.apply``: the cache first, then ``on_event``."""
         key = watching.object_key(obj)
+        obj = self._keep(obj)
         if type_ == watching.DELETED:
             self.cache.pop(key, None)
         else:
@@ -683,8 +690,9 @@ class SimFeed:
 
     def relist(self, objects: Mapping[str, Obj]) -> None:
         """A fresh list, as ``Reflector.relist``: replace the cache, emit the differences."""
+        objects = {key: self._keep(obj) for key, obj in objects.items()}
         events = watching.diff(self.cache, objects)
-        self.cache = dict(objects)
+        self.cache = objects
         for type_, obj in events:
             self._notify(type_, obj)
         self.synced.set()

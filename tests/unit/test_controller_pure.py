@@ -643,6 +643,75 @@ def test_the_cached_part_of_a_gated_pod_drops_what_a_tenant_can_bloat_and_ungate
     assert gates.pod_claim(gates.kept_of_pod(long_claim)) is None
 
 
+def test_the_cached_part_of_a_claim_drops_its_labels_and_annotations_and_reads_the_same() -> None:
+    from controller import owners
+
+    allocated = models.GpuClaimStatus(
+        phase=constants.PHASE_ALLOCATED, allocations=(alloc(0, "n1", 1, (0, 1)),), message="ok"
+    )
+    raw = codecs.encode(claim(status_=allocated))
+    raw["apiVersion"], raw["kind"] = constants.API_VERSION, constants.CLAIM_KIND
+    job = {"apiVersion": "batch/v1", "kind": "Job", "name": "train", "uid": "job-uid", "controller": True}
+    raw["metadata"].update(
+        resourceVersion="7",
+        finalizers=[constants.FINALIZER, "example.com/other"],
+        ownerReferences=[job],
+        deletionTimestamp="2025-01-02T00:00:00Z",
+        labels={"team": "t" * 60},
+        annotations={"ballast": "x" * 200_000, "kubectl.kubernetes.io/last-applied-configuration": "{}"},
+        managedFields=[{"manager": "kubectl", "fieldsV1": {"f:metadata": {}}}],
+    )
+    kept = codecs.kept_of_claim(raw)
+    assert len(str(kept)) < 2_000
+    assert {"labels", "annotations", "managedFields"}.isdisjoint(kept["metadata"])
+    parsed, whole = codecs.parse_claim(kept), codecs.parse_claim(raw)
+    assert parsed == dataclasses.replace(
+        whole, metadata=dataclasses.replace(whole.metadata, labels={}, annotations={})
+    )
+    assert parsed.metadata.finalizers == (constants.FINALIZER, "example.com/other")
+    assert parsed.metadata.deletion_timestamp == "2025-01-02T00:00:00Z"
+    assert owners.owner_of(kept) == owners.owner_of(raw) is not None
+    assert (kept["apiVersion"], kept["kind"]) == (constants.API_VERSION, constants.CLAIM_KIND)
+
+
+def test_the_controller_write_through_keeps_the_same_part_of_a_claim_as_its_cache() -> None:
+    st, feeds = state_on_fake_feeds()
+    answer = _claim_raw("3", annotations={"ballast": "x" * 100_000}, labels={"a": "b"})
+    st.remember("claims", answer, reconciling="ns/c")
+    cached = feeds["claims"].cache["ns/c"]
+    assert cached == codecs.kept_of_claim(answer)
+    assert "annotations" not in cached["metadata"] and "labels" not in cached["metadata"]
+
+
+def test_the_cached_part_of_a_node_is_what_node_facts_reads() -> None:
+    node: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": "n1",
+            "uid": "node-uid",
+            "resourceVersion": "9",
+            "labels": {"kubernetes.io/hostname": "n1", constants.LABEL_COST_TIER: "spot"},
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {
+            "unschedulable": True,
+            "taints": [{"key": "gpu", "value": "h100", "effect": "NoSchedule"}],
+            "podCIDR": "10.0.0.0/24",
+        },
+        "status": {
+            "images": [{"names": [f"registry/image-{i}:v1"], "sizeBytes": i} for i in range(50)],
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    kept = views.kept_of_node(node)
+    assert views.node_facts(kept) == views.node_facts(node)
+    assert views.node_facts(kept).taints and views.node_facts(kept).unschedulable
+    assert "status" not in kept and "annotations" not in kept["metadata"]
+    assert kept["metadata"]["resourceVersion"] == "9"  # a re-list tells a change by it
+    assert len(str(kept)) < 400
+
+
 def _claim_raw(rv: str, **meta: Any) -> dict[str, Any]:
     raw = codecs.encode(claim())
     raw["metadata"].update(resourceVersion=rv, **meta)
