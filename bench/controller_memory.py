@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,8 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import controller_throughput as shared
 import local_plane
-import webhook_request
-import webhook_vegeta
 
 from gpualloc.api import constants
 from gpualloc.devcluster import cluster
@@ -198,7 +195,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         processes.append(controller)
         webhook = None
         if args.objects == "claims":
-            webhook = start_webhook(plane.kubeconfig, workdir)
+            webhook = shared.start_webhook(plane.kubeconfig, workdir)
             processes.append(webhook)
         started = time.monotonic()
 
@@ -283,34 +280,6 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             process.terminate()
             process.wait(20)
         await api.close()
-
-
-def start_webhook(kubeconfig: Path, workdir: Path) -> subprocess.Popen[bytes]:
-    """``gpualloc webhook`` against the plane, ready (its claim cache synced)."""
-    ca, cert, key = webhook_request.make_certs(workdir / "certs")
-    port = cluster.free_ports(1)[0]
-    with (workdir / "webhook.log").open("wb") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpualloc.cli",
-                "webhook",
-                f"--tls-cert-file={cert}",
-                f"--tls-key-file={key}",
-                "--host=127.0.0.1",
-                f"--port={port}",
-                f"--kubeconfig={kubeconfig}",
-                "--health-port=0",
-                "--metrics-port=0",
-                "--log-level=WARNING",
-            ],
-            cwd=shared.REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    webhook_vegeta.wait_ready(port, ca, "/readyz", process)
-    return process
 
 
 def main(argv: list[str] | None = None) -> int:

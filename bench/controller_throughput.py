@@ -61,6 +61,8 @@ from gpualloc.kube.client import Api
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import local_plane
 import procfs
+import webhook_request
+import webhook_vegeta
 
 from gpualloc.api import constants
 from gpualloc.devcluster import binaries, cluster
@@ -336,11 +338,40 @@ def start_controller(
         )
 
 
+def start_webhook(kubeconfig: Path, workdir: Path) -> subprocess.Popen[bytes]:
+    """``gpualloc webhook`` against the plane, ready (its claim cache synced); its log in ``workdir``."""
+    ca, cert, key = webhook_request.make_certs(workdir / "certs")
+    port = cluster.free_ports(1)[0]
+    with (workdir / "webhook.log").open("wb") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpualloc.cli",
+                "webhook",
+                f"--tls-cert-file={cert}",
+                f"--tls-key-file={key}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                f"--kubeconfig={kubeconfig}",
+                "--health-port=0",
+                "--metrics-port=0",
+                "--log-level=WARNING",
+            ],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    webhook_vegeta.wait_ready(port, ca, "/readyz", process)
+    return process
+
+
 async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Path) -> dict[str, Any]:
     api = await client.connect(str(plane.kubeconfig), connections=args.concurrency + 8)
     rng = random.Random(args.seed)
     claims_ns, lease_ns, scratch_ns = "bench", "gpualloc-system", "bench-ceiling"
     controller: subprocess.Popen[bytes] | None = None
+    webhook: subprocess.Popen[bytes] | None = None
     watcher: asyncio.Task[None] | None = None
     beating: asyncio.Task[None] | None = None
     try:
@@ -386,6 +417,8 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                 raise RuntimeError(f"controller not allocating; see {log_path}")
             await asyncio.sleep(0.05)
 
+        if args.webhook:
+            webhook = start_webhook(plane.kubeconfig, workdir)
         audit_offset = plane.audit_log.stat().st_size
         pids = {"controller": controller.pid, **plane.running()}
         pids = {name: pid for name, pid in pids.items() if name in ("controller", "kube-apiserver", "etcd")}
@@ -424,6 +457,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                 break
             await asyncio.sleep(0.1)
         peak_rss = procfs.memory_kib(controller.pid).get("VmHWM", 0)
+        webhook_peak_rss = procfs.memory_kib(webhook.pid).get("VmHWM", 0) if webhook else 0
         await asyncio.sleep(1.0)  # let the audit log catch up
         done = [n for n in sent_at if n in allocated_at]
         last = max((allocated_at[n] for n in done), default=start)
@@ -485,6 +519,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             "lease_create_ceiling": ceiling,
             "processes": processes,
             "controller_peak_rss_mib": round(peak_rss / 1024, 1),
+            **({"webhook_peak_rss_mib": round(webhook_peak_rss / 1024, 1)} if webhook else {}),
         }
         return result
     finally:
@@ -496,13 +531,14 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        if controller is not None and controller.poll() is None:
-            controller.terminate()
-            try:
-                controller.wait(20)
-            except subprocess.TimeoutExpired:
-                controller.kill()
-                controller.wait()
+        for process in (controller, webhook):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         await api.close()
 
 
@@ -552,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quiet", type=float, default=15.0, help="stop waiting after this long without progress"
     )
+    parser.add_argument(
+        "--webhook",
+        action="store_true",
+        help="run the webhook too, watching the claims, and report its peak RSS",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
@@ -578,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['writes_per_second']} = {result['writes_per_second_over_ceiling']} of it\n"
         f"CPU ms per allocation: "
         + ", ".join(f"{name} {p['cpu_ms_per_allocation']}" for name, p in result["processes"].items())
-        + f"; controller peak RSS {result['controller_peak_rss_mib']} MiB\n"
+        + f"; controller peak RSS {result['controller_peak_rss_mib']} MiB"
+        + (f", webhook {result['webhook_peak_rss_mib']} MiB" if "webhook_peak_rss_mib" in result else "")
+        + "\n"
         f"wrote {args.out}"
     )
     return 0
