@@ -333,6 +333,20 @@ def test_controller_and_webhook_run_two_replicas_with_disruption_budgets() -> No
     assert "--leader-elect=true" in controller["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+@pytest.mark.parametrize(("interval", "stale_after"), [(None, "120"), ("10", "120"), ("300", "1200")])
+def test_controller_counts_a_node_stale_after_four_of_the_agents_heartbeat_intervals(
+    interval: str | None, stale_after: str
+) -> None:
+    objs = render(**({"agent__heartbeatInterval": interval} if interval else {}))
+    controller = one(objs, "Deployment", f"{FULLNAME}-controller")
+    args = controller["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--node-stale-after={stale_after}" in args
+    agent = one(objs, "DaemonSet", f"{FULLNAME}-agent")
+    assert (
+        f"--heartbeat-interval={interval or 30}" in agent["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+
+
 def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
     objs = render()
     deployment = one(objs, "Deployment", f"{FULLNAME}-webhook")
