@@ -13,13 +13,20 @@ Reported (stdout and ``bench/results/scale_simulation.json``):
   handling included;
 - the process's peak RSS.
 
+``--trace-memory`` measures instead what the controller itself keeps: the Python memory still
+held by its ``State`` and caches once the model (what the API server would hold) is dropped,
+counted by ``tracemalloc``. That slows every step, so the run reports no timings then.
+
     .venv/bin/python bench/scale_simulation.py --nodes 10000 --claims 50000
+    .venv/bin/python bench/scale_simulation.py --nodes 10000 --claims 50000 --trace-memory \
+        --out bench/results/scale_simulation_memory.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -29,6 +36,7 @@ import resource
 import statistics
 import sys
 import time
+import tracemalloc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claims", type=int, default=50_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "scale_simulation.json")
+    parser.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="report the memory the controller's state keeps (tracemalloc), not timings",
+    )
     args = parser.parse_args(argv)
+    if args.trace_memory:
+        tracemalloc.start()
 
     server = model.ApiServer(clock=lambda: NOW)
     watch = server.subscribe("bench")
@@ -116,6 +131,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i + 1} claims, {allocated} allocated ({gpus} GPUs)", flush=True)
     wall = time.perf_counter() - started
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.trace_memory:
+        whole = tracemalloc.get_traced_memory()[0]
+        del server, watch, raw, sizes, decision_ms, claim_ms  # all but the controller's state
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0]
+        memory = {
+            "benchmark": "scale_simulation --trace-memory",
+            "nodes": args.nodes,
+            "gpus_per_node": args.gpus,
+            "claims": args.claims,
+            "allocated": allocated,
+            "leases": gpus,
+            "objects_in_the_controller_caches": {kind: len(feed.cache) for kind, feed in feeds.items()},
+            "python_memory_mib_model_and_controller": round(whole / 2**20, 1),
+            "python_memory_mib_controller_state": round(kept / 2**20, 1),
+            "python": platform.python_version(),
+        }
+        print(json.dumps(memory, indent=2))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(memory, indent=2) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
     result = {
         "benchmark": "scale_simulation",
         "nodes": args.nodes,
