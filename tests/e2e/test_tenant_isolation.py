@@ -439,6 +439,7 @@ async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path
                     "-node-identity",
                     "-pod-gated-label",
                     "-quota-priority",
+                    "-claim-metadata",
                 ):
                     _delete(control_plane, f"{ADMISSION}/{kind}/{fullname}{suffix}")
             for name in nodes:
@@ -1100,6 +1101,49 @@ async def test_claim_priority_above_a_namespace_quotas_maximum_is_refused_with_t
                 assert exc.status == 404, exc
         for name in made:
             await purge_claim(setup.admin, ns, name)
+
+
+def claim_with(name: str, *, finalizers: int = 0, owners: int = 0) -> dict[str, Any]:
+    """A claim carrying that many finalizers and owner references."""
+    body = claim_body(name)
+    body["metadata"]["finalizers"] = [f"example.com/hold-{i}" for i in range(finalizers)]
+    body["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "name": f"owner-{i}",
+            "uid": f"00000000-0000-0000-0000-{i:012d}",
+        }
+        for i in range(owners)
+    ]
+    return body
+
+
+async def test_claim_with_more_than_16_finalizers_or_owner_references_is_refused_with_the_reason(
+    setup: Setup,
+) -> None:
+    # The controller and the webhook cache every claim, finalizers and owner references included.
+    ns, tenant = setup.tenant_ns, setup.tenant
+    claims, dry = claims_path(ns), [("dryRun", "All")]
+    message = await refused(call(tenant, "POST", claims, body=claim_with("fat", finalizers=17), query=dry))
+    assert "at most 16 finalizers besides gpu.scheduling/release-devices, this one has 17" in message, message
+    message = await refused(call(tenant, "POST", claims, body=claim_with("fat", owners=17), query=dry))
+    assert "a GpuClaim may have at most 16 owner references, this one has 17" in message, message
+    await call(tenant, "POST", claims, body=claim_with("owned", owners=16), query=dry)
+    # Owner references that name no object would let the garbage collector delete it: dry run above.
+    await call(tenant, "POST", claims, body=claim_with("full", finalizers=16))
+    try:
+        path = f"{claims}/full"
+        grow = {"metadata": {"finalizers": [f"example.com/hold-{i}" for i in range(17)]}}
+        message = await refused(call(tenant, "PATCH", path, body=grow, content_type=MERGE))
+        assert "at most 16 finalizers besides gpu.scheduling/release-devices, this one has 17" in message
+        # gpualloc's own finalizer (the chart's policy adds it at create) does not count.
+        assert constants.FINALIZER in (await call(tenant, "GET", path))["metadata"]["finalizers"]
+        shrink = {"metadata": {"finalizers": [f"example.com/hold-{i}" for i in range(15)]}}
+        kept = await call(tenant, "PATCH", path, body=shrink, content_type=MERGE)
+        assert len(kept["metadata"]["finalizers"]) == 15
+    finally:
+        await purge_claim(setup.admin, ns, "full")
 
 
 async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup: Setup) -> None:

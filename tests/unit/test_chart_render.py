@@ -756,6 +756,7 @@ POD_DEVICES = f"{FULLNAME}-pod-devices"
 NODE_IDENTITY = f"{FULLNAME}-node-identity"
 GATED_LABEL = f"{FULLNAME}-pod-gated-label"
 QUOTA_PRIORITY = f"{FULLNAME}-quota-priority"
+CLAIM_METADATA = f"{FULLNAME}-claim-metadata"
 
 
 def named(objs: list[Obj], name: str) -> list[str]:
@@ -966,6 +967,26 @@ def test_quota_priority_policy_takes_every_quota_of_the_claims_namespace_as_a_pa
     )
     assert "the maximum of namespace" in check["messageExpression"]
     assert named(render(quotaPriorityPolicy__enabled="false"), QUOTA_PRIORITY) == []
+
+
+def test_claim_metadata_policy_fails_closed_on_every_claim_create_and_update_and_can_be_turned_off() -> None:
+    objs = render()
+    whole = one(objs, "ValidatingAdmissionPolicy", CLAIM_METADATA)
+    policy = whole["spec"]
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", CLAIM_METADATA)["spec"]
+    assert binding == {"policyName": CLAIM_METADATA, "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    assert "matchConditions" not in policy
+    assert policy["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": ["gpu.scheduling"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["gpuclaims"],
+        }
+    ]
+    assert f"'{constants.FINALIZER}'" in _variables(whole)["finalizers"]  # gpualloc's own does not count
+    assert named(render(claimMetadataPolicy__enabled="false"), CLAIM_METADATA) == []
 
 
 def test_node_status_crd_requires_the_name_to_be_the_node_name() -> None:
