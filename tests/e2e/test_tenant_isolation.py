@@ -1130,6 +1130,10 @@ async def test_claim_with_more_than_16_finalizers_or_owner_references_is_refused
     message = await refused(call(tenant, "POST", claims, body=claim_with("fat", owners=17), query=dry))
     assert "a GpuClaim may have at most 16 owner references, this one has 17" in message, message
     await call(tenant, "POST", claims, body=claim_with("owned", owners=16), query=dry)
+    long_name = claim_with("long", owners=1)
+    long_name["metadata"]["ownerReferences"][0]["name"] = "n" * 254
+    message = await refused(call(tenant, "POST", claims, body=long_name, query=dry))
+    assert "an owner reference of a GpuClaim may have at most 253 characters" in message, message
     # Owner references that name no object would let the garbage collector delete it: dry run above.
     await call(tenant, "POST", claims, body=claim_with("full", finalizers=16))
     try:
@@ -1139,6 +1143,9 @@ async def test_claim_with_more_than_16_finalizers_or_owner_references_is_refused
         assert "at most 16 finalizers besides gpu.scheduling/release-devices, this one has 17" in message
         # gpualloc's own finalizer (the chart's policy adds it at create) does not count.
         assert constants.FINALIZER in (await call(tenant, "GET", path))["metadata"]["finalizers"]
+        owners = {"metadata": {"ownerReferences": claim_with("x", owners=17)["metadata"]["ownerReferences"]}}
+        message = await refused(call(tenant, "PATCH", path, body=owners, content_type=MERGE, query=dry))
+        assert "at most 16 owner references, this one has 17" in message, message
         shrink = {"metadata": {"finalizers": [f"example.com/hold-{i}" for i in range(15)]}}
         kept = await call(tenant, "PATCH", path, body=shrink, content_type=MERGE)
         assert len(kept["metadata"]["finalizers"]) == 15
