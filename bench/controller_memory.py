@@ -20,7 +20,7 @@ It samples VmRSS from /proc before, while and after, once the caches hold every 
 create).
 
     .venv/bin/python bench/controller_memory.py --objects pods --count 5000 --ballast-kb 150
-    .venv/bin/python bench/controller_memory.py --objects claims --count 1000 --ballast-kb 200 \
+    .venv/bin/python bench/controller_memory.py --objects claims --count 2000 --ballast-kb 200 \
         --out bench/results/controller_memory_claims.json
     .venv/bin/python bench/controller_memory.py --objects nodes --count 5000 \
         --out bench/results/controller_memory_nodes.json
