@@ -345,18 +345,9 @@ def start_webhook(kubeconfig: Path, workdir: Path) -> subprocess.Popen[bytes]:
     with (workdir / "webhook.log").open("wb") as log:
         process = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "gpualloc.cli",
-                "webhook",
-                f"--tls-cert-file={cert}",
-                f"--tls-key-file={key}",
-                "--host=127.0.0.1",
-                f"--port={port}",
-                f"--kubeconfig={kubeconfig}",
-                "--health-port=0",
-                "--metrics-port=0",
-                "--log-level=WARNING",
+                *(sys.executable, "-m", "gpualloc.cli"),
+                *webhook_vegeta.webhook_args(cert, key, port, kubeconfig),
+                *("--health-port=0", "--metrics-port=0"),
             ],
             cwd=REPO_ROOT,
             stdout=log,

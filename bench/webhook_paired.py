@@ -69,9 +69,8 @@ def start_webhook(
     _, cert, key = certs
     argv = [
         "taskset", "-c", str(vegeta_bench.SERVER_CPU),
-        str(ROOT / ".venv" / "bin" / "python"), "-m", "gpualloc.cli", "webhook",
-        f"--tls-cert-file={cert}", f"--tls-key-file={key}", "--host=127.0.0.1", f"--port={port}",
-        f"--kubeconfig={kubeconfig}", "--log-level=WARNING",
+        str(ROOT / ".venv" / "bin" / "python"), "-m", "gpualloc.cli",
+        *vegeta_bench.webhook_args(cert, key, port, kubeconfig),
     ]  # fmt: skip
     env = {"PYTHONPATH": str(source), "PATH": "/usr/bin:/bin"}
     return subprocess.Popen(argv, cwd=source, env=env, stdout=subprocess.DEVNULL)

@@ -122,6 +122,20 @@ def build_go_webhook(out: Path, experiment: str = "", prebuilt: Path | None = No
     return binary
 
 
+def webhook_args(cert: str, key: str, port: int, kubeconfig: Path) -> list[str]:
+    """``gpualloc webhook`` and the flags every benchmark starts it with: TLS on 127.0.0.1:``port``
+    against the API server of ``kubeconfig``, warnings only."""
+    return [
+        "webhook",
+        f"--tls-cert-file={cert}",
+        f"--tls-key-file={key}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--kubeconfig={kubeconfig}",
+        "--log-level=WARNING",
+    ]
+
+
 def wait_ready(port: int, ca: str, path: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
     context = ssl.create_default_context(cafile=ca)
     deadline = time.monotonic() + timeout
@@ -334,17 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             script = Path(sys.executable).with_name("gpualloc")  # the command a source checkout installs
             command = [str(script)] if script.exists() else [sys.executable, "-m", "gpualloc.cli"]
             gpualloc = subprocess.Popen(
-                [
-                    *pin,
-                    *command,
-                    "webhook",
-                    f"--tls-cert-file={cert}",
-                    f"--tls-key-file={key}",
-                    "--host=127.0.0.1",
-                    f"--port={gpualloc_port}",
-                    f"--kubeconfig={plane.kubeconfig}",
-                    "--log-level=WARNING",
-                ],
+                [*pin, *command, *webhook_args(cert, key, gpualloc_port, plane.kubeconfig)],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
                 env=env,
