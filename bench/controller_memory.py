@@ -276,9 +276,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
         }
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(20)
+        shared.webhook_vegeta.stop_all(processes)
         await api.close()
 
 

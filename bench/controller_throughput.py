@@ -522,14 +522,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        for process in (controller, webhook):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        webhook_vegeta.stop_all([p for p in (controller, webhook) if p is not None])
         await api.close()
 
 
