@@ -111,6 +111,17 @@ def _newer(cached: Mapping[str, Any] | None, obj: Mapping[str, Any]) -> bool:
     return have.isdigit() and new.isdigit() and int(have) > int(new)
 
 
+def _heartbeat_of(raw: Mapping[str, Any]) -> str:
+    return str((raw.get("status") or {}).get("lastHeartbeatTime") or "")
+
+
+def only_heartbeat_moved(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether GpuNodeStatus ``new`` differs from ``old`` only in its heartbeat (or its metadata)."""
+    old_status = {**(old.get("status") or {}), "lastHeartbeatTime": None}
+    new_status = {**(new.get("status") or {}), "lastHeartbeatTime": None}
+    return old.get("spec") == new.get("spec") and old_status == new_status
+
+
 def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
     """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists."""
     return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices)
@@ -158,6 +169,9 @@ class State:
         # Nodes.
         self.statuses: dict[str, models.GpuNodeStatus] = {}  # node name -> parsed
         self._status_node: dict[str, str] = {}  # GpuNodeStatus name -> node name
+        self._status_raw: dict[
+            str, Obj
+        ] = {}  # GpuNodeStatus name -> the cached object last parsed or compared
         self._fingerprints: dict[str, Any] = {}
         self.facts: dict[str, views.NodeFacts] = {}
         self.ready_nodes: dict[str, bool] = {}
@@ -476,7 +490,24 @@ class State:
 
     def _on_node_status(self, type_: str, raw: Obj) -> None:
         name = str(_meta(raw).get("name", ""))
-        node = self._status_node.pop(name, None)
+        old_raw = self._status_raw.pop(name, None)
+        node = self._status_node.get(name)
+        if (
+            type_ != watching.DELETED
+            and node is not None
+            and old_raw is not None
+            and only_heartbeat_moved(old_raw, raw)
+        ):
+            # Most writes are the agent's heartbeat alone: the parsed inventory, its place in
+            # the index and its allocator tables (``nodes.prepare``) stay as they are.
+            self._status_raw[name] = raw
+            self._note_beat(node, _heartbeat_of(raw))
+            view = self._index.get(node)
+            if view is None or view.ready != self.node_ready(node):
+                self._stale.add(node)
+            self._readiness_changed(node)
+            return
+        self._status_node.pop(name, None)
         if node is not None:
             self.statuses.pop(node, None)
         if type_ != watching.DELETED:
@@ -489,12 +520,8 @@ class State:
                 node = parsed.spec.node_name or name
                 self.statuses[node] = parsed
                 self._status_node[name] = node
-                beat = parsed.status.last_heartbeat_time or ""
-                seen = self._beats.get(node)
-                if not beat:
-                    self._beats.pop(node, None)
-                elif seen is None or seen[0] != beat:
-                    self._beats[node] = (beat, self.monotonic())
+                self._status_raw[name] = raw
+                self._note_beat(node, parsed.status.last_heartbeat_time or "")
         node = node or name
         if node not in self.statuses:
             self._beats.pop(node, None)
@@ -506,9 +533,24 @@ class State:
             inv = status.status
             offered = [(d.sharing.strategy, d.sharing.replicas) if d.sharing else None for d in inv.devices]
             fingerprint = (tuple((d.uuid, d.health, d.index, d.mig) for d in inv.devices), offered, inv.links)
-        ready = self.node_ready(node)
-        if self._fingerprints.get(node) != fingerprint or self.ready_nodes.get(node) != ready:
+        if self._fingerprints.get(node) != fingerprint:
             self._fingerprints[node] = fingerprint
+            self.ready_nodes[node] = self.node_ready(node)
+            self.node_changed(node)
+        else:
+            self._readiness_changed(node)
+
+    def _note_beat(self, node: str, beat: str) -> None:
+        """When this process saw ``node``'s heartbeat change (``heartbeat_age``)."""
+        seen = self._beats.get(node)
+        if not beat:
+            self._beats.pop(node, None)
+        elif seen is None or seen[0] != beat:
+            self._beats[node] = (beat, self.monotonic())
+
+    def _readiness_changed(self, node: str) -> None:
+        ready = self.node_ready(node)
+        if self.ready_nodes.get(node) != ready:
             self.ready_nodes[node] = ready
             self.node_changed(node)
 

@@ -645,6 +645,11 @@ class ApiServer:
             mig=self.mig_gpus.get(name, ()),
             shared=self.shared_gpus.get(name),
         )
+        # As the agent does (``publishing.merge_conditions``): a condition whose status holds keeps
+        # its lastTransitionTime, so a write that changes nothing else is a heartbeat alone.
+        for cond, was in zip(new["status"]["conditions"], old["status"]["conditions"], strict=True):
+            if cond["status"] == was["status"]:
+                cond["lastTransitionTime"] = was["lastTransitionTime"]
         self._write("node_statuses", name, new)
 
     # ------------------------------------------------------------------ events

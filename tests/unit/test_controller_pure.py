@@ -622,6 +622,43 @@ def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_what
     assert st.node_ready("n1")
 
 
+def test_a_heartbeat_alone_keeps_the_parsed_node_and_wakes_nothing_until_it_revives_a_stale_node() -> None:
+    mono = [1000.0]
+    woken: list[str] = []
+    st, feeds = state_on_fake_feeds(monotonic=lambda: mono[0])
+    st.wake = woken.append
+
+    def write(inv: models.NodeInventory) -> None:
+        feeds["node_statuses"].put(codecs.encode(status("n1", inv)))
+
+    write(inventory(1, heartbeat=NOW))
+    parsed, view = st.statuses["n1"], st.node_index().get("n1")
+    assert view is not None and view.ready
+    st.pending.add("ns/waiting")
+    woken.clear()
+
+    mono[0] += 30
+    write(inventory(1, heartbeat=NOW + datetime.timedelta(seconds=30)))
+    assert st.statuses["n1"] is parsed, "a heartbeat alone is not parsed again"
+    assert st.node_index().get("n1") is view, "nor is the node's view rebuilt"
+    assert woken == [], "nothing changed that a pending claim could use"
+    assert st.heartbeat_age("n1") == 0.0
+
+    mono[0] += 121  # no heartbeat for 121 s: stale, found by the sweep's look at readiness
+    assert not st.node_index().get("n1").ready
+    st.refresh_readiness()
+    woken.clear()
+    write(inventory(1, heartbeat=NOW + datetime.timedelta(seconds=151)))
+    assert st.node_index().get("n1").ready, "the heartbeat revives the node in the allocator's view"
+    assert woken == ["ns/waiting"], "and the pending claims are tried again"
+
+    woken.clear()
+    write(inventory(1, heartbeat=NOW + datetime.timedelta(seconds=151), unhealthy=(2,)))
+    assert st.statuses["n1"] is not parsed, "a change beside the heartbeat is parsed"
+    assert st.node_index().get("n1").inventory.devices[2].health == constants.UNHEALTHY
+    assert woken == ["ns/waiting"]
+
+
 def test_the_cached_part_of_a_gated_pod_drops_what_a_tenant_can_bloat_and_ungates_the_same() -> None:
     pod: dict[str, Any] = gated_pod()
     pod["metadata"]["annotations"]["ballast"] = "x" * 150_000
