@@ -10,7 +10,8 @@ Tasks of a running agent (``Agent.run``), all in one event loop:
   with exit code 1 instead.
 * health: NVML's event set in a thread (``health.EventThread``), or the XID
   injection file of the simulated source; both feed one ``HealthTracker``.
-* publishing: ``publishing.Publisher.run`` (write on change, heartbeat).
+* publishing: ``publishing.Publisher.run`` (write the status on change, renew the
+  heartbeat Lease in ``--heartbeat-namespace``).
 * leases: a Reflector on the device Leases labelled with this node, for
   ``status.allocated`` and the lease gauges.
 * the usage audit (``audit``; ``--process-audit``): a Reflector on this node's
@@ -37,6 +38,7 @@ from typing import Any
 from agent import audit, health, inventory, publishing, simulated
 from agent import metrics as agent_metrics
 from gpualloc.api import constants, models
+from gpualloc.api import leases as lease_format
 from gpualloc.kube import client, errors, events, resources, transport, watching
 from gpualloc.runtime import backoff, eventloop, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
@@ -130,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-namespace",
         default=None,
         help="namespace of the device Leases (default $POD_NAMESPACE; empty: do not track Leases)",
+    )
+    parser.add_argument(
+        "--heartbeat-namespace",
+        default=None,
+        help="namespace of the node heartbeat Leases (default <lease namespace>-heartbeats; empty, or no"
+        " lease namespace: the GpuNodeStatus carries every heartbeat)",
     )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "lease_namespace": "POD_NAMESPACE"})
@@ -338,6 +346,14 @@ class Agent:
 
     # -- Kubernetes -----------------------------------------------------------
 
+    def heartbeat_namespace(self) -> str:
+        """Where this agent renews its heartbeat Lease ("": it heartbeats in the GpuNodeStatus)."""
+        if self.args.heartbeat_namespace is not None:
+            return str(self.args.heartbeat_namespace)
+        return (
+            lease_format.heartbeat_namespace(self.args.lease_namespace) if self.args.lease_namespace else ""
+        )
+
     async def lookup_node(self, name: str) -> dict[str, Any] | None:
         """The Node; NotFound is raised, and the Publisher takes it for no Node."""
         assert self._api is not None
@@ -409,11 +425,15 @@ class Agent:
             if self._api is None:
                 self._api = await client.connect(self.args.kubeconfig)
             await self.read_sharing_label()
+            beats = self.heartbeat_namespace()
             self.publisher = publishing.Publisher(
                 resources.CustomResources(self._api),
                 self.node_name,
                 heartbeat_interval=self.args.heartbeat_interval,
                 node_lookup=self.lookup_node,
+                renew_heartbeat=publishing.heartbeat_renewer(self._api, beats, self.node_name)
+                if beats
+                else None,
                 metrics=self.metrics,
             )
             runners.extend(

@@ -16,7 +16,7 @@ gpualloc_gpu_allocated                     1 when a device Lease holds it
 gpualloc_gpu_lease_info                    1 per leased GPU, with the claim
 gpualloc_agent_scan_duration_seconds       histogram of one source scan
 gpualloc_agent_publish_errors_total        failed writes to the API server
-gpualloc_agent_status_writes_total{kind}   create, status, heartbeat writes
+gpualloc_agent_status_writes_total{kind}   create, status, refresh, heartbeat (Lease), owner
 gpualloc_agent_nvml_ready                  1 when the source can be read
 =========================================  ===================================
 """
@@ -70,7 +70,7 @@ class AgentMetrics:
         )
         self.status_writes = prometheus_client.Counter(
             "gpualloc_agent_status_writes",
-            "Writes of the GpuNodeStatus, by kind (create, status, heartbeat).",
+            "GpuNodeStatus writes (create, status, refresh, owner), heartbeat Lease renewals (heartbeat).",
             ["kind"],
             registry=self.registry,
         )

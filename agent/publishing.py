@@ -1,4 +1,4 @@
-"""Keeping the node's GpuNodeStatus true: create, write on change, heartbeat.
+"""Keeping the node's GpuNodeStatus true, and its heartbeat Lease renewed.
 
 ``Publisher.step(desired)`` is one round:
 
@@ -11,14 +11,19 @@
    patch on the status subresource, conditional on the resourceVersion it
    read; keys the server has that the new status lacks are set to null).
 3. Otherwise, when ``heartbeat_interval`` has passed since its last write, it
-   writes the heartbeat alone: ``lastHeartbeatTime`` and the conditions (whose
-   transition times do not move while their status holds).
+   renews the node's heartbeat Lease (``gpualloc.api.leases.heartbeat_lease``,
+   created when missing), as the kubelet renews its node Lease. Every
+   ``STATUS_REFRESH_INTERVALS`` intervals (every interval when it has no
+   heartbeat namespace) it writes the status's own heartbeat instead:
+   ``lastHeartbeatTime`` and the conditions (whose transition times do not move
+   while their status holds).
 
-Every write's response becomes the new copy, so a change somebody else made to
-the status is seen and undone at the next round. ``run`` loops: it waits for
-a wake-up (the scan found something, a health event, a Lease) or the next
-heartbeat, and on errors backs off (0.2 s doubling to 10 s); a Conflict or a
-NotFound drops the copy so the next round re-reads (or re-creates) the object.
+A status write's response becomes the new copy, so a change somebody else made
+to the status is seen and undone at the next round after the next status
+write, a few minutes at most. ``run`` loops: it waits for a wake-up (the scan
+found something, a health event, a Lease) or the next heartbeat, and on errors
+backs off (0.2 s doubling to 10 s); a Conflict or a NotFound drops the copy so
+the next round re-reads (or re-creates) the object.
 """
 
 from __future__ import annotations
@@ -35,19 +40,23 @@ from typing import Any
 
 from agent import metrics as agent_metrics
 from gpualloc.api import codecs, constants, models, timestamps
-from gpualloc.kube import errors, resources
+from gpualloc.api import leases as lease_format
+from gpualloc.kube import errors, leases, resources
+from gpualloc.kube.client import Api
 from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 NodeLookup = Callable[[str], Awaitable[Obj | None]]
+Renew = Callable[[dt.datetime], Awaitable[None]]
 
 LABEL_GPU_COUNT = f"{constants.GROUP}/gpu.count"
 LABEL_GPU_PRODUCT = f"{constants.GROUP}/gpu.product"
 LABEL_GPU_MEMORY = f"{constants.GROUP}/gpu.memory"
 
 MAX_BACKOFF = 10.0
+STATUS_REFRESH_INTERVALS = 10  # the status's own heartbeat: every 10th (5 min at the default 30 s)
 
 
 def utc_now() -> dt.datetime:
@@ -192,6 +201,20 @@ def node_labels(inv: models.NodeInventory) -> dict[str, str]:
     }
 
 
+def heartbeat_renewer(api: Api, namespace: str, node_name: str) -> Renew:
+    """Renews ``node_name``'s heartbeat Lease in ``namespace``, creating it when it is missing."""
+
+    async def renew(now: dt.datetime) -> None:
+        try:
+            await leases.renew(api, namespace, node_name, now)
+        except errors.NotFound:
+            body = lease_format.heartbeat_lease(namespace, node=node_name, now=now)
+            with contextlib.suppress(errors.AlreadyExists):  # another round of ours made it meanwhile
+                await leases.create(api, namespace, body)
+
+    return renew
+
+
 # -------------------------------------------------------------------- the loop
 
 
@@ -205,6 +228,7 @@ class Publisher:
         *,
         heartbeat_interval: float,
         node_lookup: NodeLookup,
+        renew_heartbeat: Renew | None = None,
         metrics: agent_metrics.AgentMetrics | None = None,
         wall_clock: Callable[[], dt.datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
@@ -213,12 +237,14 @@ class Publisher:
         self.node_name = node_name
         self.heartbeat_interval = heartbeat_interval
         self.node_lookup = node_lookup
+        self.renew_heartbeat = renew_heartbeat
         self.metrics = metrics
         self._wall = wall_clock
         self._mono = monotonic
         self.server: Obj | None = None  # the object as the API server last returned it
         self.last_write: float | None = None  # monotonic time of the last successful write
-        self.writes: dict[str, int] = {"create": 0, "status": 0, "heartbeat": 0, "owner": 0}
+        self.last_status_write: float | None = None  # ... of the status (a change, or its heartbeat)
+        self.writes: dict[str, int] = {"create": 0, "status": 0, "heartbeat": 0, "refresh": 0, "owner": 0}
         self.errors = 0
 
     # -- state ---------------------------------------------------------------
@@ -261,12 +287,20 @@ class Publisher:
                 self.node_name, {"status": body}, resource_version=rv or None
             )
             self._count("status")
+            self.last_status_write = self.last_write
             log.info(
                 "status written",
                 extra={"node": self.node_name, "total": full.total, "healthy": full.healthy},
             )
             return "status"
-        if self.last_write is None or self._mono() - self.last_write >= self.heartbeat_interval:
+        if self.last_write is not None and self._mono() - self.last_write < self.heartbeat_interval:
+            return None
+        refresh_after = self.heartbeat_interval * (STATUS_REFRESH_INTERVALS if self.renew_heartbeat else 1)
+        if (
+            self.renew_heartbeat is None
+            or self.last_status_write is None
+            or self._mono() - self.last_status_write >= refresh_after
+        ):
             patch = {
                 "status": {
                     "lastHeartbeatTime": now,
@@ -274,9 +308,12 @@ class Publisher:
                 }
             }
             self.server = await self.crs.patch_node_status_status(self.node_name, patch)
-            self._count("heartbeat")
-            return "heartbeat"
-        return None
+            self._count("refresh")
+            self.last_status_write = self.last_write
+            return "refresh"
+        await self.renew_heartbeat(self._wall())
+        self._count("heartbeat")
+        return "heartbeat"
 
     async def _lookup_node(self) -> Obj | None:
         try:

@@ -89,7 +89,7 @@ import procfs
 
 from agent import simulated
 from gpualloc import demo
-from gpualloc.api import constants
+from gpualloc.api import constants, leases
 from gpualloc.devcluster import binaries, cluster
 from gpualloc.kube import client, errors, resources, transport, watching
 
@@ -856,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         plane.ensure_kwok()
         for node in NODES:
             plane.add_kwok_node(node.name, {"gpualloc.dev/profile": node.profile})
-        plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        for namespace in (NAMESPACE, leases.heartbeat_namespace(NAMESPACE)):  # device Leases; heartbeats
+            plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
         plane.ensure_service_account(NAMESPACE)
         result = asyncio.run(soak(args, plane, comps, workdir))
         ok = True

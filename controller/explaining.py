@@ -57,8 +57,12 @@ def explain(
     nodes: Mapping[str, node_views_.NodeFacts],
     now: dt.datetime,
     namespace_quotas: Sequence[models.GpuQuota] = (),
+    heartbeats: Mapping[str, str] | None = None,
 ) -> str:
-    """The report `gpualloc explain` prints (pure)."""
+    """The report `gpualloc explain` prints (pure). ``heartbeats``: each node's latest heartbeat
+    (``views.latest_heartbeats``; default: its GpuNodeStatus's own)."""
+    if heartbeats is None:
+        heartbeats = views.latest_heartbeats(statuses.values(), ())
     lines = [f"Claim {claim.key}: {claim.status.phase or constants.PHASE_PENDING}"]
     lines.append(f"  wants:   {describe_request(claim)}")
     if claim.status.phase == constants.PHASE_ALLOCATED:
@@ -81,7 +85,7 @@ def explain(
         nodes=nodes,
         is_taken=taken.__contains__,
         heartbeat_ages={
-            name: node_views_.heartbeat_age_by_clock(s.status, now) for name, s in statuses.items()
+            name: node_views_.heartbeat_age_by_clock(heartbeats.get(name), now) for name in statuses
         },
         stale_after=node_views_.NODE_STALE_AFTER_S,
     )
@@ -143,8 +147,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("name", help="the GpuClaim's name")
     parser.add_argument("-n", "--namespace", default="default", help="the claim's namespace")
     parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
+    views.add_heartbeat_namespace(parser)
     args = parser.parse_args(argv)
     lists = {"claims": None, "statuses": None, "nodes": None, "quotas": args.namespace}
+    lists["heartbeats"] = args.heartbeat_namespace
     raw = views.run_or_exit(views.fetch(args.kubeconfig, lists))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
@@ -155,9 +161,16 @@ def main(argv: Sequence[str]) -> int:
     nodes = {f.name: f for f in (node_views_.node_facts(r) for r in raw["nodes"])}
     namespace_quotas = [codecs.parse_quota(q) for q in raw["quotas"]]
     now = dt.datetime.now(dt.UTC)
+    heartbeats = views.latest_heartbeats(statuses.values(), raw["heartbeats"])
     print(
         explain(
-            claim, claims=claims, statuses=statuses, nodes=nodes, now=now, namespace_quotas=namespace_quotas
+            claim,
+            claims=claims,
+            statuses=statuses,
+            nodes=nodes,
+            now=now,
+            namespace_quotas=namespace_quotas,
+            heartbeats=heartbeats,
         )
     )
     return 0

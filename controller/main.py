@@ -17,6 +17,7 @@ from aiohttp import web
 from controller import cluster, leader, reconciling, running, views
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
+from gpualloc.api import leases as lease_format
 from gpualloc.kube import client
 from gpualloc.runtime import eventloop, options, serving, signals
 from gpualloc.runtime import logging as runtime_logging
@@ -77,7 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-stale-after",
         type=float,
         default=views.NODE_STALE_AFTER_S,
-        help="seconds after which a GpuNodeStatus heartbeat is stale",
+        help="seconds without a new heartbeat (the node's Lease renewed, or its GpuNodeStatus heartbeat"
+        " moved) after which a node is stale",
+    )
+    parser.add_argument(
+        "--heartbeat-namespace",
+        default=None,
+        help="namespace of the agents' heartbeat Leases (default <namespace>-heartbeats)",
     )
     parser.add_argument(
         "--cost-label", default=constants.LABEL_COST_TIER, help="node label read by strategy costOptimized"
@@ -132,6 +139,11 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             namespace=args.namespace,
             workers=args.workers,
             node_stale_after=args.node_stale_after,
+            heartbeat_namespace=(
+                args.heartbeat_namespace
+                if args.heartbeat_namespace is not None
+                else lease_format.heartbeat_namespace(args.namespace)
+            ),
             cost_label=args.cost_label,
             sweep_interval=args.sweep_interval,
             in_use_poll=args.in_use_poll,

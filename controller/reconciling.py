@@ -74,6 +74,7 @@ class Settings:
     namespace: str  # where the device Leases live
     workers: int = 4
     node_stale_after: float = views.NODE_STALE_AFTER_S
+    heartbeat_namespace: str = ""  # where the agents renew their heartbeat Leases; "" = not watched
     cost_label: str = constants.LABEL_COST_TIER
     sweep_interval: float = 30.0
     event_interval: float = EVENT_INTERVAL

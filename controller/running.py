@@ -65,7 +65,12 @@ class Controller:
         self.rng = rng or random.Random()
         self.queue = work_queue.WorkQueue(order=self._order)
         if feeds is None:
-            feeds = reflectors(getattr(cluster, "api"), settings.namespace, settings.claim_selector)  # noqa: B009
+            feeds = reflectors(
+                getattr(cluster, "api"),  # noqa: B009
+                settings.namespace,
+                settings.claim_selector,
+                heartbeat_namespace=settings.heartbeat_namespace,
+            )
         self.feeds = feeds
         self.state = State(
             feeds,

@@ -1,8 +1,9 @@
 """What the controller knows of the cluster: its caches and the indexes kept from their events.
 
-Six feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
+Seven feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
 device Leases (``managed-by=gpualloc`` in the controller's namespace), the
-pods the webhook gated and every GpuQuota. On a real API server each is a
+agents' heartbeat Leases (in their own namespace; optional), the pods the
+webhook gated and every GpuQuota. On a real API server each is a
 ``watching.Reflector``; in the deterministic simulation, an in-memory stand-in
 with the same ``cache`` / ``synced`` / ``on_event`` / ``get``. Each event
 updates the indexes here in O(what changed) and names the claims worth looking
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-FEEDS = ("claims", "node_statuses", "nodes", "leases", "pods", "quotas")
+FEEDS = ("claims", "node_statuses", "nodes", "leases", "heartbeats", "pods", "quotas")
+OPTIONAL_FEEDS = frozenset({"heartbeats"})  # without it, a node's heartbeat is its GpuNodeStatus's
 GONE_KEPT = 10_000  # deleted uids remembered, against late answers to our own writes
 
 
@@ -77,9 +79,11 @@ KEPT: dict[str, Callable[[Obj], Obj]] = {
 }
 
 
-def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, watching.Reflector]:
-    """The feeds on a real API server."""
-    return {
+def reflectors(
+    api: Any, namespace: str, claim_selector: str = "", *, heartbeat_namespace: str = ""
+) -> dict[str, watching.Reflector]:
+    """The feeds on a real API server (the heartbeat Leases' only with ``heartbeat_namespace``)."""
+    feeds = {
         "claims": watching.Reflector(
             api, watching.CLAIMS, label_selector=claim_selector, transform=KEPT["claims"]
         ),
@@ -95,6 +99,11 @@ def reflectors(api: Any, namespace: str, claim_selector: str = "") -> dict[str, 
         ),
         "quotas": watching.Reflector(api, watching.QUOTAS),
     }
+    if heartbeat_namespace:
+        feeds["heartbeats"] = watching.Reflector(
+            api, watching.LEASES, namespace=heartbeat_namespace, label_selector=leases.MANAGED
+        )
+    return feeds
 
 
 def _meta(raw: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -122,6 +131,15 @@ def only_heartbeat_moved(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool
     return old.get("spec") == new.get("spec") and old_status == new_status
 
 
+def _note_beat(beats: dict[str, tuple[str, float]], node: str, beat: str, now: float) -> None:
+    """In ``beats``, when ``node``'s heartbeat text was first seen as it is (``heartbeat_age``)."""
+    seen = beats.get(node)
+    if not beat:
+        beats.pop(node, None)
+    elif seen is None or seen[0] != beat:
+        beats[node] = (beat, now)
+
+
 def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
     """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists."""
     return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices)
@@ -141,7 +159,7 @@ class State:
         monotonic: Callable[[], float] = time.monotonic,
         cost_label: str = constants.LABEL_COST_TIER,
     ) -> None:
-        self.feeds = {name: feeds[name] for name in FEEDS}
+        self.feeds = {name: feeds[name] for name in FEEDS if name in feeds or name not in OPTIONAL_FEEDS}
         self.lease_namespace = lease_namespace
         self.node_stale_after = node_stale_after
         self.wake = wake
@@ -152,6 +170,7 @@ class State:
             "node_statuses": self._on_node_status,
             "nodes": self._on_node,
             "leases": self._on_lease,
+            "heartbeats": self._on_heartbeat,
             "pods": self._on_pod,
             "quotas": self._on_quota,
         }
@@ -175,7 +194,10 @@ class State:
         self._fingerprints: dict[str, Any] = {}
         self.facts: dict[str, views.NodeFacts] = {}
         self.ready_nodes: dict[str, bool] = {}
-        self._beats: dict[str, tuple[str, float]] = {}  # node -> (heartbeat text, monotonic when it changed)
+        # When this process last saw each node's heartbeat move: node -> (heartbeat text, monotonic),
+        # one table for the GpuNodeStatus's lastHeartbeatTime and one for the heartbeat Lease's renewTime.
+        self._beats: dict[str, tuple[str, float]] = {}
+        self._lease_beats: dict[str, tuple[str, float]] = {}
         self._devices_of: dict[str, tuple[str, ...]] = {}  # node -> its device UUIDs
         self._device_node: dict[str, str] = {}  # device UUID -> node
         self._lease_node: dict[str, str] = {}  # device Lease name -> node
@@ -265,10 +287,11 @@ class State:
             yield quota.metadata.namespace, quota.metadata.name, quota.status.used, quota.spec.gpus
 
     def heartbeat_age(self, node: str) -> float | None:
-        """Seconds since this process saw the node's heartbeat change (its own clock, not the agent's:
-        a first sight counts as a change); None without a heartbeat."""
-        beat = self._beats.get(node)
-        return None if beat is None else self.monotonic() - beat[1]
+        """Seconds since this process saw the node's heartbeat change, in its GpuNodeStatus or its
+        heartbeat Lease (on its own clock, not the agent's: a first sight counts as a change);
+        None without a heartbeat."""
+        seen = [beat[1] for beat in (self._beats.get(node), self._lease_beats.get(node)) if beat is not None]
+        return self.monotonic() - max(seen) if seen else None
 
     def node_ready(self, node: str) -> bool:
         status = self.statuses.get(node)
@@ -501,11 +524,8 @@ class State:
             # Most writes are the agent's heartbeat alone: the parsed inventory, its place in
             # the index and its allocator tables (``nodes.prepare``) stay as they are.
             self._status_raw[name] = raw
-            self._note_beat(node, _heartbeat_of(raw))
-            view = self._index.get(node)
-            if view is None or view.ready != self.node_ready(node):
-                self._stale.add(node)
-            self._readiness_changed(node)
+            _note_beat(self._beats, node, _heartbeat_of(raw), self.monotonic())
+            self._beat_seen(node)
             return
         self._status_node.pop(name, None)
         if node is not None:
@@ -521,7 +541,7 @@ class State:
                 self.statuses[node] = parsed
                 self._status_node[name] = node
                 self._status_raw[name] = raw
-                self._note_beat(node, parsed.status.last_heartbeat_time or "")
+                _note_beat(self._beats, node, parsed.status.last_heartbeat_time or "", self.monotonic())
         node = node or name
         if node not in self.statuses:
             self._beats.pop(node, None)
@@ -540,13 +560,20 @@ class State:
         else:
             self._readiness_changed(node)
 
-    def _note_beat(self, node: str, beat: str) -> None:
-        """When this process saw ``node``'s heartbeat change (``heartbeat_age``)."""
-        seen = self._beats.get(node)
-        if not beat:
-            self._beats.pop(node, None)
-        elif seen is None or seen[0] != beat:
-            self._beats[node] = (beat, self.monotonic())
+    def _on_heartbeat(self, type_: str, raw: Obj) -> None:
+        """A node's heartbeat Lease (named after the node) was renewed, created or deleted."""
+        node = str(_meta(raw).get("name", ""))
+        beat = "" if type_ == watching.DELETED else leases.renewed_at(raw)
+        _note_beat(self._lease_beats, node, beat, self.monotonic())
+        if node in self.statuses:
+            self._beat_seen(node)
+
+    def _beat_seen(self, node: str) -> None:
+        """After a heartbeat alone: the node's view is rebuilt only if that changed its readiness."""
+        view = self._index.get(node)
+        if view is None or view.ready != self.node_ready(node):
+            self._stale.add(node)
+        self._readiness_changed(node)
 
     def _readiness_changed(self, node: str) -> None:
         ready = self.node_ready(node)

@@ -67,10 +67,11 @@ def node_ready(inventory: models.NodeInventory, *, heartbeat_age: float | None, 
     return ready and heartbeat_age is not None and heartbeat_age <= stale_after
 
 
-def heartbeat_age_by_clock(inventory: models.NodeInventory, now: datetime.datetime) -> float | None:
-    """Seconds since the heartbeat by the agent's own timestamp: what a one-off reader such as
-    ``gpualloc explain`` can tell (it trusts the agent's clock); None without a heartbeat."""
-    beat = timestamps.parse_time(inventory.last_heartbeat_time)
+def heartbeat_age_by_clock(heartbeat: str | None, now: datetime.datetime) -> float | None:
+    """Seconds since ``heartbeat``, a time the agent wrote (``gpualloc.views.latest_heartbeats``):
+    what a one-off reader such as ``gpualloc explain`` can tell (it trusts the agent's clock);
+    None without a heartbeat."""
+    beat = timestamps.parse_time(heartbeat)
     return None if beat is None else (now - beat).total_seconds()
 
 

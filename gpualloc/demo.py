@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from gpualloc import views
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, leases, models
 from gpualloc.devcluster import cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,6 +136,7 @@ def pod_rows(pods: list[dict[str, Any]]) -> list[list[str]]:
 
 async def summary(api: Any, kubeconfig: Path) -> bool:
     """Print pods, claims and nodes; True when every pod sits where its claim says."""
+    from gpualloc.kube import leases as lease_api
     from gpualloc.kube import resources
 
     now = dt.datetime.now(dt.UTC)
@@ -171,8 +172,11 @@ async def summary(api: Any, kubeconfig: Path) -> bool:
     print(views.format_claims(claims, now, all_namespaces=False))
     raw_nodes = (await resources.CustomResources(api).list_node_statuses())["items"]
     nodes = [codecs.parse_node_status(n) for n in raw_nodes]
+    beats = (await lease_api.list_leases(api, leases.heartbeat_namespace(NAMESPACE)))["items"]
     print("\n=== GPU nodes")
-    print(views.format_nodes(nodes, views.allocated_uuids(claims), now))
+    print(
+        views.format_nodes(nodes, views.allocated_uuids(claims), now, views.latest_heartbeats(nodes, beats))
+    )
     print("\n=== Topology of gpu-node-b (gpualloc topo gpu-node-b)")
     node_b = next(n for n in nodes if n.metadata.name == "gpu-node-b")
     print("\n".join(views.format_topology(node_b).splitlines()[:6]))
@@ -449,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, profile, labels in NODES:
             cp.add_kwok_node(name, {**labels, "gpualloc.dev/profile": profile})
             say(f"  node {name}: a kwok node with a simulated {profile}")
-        cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        for namespace in (NAMESPACE, leases.heartbeat_namespace(NAMESPACE)):  # device Leases; heartbeats
+            cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
         cp.ensure_service_account(DEMO_NAMESPACE)  # pods come before kube-controller-manager makes it
         say(f"starting 3 agents, the controller (device Leases in {NAMESPACE}) and the webhook")
         certs_dir = state / "webhook-certs"

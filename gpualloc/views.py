@@ -18,7 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpualloc.api import codecs, constants, models, timestamps
+from gpualloc.api import codecs, constants, leases, models, timestamps
+
+# Where the chart's default release (namespace gpualloc-system) keeps the agents' heartbeat Leases.
+HEARTBEAT_NAMESPACE = leases.heartbeat_namespace("gpualloc-system")
 
 
 def age(timestamp: str | None, now: dt.datetime) -> str:
@@ -31,6 +34,24 @@ def age(timestamp: str | None, now: dt.datetime) -> str:
         if seconds >= 2 * size or (unit == "m" and seconds >= size):
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def latest_heartbeats(
+    statuses: Iterable[models.GpuNodeStatus], heartbeat_leases: Iterable[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Each node's latest heartbeat, by the agent's clock: its heartbeat Lease's renewTime, or its
+    GpuNodeStatus's lastHeartbeatTime (written with every status change) when that is later."""
+    latest: dict[str, tuple[dt.datetime, str]] = {}
+    stamps = [(s.spec.node_name, s.status.last_heartbeat_time or "") for s in statuses]
+    stamps += [
+        (str((lease.get("metadata") or {}).get("name", "")), leases.renewed_at(lease))
+        for lease in heartbeat_leases
+    ]
+    for node, text in stamps:
+        when = timestamps.parse_time(text)
+        if when is not None and (node not in latest or when > latest[node][0]):
+            latest[node] = (when, text)
+    return {node: text for node, (_, text) in latest.items()}
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -51,7 +72,15 @@ def allocated_uuids(claims: Iterable[models.GpuClaim]) -> dict[str, str]:
     return held
 
 
-def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], now: dt.datetime) -> str:
+def format_nodes(
+    nodes: Sequence[models.GpuNodeStatus],
+    held: dict[str, str],
+    now: dt.datetime,
+    heartbeats: Mapping[str, str] | None = None,
+) -> str:
+    """The node table; HEARTBEAT is the age of ``heartbeats[node]`` (``latest_heartbeats``), else of
+    the GpuNodeStatus's own heartbeat."""
+    beats = heartbeats or {}
     rows = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
         inv = node.status
@@ -92,7 +121,7 @@ def format_nodes(nodes: Sequence[models.GpuNodeStatus], held: dict[str, str], no
                 shared,
                 inv.product or "-",
                 islands,
-                age(inv.last_heartbeat_time, now),
+                age(beats.get(node.spec.node_name) or inv.last_heartbeat_time, now),
             ]
         )
     headers = [
@@ -196,22 +225,29 @@ def kubeconfig_path(explicit: str | None) -> str | None:
 
 async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
     """The items of each list that ``lists`` names (``claims``, ``statuses``: GpuNodeStatuses,
-    ``nodes``: core Nodes, ``quotas``), in the namespace it maps to (None: every namespace; ignored
-    for the cluster-scoped ones), read over one connection."""
-    from gpualloc.kube import client, transport, watching
+    ``nodes``: core Nodes, ``quotas``, ``heartbeats``: the heartbeat Leases), in the namespace it
+    maps to (None: every namespace; ignored for the cluster-scoped ones), read over one connection.
+    The heartbeat Leases are only a better heartbeat: a user who may not list them gets none."""
+    from gpualloc.kube import client, errors, transport, watching
 
     kinds = {
         "claims": watching.CLAIMS,
         "statuses": watching.NODE_STATUSES,
         "nodes": watching.NODES,
         "quotas": watching.QUOTAS,
+        "heartbeats": watching.LEASES,
     }
     api = await client.connect(kubeconfig_path(kubeconfig))
+    out: dict[str, Any] = {}
     try:
-        return {
-            name: (await transport.request(api, "GET", kinds[name].path(namespace)))["items"]
-            for name, namespace in lists.items()
-        }
+        for name, namespace in lists.items():
+            try:
+                out[name] = (await transport.request(api, "GET", kinds[name].path(namespace)))["items"]
+            except (errors.Forbidden, errors.NotFound):
+                if name != "heartbeats":
+                    raise
+                out[name] = []
+        return out
     finally:
         await api.close()
 
@@ -224,6 +260,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     return parser
+
+
+def add_heartbeat_namespace(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--heartbeat-namespace",
+        default=HEARTBEAT_NAMESPACE,
+        help=f"where the agents' heartbeat Leases are (default {HEARTBEAT_NAMESPACE}, the chart's"
+        " agent.heartbeatNamespace in release namespace gpualloc-system)",
+    )
 
 
 def run_or_exit(coro: Any) -> dict[str, Any]:
@@ -254,13 +299,16 @@ def get_main(argv: Sequence[str]) -> int:
     parser.add_argument("what", choices=list(KINDS), help="what to list")
     parser.add_argument("-n", "--namespace", default="default", help="namespace of the claims or quotas")
     parser.add_argument("-A", "--all-namespaces", action="store_true", help="in every namespace")
+    add_heartbeat_namespace(parser)
     args = parser.parse_args(argv)
     what = KINDS[args.what]
     if what == "nodes":
-        raw = run_or_exit(fetch(args.kubeconfig, {"statuses": None, "claims": None}))
+        lists = {"statuses": None, "claims": None, "heartbeats": args.heartbeat_namespace}
+        raw = run_or_exit(fetch(args.kubeconfig, lists))
         nodes = [codecs.parse_node_status(n) for n in raw["statuses"]]
         claims = [codecs.parse_claim(c) for c in raw["claims"]]
-        print(format_nodes(nodes, allocated_uuids(claims), _now()) if nodes else "No GPU nodes found.")
+        beats = latest_heartbeats(nodes, raw["heartbeats"])
+        print(format_nodes(nodes, allocated_uuids(claims), _now(), beats) if nodes else "No GPU nodes found.")
         return 0
     namespace = None if args.all_namespaces else args.namespace
     where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"

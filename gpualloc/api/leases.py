@@ -1,4 +1,4 @@
-"""The device Lease format: name, labels, annotations, holder, finalizer, and reading one back.
+"""The Lease formats: the device locks, and the agents' node heartbeats.
 
 One ``coordination.k8s.io/v1`` Lease per device, in the controller's
 namespace, named ``gpu-<uuid lower case>`` (``constants.lease_name``), held by
@@ -16,6 +16,13 @@ and the kube adapter sends them: all through this module.
 * the finalizer ``gpu.scheduling/device-lock``: a Lease deleted by hand (an
   admin, a script) only gets a deletionTimestamp and goes on existing, so the
   lock holds until the controller releases it and removes the finalizer.
+
+The agents' heartbeats are Leases too (``heartbeat_lease``), as the kubelet's are:
+one per GPU node, named after the node and renewed every heartbeat interval, in
+a namespace of their own (``heartbeat_namespace``), because an agent may write
+there and must not be able to touch a device lock. Renewing a small Lease costs
+the API server a sixth of rewriting the node's GpuNodeStatus (BENCHMARKS.md), so
+the GpuNodeStatus is written only when what it says changes.
 """
 
 from __future__ import annotations
@@ -128,3 +135,33 @@ def device_lease(
         finalizers=(FINALIZER,),
         now=now,
     )
+
+
+HEARTBEAT_NAMESPACE_SUFFIX = "-heartbeats"
+
+
+def heartbeat_namespace(lease_namespace: str) -> str:
+    """Where the heartbeat Leases live by default: ``<device Lease namespace>-heartbeats`` (the
+    chart's ``gpualloc.heartbeatNamespace`` is the same). ValueError when that is longer than a
+    namespace name may be: then it has to be given."""
+    name = lease_namespace + HEARTBEAT_NAMESPACE_SUFFIX
+    if len(name) > 63:
+        raise ValueError(f"{name} is longer than 63 characters: give the heartbeat namespace")
+    return name
+
+
+def heartbeat_lease(namespace: str, *, node: str, now: datetime.datetime) -> Obj:
+    """The heartbeat Lease of ``node``, as its agent first creates it: named after the node, held by it."""
+    return body(
+        namespace, node, holder=node, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, now=now
+    )
+
+
+def renewal(now: datetime.datetime) -> Obj:
+    """The merge patch that renews a heartbeat Lease."""
+    return {"spec": {"renewTime": micro_time(now)}}
+
+
+def renewed_at(raw: Mapping[str, Any]) -> str:
+    """A heartbeat Lease's renewTime as written ("" when it has none)."""
+    return str((raw.get("spec") or {}).get("renewTime") or "")

@@ -1,4 +1,5 @@
-"""coordination.k8s.io/v1 Leases, the device locks: raw JSON dicts (camelCase) in and out.
+"""coordination.k8s.io/v1 Leases, the device locks and the node heartbeats: raw JSON dicts
+(camelCase) in and out.
 
 Bodies go out as dicts (the client serialises them as they are) and answers
 come back unparsed by the client.
@@ -94,4 +95,16 @@ async def list_leases(api: Api, namespace: str, label_selector: str = "") -> Obj
 async def replace_lease(api: Api, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
     """Update the Lease; the body's ``metadata.resourceVersion`` makes it ``errors.Conflict`` if stale."""
     result: Obj = await transport.request(api, "PUT", _path(namespace, name), body=dict(body))
+    return result
+
+
+async def renew(api: Api, namespace: str, name: str, now: datetime.datetime) -> Obj:
+    """Move a heartbeat Lease's renewTime to ``now`` (a merge patch); ``errors.NotFound`` if missing."""
+    result: Obj = await transport.request(
+        api,
+        "PATCH",
+        _path(namespace, name),
+        body=lease_format.renewal(now),
+        content_type=transport.MERGE_PATCH,
+    )
     return result

@@ -128,10 +128,14 @@ async def installed(
     created: list[str] = []
     try:
         for obj in objs:
+            if obj["kind"] == "Namespace":  # the heartbeat namespace, where the agents' Role is
+                control_plane.request("POST", "/api/v1/namespaces", obj)
+                created.append(f"/api/v1/namespaces/{obj['metadata']['name']}")
+        for obj in objs:
             if obj["kind"] not in RBAC_KINDS:
                 continue
             obj["metadata"].pop("annotations", None)  # the certs RBAC are hooks; here plain objects
-            path = COLLECTIONS[obj["kind"]].format(ns=namespace)
+            path = COLLECTIONS[obj["kind"]].format(ns=obj["metadata"].get("namespace", namespace))
             control_plane.request("POST", path, obj)
             if obj["kind"].startswith("Cluster"):
                 created.append(f"{path}/{obj['metadata']['name']}")
@@ -451,7 +455,7 @@ async def test_agent_token_creates_a_node_status_and_patches_its_status(
         await k8s.CustomObjectsApi(api).delete_cluster_custom_object(GROUP, VERSION, "gpunodestatuses", node)
 
 
-async def test_agent_token_is_refused_secrets_claims_and_lease_writes(
+async def test_agent_token_renews_heartbeat_leases_and_is_refused_secrets_claims_and_device_lease_writes(
     installed: Installed, as_component: Callable[[str], Awaitable[k8s.ApiClient]]
 ) -> None:
     ns = installed.namespace
@@ -465,6 +469,17 @@ async def test_agent_token_is_refused_secrets_claims_and_lease_writes(
     await refused(lambda: k8s.CustomObjectsApi(agent).list_cluster_custom_object(GROUP, VERSION, "gpuclaims"))
     await refused(lambda: core.list_node())  # get only: the node labels option is off
     await refused(lambda: core.patch_node("anything", {"metadata": {"labels": {"x": "y"}}}))
+    # Its heartbeat: a Lease in the heartbeat namespace, created and renewed; nothing more there.
+    beats, coordination = f"{ns}-heartbeats", k8s.CoordinationV1Api(agent)
+    await allowed(lambda: coordination.create_namespaced_lease(beats, _lease("node-a")))
+    await allowed(
+        lambda: coordination.patch_namespaced_lease("node-a", beats, {"spec": {"holderIdentity": "x"}})
+    )
+    await refused(lambda: coordination.delete_namespaced_lease("node-a", beats))
+    await refused(lambda: coordination.list_namespaced_lease(beats))
+    controller = k8s.CoordinationV1Api(await as_component("controller"))
+    await allowed(lambda: controller.list_namespaced_lease(beats))  # the controller reads them, only
+    await refused(lambda: controller.create_namespaced_lease(beats, _lease("node-b")))
 
 
 # ----------------------------------------------------------------------------- certs

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import datetime
 import json
 import os
 import re
@@ -42,7 +44,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpualloc.api import constants
+from gpualloc.api import constants, leases
 from gpualloc.devcluster import binaries
 from gpualloc.devcluster import cluster as cluster_mod
 from gpualloc.kube import client as kube_client
@@ -798,7 +800,11 @@ class Agent:
         return self.process.returncode
 
 
-async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> None:
+def heartbeat_lease(node: str, namespace: str) -> dict[str, Any]:
+    return leases.heartbeat_lease(namespace, node=node, now=datetime.datetime.now(datetime.UTC))
+
+
+async def test_agent_token_writes_only_its_own_nodes_status_and_heartbeat_lease(setup: Setup) -> None:
     agent_account = f"{setup.fullname}-agent"
     clients: list[Api] = []
     try:
@@ -858,6 +864,26 @@ async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> Non
         )
         assert "carries no node name" in message
 
+        # Heartbeat Leases: its own node's, in the heartbeat namespace; not another node's; and no
+        # Lease at all where the device Leases (the locks) are.
+        beats = f"/apis/coordination.k8s.io/v1/namespaces/{setup.system}-heartbeats/leases"
+        await call(agents[mine], "POST", beats, body=heartbeat_lease(mine, f"{setup.system}-heartbeats"))
+        renewal = leases.renewal(datetime.datetime.now(datetime.UTC))
+        await call(agents[mine], "PATCH", f"{beats}/{mine}", body=renewal, content_type=transport.MERGE_PATCH)
+        message = await refused(
+            call(agents[mine], "POST", beats, body=heartbeat_lease(other, f"{setup.system}-heartbeats"))
+        )
+        assert f"only the heartbeat Lease of the node its pod runs on ({mine}), not {other}" in message
+        await call(agents[other], "POST", beats, body=heartbeat_lease(other, f"{setup.system}-heartbeats"))
+        message = await refused(
+            call(agents[mine], "PATCH", f"{beats}/{other}", body=renewal, content_type=transport.MERGE_PATCH)
+        )
+        assert f"({mine}), not {other}" in message
+        locks = f"/apis/coordination.k8s.io/v1/namespaces/{setup.system}/leases"
+        message = await refused(call(agents[mine], "POST", locks, body=heartbeat_lease(mine, setup.system)))
+        assert "cannot create resource" in message, message  # RBAC: not in the device Lease namespace
+        await call(setup.admin, "DELETE", f"{beats}/{mine}")
+
         # The CRD: a GpuNodeStatus is named after its node, whoever writes it.
         with pytest.raises(errors.KubeError) as invalid:
             await call(setup.admin, "POST", NODE_STATUSES, body=status_body(other, name="elsewhere"))
@@ -882,6 +908,15 @@ async def test_agent_token_writes_only_its_own_nodes_status(setup: Setup) -> Non
                 return bool((got.get("status") or {}).get("total") == 8)
 
             await eventually("the agent to publish its node's 8 GPUs", published, within=60)
+            renewals: set[str] = set()
+
+            async def renewed_twice() -> bool:  # created at its first heartbeat, then renewed: every 5 s
+                with contextlib.suppress(errors.NotFound):
+                    got = await call(setup.admin, "GET", f"{beats}/{mine}")
+                    renewals.add(got["spec"]["renewTime"])
+                return len(renewals) >= 2
+
+            await eventually("the agent to create and renew its heartbeat Lease", renewed_twice, within=30)
         finally:
             assert agent.stop() == 0, agent.log.read_text()[-3000:]
         # A whole-word 403 only: log lines carry timestamps and uids in which 403 turns up by chance.

@@ -99,7 +99,15 @@ async def gpu_node(
     node = f"real-gpu-{run}"
     labels = {constants.HOSTNAME_LABEL: node, RUN_LABEL: run}
     await create_ready_node(api, node, labels)
-    flags = ["--source", "nvml", "--lease-namespace", namespace, "--node-labels"]
+    flags = [
+        "--source",
+        "nvml",
+        "--lease-namespace",
+        namespace,
+        "--heartbeat-namespace",
+        namespace,
+        "--node-labels",
+    ]
     async with running_agent(control_plane, kubeconfig, node, *flags):  # deletes the Node afterwards
         yield node, run
 

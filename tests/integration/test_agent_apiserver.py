@@ -3,11 +3,12 @@
 What the API server proves here: the published GpuNodeStatus passes the CRD's
 schema (a write that did not would be refused with 422) and survives pruning
 (what is read back equals what was derived); the ownerReference points at the
-Node; with nothing changing only heartbeats are written (counted in the API
-server's own audit log); an injected XID reaches the API within 2 s; an API
-server restart does not stop publishing; NVML init failure is published as
-NvmlReady=False and recovery follows; an injected stray GPU process is published
-in ``unexpectedProcesses`` within one heartbeat, with a Warning Event on the Node.
+Node; with nothing changing only heartbeats are written, the heartbeat Lease's
+renewals and a status refresh every tenth (counted in the API server's own audit
+log); an injected XID reaches the API within 2 s; an API server restart does not
+stop publishing; NVML init failure is published as NvmlReady=False and recovery
+follows; an injected stray GPU process is published in ``unexpectedProcesses``
+within one heartbeat, with a Warning Event on the Node.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ async def test_agent_publishes_a_schema_valid_status_owned_by_its_node(
         "h100-sxm-8",
         "--lease-namespace",
         namespace,
+        "--heartbeat-namespace",
+        namespace,
         "--node-labels",
     ]
     async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
@@ -181,8 +184,11 @@ async def test_agent_without_a_node_object_creates_the_status_without_owner(
         assert {ln["type"] for ln in obj["status"]["links"]} == {"PIX", "NODE", "SYS"}
 
 
-def _audit_writes(audit_log: Path, node: str) -> list[dt.datetime]:
-    """Times of create/update/patch requests on this node's GpuNodeStatus, from the audit log."""
+def _audit_writes(
+    audit_log: Path, node: str, resource: str = constants.NODE_STATUS_PLURAL
+) -> list[dt.datetime]:
+    """Times of create/update/patch requests on this node's ``resource`` (its GpuNodeStatus, or
+    ``leases``: its heartbeat Lease), from the audit log."""
     out = []
     for line in audit_log.read_text().splitlines():
         try:
@@ -193,18 +199,21 @@ def _audit_writes(audit_log: Path, node: str) -> list[dt.datetime]:
         if (
             event.get("stage") == "ResponseComplete"
             and event.get("verb") in ("create", "update", "patch")
-            and ref.get("resource") == constants.NODE_STATUS_PLURAL
+            and ref.get("resource") == resource
             and ref.get("name") == node
         ):
             out.append(dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00")))
     return out
 
 
-async def test_two_minutes_without_change_write_only_heartbeats(control_plane: Any, kubeconfig: str) -> None:
+async def test_two_minutes_without_change_renew_only_the_heartbeat_lease_and_refresh_the_status_once(
+    control_plane: Any, kubeconfig: str, namespace: str
+) -> None:
     node = _node_name("agent-quiet")
     _create_node(control_plane, node)
     interval, window = 10.0, 120.0
     flags = ["--source", "simulated", "--profile", "a100-sxm-8", "--heartbeat-interval", str(interval)]
+    flags += ["--heartbeat-namespace", namespace]
     flags += ["--scan-interval", "2"]  # scans wake the publisher often; none of them may write
     async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
         await _until(control_plane, node, _published(8), 15)
@@ -213,15 +222,22 @@ async def test_two_minutes_without_change_write_only_heartbeats(control_plane: A
         end = dt.datetime.now(dt.UTC)
         assert agent.publisher is not None
         writes = dict(agent.publisher.writes)
-    in_window = [t for t in _audit_writes(control_plane.audit_log, node) if start <= t < end]
+        lease = control_plane.request(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{node}"
+        )
+    statuses = [t for t in _audit_writes(control_plane.audit_log, node) if start <= t < end]
+    renewals = [t for t in _audit_writes(control_plane.audit_log, node, "leases") if start <= t < end]
     expected = window / interval
     print(
-        f"writes to GpuNodeStatus/{node} in {window:.0f} s: {len(in_window)}"
-        f" (expected {expected:.0f} heartbeats)"
+        f"in {window:.0f} s: {len(renewals)} heartbeat Lease writes, {len(statuses)} GpuNodeStatus writes"
+        f" (expected {expected:.0f}, one in {publishing.STATUS_REFRESH_INTERVALS} a status refresh)"
     )
-    assert abs(len(in_window) - expected) <= 1, (len(in_window), in_window)
-    # The agent's own tally: one create, one full status write at start, the rest heartbeats.
+    assert abs(len(renewals) + len(statuses) - expected) <= 1, (renewals, statuses)
+    assert 1 <= len(statuses) <= 2, statuses  # the status's own heartbeat, every tenth interval
+    # The agent's own tally: one create and one full status write at start, then heartbeats.
     assert (writes["create"], writes["status"]) == (1, 1)
+    assert writes["heartbeat"] >= expected - 3 and writes["refresh"] >= 1, writes
+    assert lease["spec"]["holderIdentity"] == node
     assert agent.scans >= 50
 
 
@@ -346,6 +362,8 @@ async def test_an_injected_stray_process_is_reported_within_one_heartbeat_with_a
         "--xid-inject-file",
         str(inject),
         "--lease-namespace",
+        namespace,
+        "--heartbeat-namespace",
         namespace,
         "--heartbeat-interval",
         str(heartbeat),

@@ -57,6 +57,26 @@ def test_bad_profile_exits_with_usage_error(monkeypatch: pytest.MonkeyPatch) -> 
     assert rc == main.EXIT_USAGE
 
 
+@pytest.mark.parametrize(
+    "flags, namespace",
+    [
+        (["--lease-namespace", "gpualloc-system"], "gpualloc-system-heartbeats"),  # the chart's default
+        (["--lease-namespace", "gpualloc-system", "--heartbeat-namespace", "beats"], "beats"),
+        (
+            ["--lease-namespace", "gpualloc-system", "--heartbeat-namespace", ""],
+            "",
+        ),  # the status carries them
+        (["--lease-namespace", ""], ""),
+    ],
+)
+def test_the_heartbeat_lease_namespace_follows_the_lease_namespace_unless_given(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], namespace: str
+) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    args = main.parse_args(["--node-name", "n1", "--source", "simulated", *flags])
+    assert main.Agent(args).heartbeat_namespace() == namespace
+
+
 def _nvml_agent(machine: fake.FakeMachine, *extra: str) -> tuple[main.Agent, fake.FakeNvml]:
     lib = fake.FakeNvml(machine)
     args = main.parse_args(["--node-name", "n1", "--health-port", "0", "--metrics-port", "0", *extra])

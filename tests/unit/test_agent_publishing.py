@@ -96,16 +96,26 @@ NODE_OBJ = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid"
 
 
 def _publisher(
-    stub: StubResources, clock: Clock, node: dict[str, Any] | None = NODE_OBJ
+    stub: StubResources,
+    clock: Clock,
+    node: dict[str, Any] | None = NODE_OBJ,
+    renewed: list[dt.datetime] | None = None,
 ) -> publishing.Publisher:
+    """A publisher on ``stub``; with ``renewed``, it renews a heartbeat Lease (recorded there)."""
+
     async def lookup(name: str) -> dict[str, Any] | None:
         return copy.deepcopy(node) if node else None
+
+    async def renew(now: dt.datetime) -> None:
+        assert renewed is not None
+        renewed.append(now)
 
     return publishing.Publisher(
         stub,  # type: ignore[arg-type]
         NODE,
         heartbeat_interval=10.0,
         node_lookup=lookup,
+        renew_heartbeat=renew if renewed is not None else None,
         wall_clock=clock.wall,
         monotonic=clock.mono,
     )
@@ -145,7 +155,29 @@ async def test_missing_node_creates_without_owner_reference_and_warns(
     assert any("without an ownerReference" in r.getMessage() for r in caplog.records)
 
 
-async def test_without_change_only_heartbeats_are_written_once_per_interval() -> None:
+async def test_without_change_the_lease_is_renewed_each_interval_and_the_status_every_tenth() -> None:
+    stub, clock, renewed = StubResources(), Clock(), []
+    pub = _publisher(stub, clock, renewed=renewed)
+    inv = _inventory()
+    assert await pub.step(inv) == "status"
+    results = []
+    for _ in range(200):  # 200 s in 1 s rounds; the interval is 10 s
+        clock.t += 1.0
+        results.append(await pub.step(inv))
+    assert results.count("heartbeat") == 18 and results.count("refresh") == 2, results
+    assert results.count("status") == 0
+    assert renewed[0] == clock.wall() - dt.timedelta(seconds=190), "the first renewal one interval in"
+    refreshes = [body for kind, body in stub.calls if kind == "status"][1:]
+    assert [patch["status"]["lastHeartbeatTime"] for patch, _ in refreshes] == [
+        "2026-11-23T12:01:40Z",
+        "2026-11-23T12:03:20Z",
+    ]
+    assert all(
+        set(patch["status"]) == {"lastHeartbeatTime", "conditions"} and rv is None for patch, rv in refreshes
+    )
+
+
+async def test_without_a_heartbeat_namespace_the_status_carries_every_heartbeat() -> None:
     stub, clock = StubResources(), Clock()
     pub = _publisher(stub, clock)
     inv = _inventory()
@@ -154,7 +186,7 @@ async def test_without_change_only_heartbeats_are_written_once_per_interval() ->
     for _ in range(30):  # 30 s in 1 s rounds
         clock.t += 1.0
         results.append(await pub.step(inv))
-    assert results.count("heartbeat") == 3 and results.count("status") == 0
+    assert results.count("refresh") == 3 and results.count("status") == 0
     beat = [body for kind, body in stub.calls if kind == "status"][-1]
     patch, rv = beat
     assert set(patch["status"]) == {"lastHeartbeatTime", "conditions"}

@@ -27,6 +27,7 @@ from gpualloc.devcluster import binaries
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 RELEASE = "ga"
 NAMESPACE = "gpu-system"
+HEARTBEATS = f"{NAMESPACE}-heartbeats"
 KUBE_VERSION = "1.36.0"  # the API server the e2e tests run
 FULLNAME = f"{RELEASE}-gpualloc"
 CLAIM_CONDITION = "has(object.metadata.annotations) && 'gpu.scheduling/claim' in object.metadata.annotations"
@@ -347,6 +348,41 @@ def test_controller_counts_a_node_stale_after_four_of_the_agents_heartbeat_inter
     )
 
 
+@pytest.mark.parametrize("value, namespace", [(None, HEARTBEATS), ("gpu-beats", "gpu-beats")])
+def test_the_chart_makes_the_heartbeat_namespace_and_tells_the_agent_and_the_controller(
+    value: str | None, namespace: str
+) -> None:
+    objs = render(**({"agent__heartbeatNamespace": value} if value else {}))
+    made = one(objs, "Namespace", namespace)
+    assert made["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for kind, name in (("DaemonSet", f"{FULLNAME}-agent"), ("Deployment", f"{FULLNAME}-controller")):
+        args = one(objs, kind, name)["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--heartbeat-namespace={namespace}" in args, kind
+
+
+@pytest.mark.parametrize(
+    "release_namespace, value, error",
+    [
+        (NAMESPACE, NAMESPACE, "must not be the release namespace"),
+        ("n" * 53, "", "longer than 63 characters: set agent.heartbeatNamespace"),  # 53 + "-heartbeats"
+    ],
+)
+def test_the_chart_refuses_a_heartbeat_namespace_that_is_the_device_lease_namespace_or_too_long(
+    release_namespace: str, value: str, error: str
+) -> None:
+    result = _run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        release_namespace,
+        "--set",
+        f"agent.heartbeatNamespace={value}",
+    )
+    assert result.returncode != 0
+    assert error in result.stderr
+
+
 def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
     objs = render()
     deployment = one(objs, "Deployment", f"{FULLNAME}-webhook")
@@ -489,7 +525,7 @@ def _rules_of(objs: list[Obj], component: str) -> set[tuple[str, str, str, str, 
             continue
         ref = binding["roleRef"]
         role = one(objs, ref["kind"], ref["name"])
-        scope = NAMESPACE if binding["kind"] == "RoleBinding" else "*"
+        scope = binding["metadata"]["namespace"] if binding["kind"] == "RoleBinding" else "*"
         for rule in role["rules"]:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
@@ -508,7 +544,7 @@ def test_webhook_may_only_read_claims() -> None:
     assert granted == {("*", "gpu.scheduling", "gpuclaims", v, ()) for v in ("get", "list", "watch")}
 
 
-def test_agent_may_write_node_statuses_read_leases_and_nothing_secret() -> None:
+def test_agent_may_write_node_statuses_and_heartbeat_leases_read_device_leases_and_nothing_secret() -> None:
     granted = _rules_of(render(), "agent")
     _no_wildcards(granted)
     expected = {
@@ -518,6 +554,10 @@ def test_agent_may_write_node_statuses_read_leases_and_nothing_secret() -> None:
     expected |= {("*", "gpu.scheduling", "gpunodestatuses/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", "get", ())}
     expected |= {(NAMESPACE, "coordination.k8s.io", "leases", v, ()) for v in ("list", "watch")}
+    # Its heartbeat Lease, in a namespace where no device Lease is (not even get or list there).
+    expected |= {
+        (HEARTBEATS, "coordination.k8s.io", "leases", v, ()) for v in ("get", "create", "update", "patch")
+    }
     audit = {("*", "", "pods", v, ()) for v in ("list", "watch")}  # the usage audit (default on)
     audit |= {("*", group, "events", "create", ()) for group in ("", "events.k8s.io")}
     assert granted == expected | audit
@@ -561,6 +601,7 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
         (NAMESPACE, "coordination.k8s.io", "leases", v, ())
         for v in ("get", "list", "watch", "create", "update", "patch", "delete")
     }
+    expected |= {(HEARTBEATS, "coordination.k8s.io", "leases", v, ()) for v in ("list", "watch")}  # read only
     assert granted == expected
     # Leases only in its own namespace: a lock elsewhere locks nothing.
     assert not any(r == "leases" and scope == "*" for scope, _, r, _, _ in granted)
@@ -906,7 +947,14 @@ def test_node_identity_policy_binds_the_agent_to_its_own_node() -> None:
             "apiVersions": ["*"],
             "operations": ["CREATE", "UPDATE"],
             "resources": ["gpunodestatuses", "gpunodestatuses/status"],
-        }
+        },
+        # The agent may write Leases only in the heartbeat namespace (RBAC): its own node's.
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["leases"],
+        },
     ]
     agent = f"system:serviceaccount:{NAMESPACE}:{FULLNAME}-agent"
     assert policy["matchConditions"] == [
@@ -918,7 +966,7 @@ def test_node_identity_policy_binds_the_agent_to_its_own_node() -> None:
     assert "object.?spec.?nodeName.orValue('') == variables.node[0]" in checks
     # agent.nodeLabels grants patch nodes: the same check covers the Node it labels.
     labelled = one(render(agent__nodeLabels__enabled="true"), "ValidatingAdmissionPolicy", NODE_IDENTITY)
-    assert labelled["spec"]["matchConstraints"]["resourceRules"][1] == {
+    assert labelled["spec"]["matchConstraints"]["resourceRules"][2] == {
         "apiGroups": [""],
         "apiVersions": ["v1"],
         "operations": ["UPDATE"],

@@ -622,6 +622,34 @@ def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_what
     assert st.node_ready("n1")
 
 
+@pytest.mark.parametrize("skew_hours", [-5.0, 5.0])
+def test_a_renewed_heartbeat_lease_keeps_a_node_fresh_while_its_status_stands_still(
+    skew_hours: float,
+) -> None:
+    mono = [1000.0]
+    st, feeds = state_on_fake_feeds(monotonic=lambda: mono[0])
+    agent_clock = NOW + datetime.timedelta(hours=skew_hours)
+    feeds["node_statuses"].put(codecs.encode(status("n1", inventory(1, heartbeat=agent_clock))))
+    parsed = st.statuses["n1"]
+
+    def renew(seconds: float) -> None:
+        at = agent_clock + datetime.timedelta(seconds=seconds)
+        feeds["heartbeats"].put(leases.heartbeat_lease("gpualloc-system-heartbeats", node="n1", now=at))
+
+    mono[0] += 100
+    renew(100)
+    mono[0] += 100
+    assert st.node_ready("n1"), "100 s since the Lease was renewed, 200 s since the status moved"
+    mono[0] += 21
+    assert not st.node_ready("n1") and not st.node_index().get("n1").ready
+    renew(221)
+    assert st.node_ready("n1") and st.node_index().get("n1").ready, "a renewal revives it"
+    assert st.statuses["n1"] is parsed
+    feeds["heartbeats"].delete("n1")
+    mono[0] += 121
+    assert not st.node_ready("n1"), "no Lease and no status heartbeat for 121 s"
+
+
 def test_a_heartbeat_alone_keeps_the_parsed_node_and_wakes_nothing_until_it_revives_a_stale_node() -> None:
     mono = [1000.0]
     woken: list[str] = []

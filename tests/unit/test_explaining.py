@@ -11,7 +11,7 @@ import pytest
 
 from controller import explaining, views
 from gpualloc import views as cli_views
-from gpualloc.api import codecs, models
+from gpualloc.api import codecs, leases, models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 READY = models.Condition(type="Ready", status="True", reason="Heartbeat")
@@ -182,14 +182,16 @@ def test_explain_names_whom_a_claim_that_does_not_fit_would_preempt() -> None:
     assert "preempt: no claim of lower priority in its namespace frees enough" in out
 
 
-def test_explain_main_reads_the_claims_statuses_nodes_and_the_namespaces_quotas(
+def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_and_the_namespaces_quotas(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     asked: list[Mapping[str, str | None]] = []
     claim = _claim("a100-quad", "u1", product="NVIDIA A100*")
     node = _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)
-    beat = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # main judges freshness by the clock
-    node = dataclasses.replace(node, status=dataclasses.replace(node.status, last_heartbeat_time=beat))
+    now = dt.datetime.now(dt.UTC)  # main judges freshness by the clock
+    an_hour_ago = (now - dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    node = dataclasses.replace(node, status=dataclasses.replace(node.status, last_heartbeat_time=an_hour_ago))
+    lease = leases.heartbeat_lease(cli_views.HEARTBEAT_NAMESPACE, node="gpu-node-a", now=now)
 
     async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
         asked.append(lists)
@@ -198,10 +200,24 @@ def test_explain_main_reads_the_claims_statuses_nodes_and_the_namespaces_quotas(
             "statuses": [codecs.encode(node)],
             "nodes": [{"metadata": {"name": "gpu-node-a"}, "spec": {}}],
             "quotas": [],
+            "heartbeats": [lease] if renewed else [],
         }
 
     monkeypatch.setattr(cli_views, "fetch", fetch)
+    renewed = True
     assert explaining.main(["claim", "a100-quad"]) == 0
-    assert asked == [{"claims": None, "statuses": None, "nodes": None, "quotas": "default"}]
+    assert asked == [
+        {
+            "claims": None,
+            "statuses": None,
+            "nodes": None,
+            "quotas": "default",
+            "heartbeats": "gpualloc-system-heartbeats",
+        }
+    ]
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu-node-a"))
-    assert "A100" in row  # the node's own reason: no device matches the product glob
+    assert "A100" in row  # fresh by its Lease: the node's own reason, no device matches the product glob
+    renewed = False  # the status's heartbeat alone is an hour old: not ready
+    assert explaining.main(["claim", "a100-quad"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu-node-a"))
+    assert "heartbeat stale" in row, row

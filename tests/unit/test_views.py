@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpualloc import views
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, leases, models
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -210,11 +210,21 @@ def test_get_quota_says_so_when_there_is_none(
 def test_get_nodes_reads_every_status_and_claim_and_lists_the_nodes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fetch = FakeFetch({"statuses": [codecs.encode(_node("node-a", 4))], "claims": []})
+    fetch = FakeFetch({"statuses": [codecs.encode(_node("node-a", 4))], "claims": [], "heartbeats": []})
     monkeypatch.setattr(views, "fetch", fetch)
     assert views.get_main(["nodes"]) == 0
-    assert fetch.asked == [{"statuses": None, "claims": None}]
+    assert fetch.asked == [{"statuses": None, "claims": None, "heartbeats": "gpualloc-system-heartbeats"}]
     assert capsys.readouterr().out.splitlines()[1].split()[0] == "node-a"
+
+
+def test_the_latest_heartbeat_is_the_lease_renewal_or_the_status_write_whichever_is_later() -> None:
+    a, b = _node("node-a", 1), _node("node-b", 1)  # status heartbeats 11:59:30
+    renewed = leases.heartbeat_lease("hb", node="node-a", now=NOW - dt.timedelta(seconds=5))
+    stale = leases.heartbeat_lease("hb", node="node-b", now=NOW - dt.timedelta(hours=1))
+    beats = views.latest_heartbeats([a, b], [renewed, stale])
+    assert beats == {"node-a": "2026-11-23T11:59:55.000000Z", "node-b": "2026-11-23T11:59:30Z"}
+    rows = views.format_nodes([a, b], {}, NOW, beats).splitlines()
+    assert rows[1].split()[-1] == "5s" and rows[2].split()[-1] == "30s"
 
 
 def test_topo_reads_every_status_and_prints_the_named_nodes_matrix(

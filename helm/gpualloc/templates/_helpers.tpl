@@ -32,6 +32,19 @@ unless the release name already contains the chart name.
 {{- define "gpualloc.webhook.configName" -}}{{ include "gpualloc.fullname" . }}{{- end -}}
 {{- define "gpualloc.webhook.certName" -}}{{ include "gpualloc.fullname" . }}-webhook-serving{{- end -}}
 
+{{/* Where the agents renew their heartbeat Leases: a namespace of its own, which the agents
+may write and the device Leases are not in (gpualloc.api.leases.heartbeat_namespace). */}}
+{{- define "gpualloc.heartbeatNamespace" -}}
+{{- $name := .Values.agent.heartbeatNamespace | default (printf "%s-heartbeats" .Release.Namespace) -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "the heartbeat namespace %s is longer than 63 characters: set agent.heartbeatNamespace" $name) -}}
+{{- end -}}
+{{- if eq $name .Release.Namespace -}}
+{{- fail "agent.heartbeatNamespace must not be the release namespace, where the device Leases are" -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
 {{- define "gpualloc.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
