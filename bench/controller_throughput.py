@@ -3,7 +3,8 @@
 Starts a control plane (``gpualloc.devcluster``) with the chart's
 claim-finalizer MutatingAdmissionPolicy, publishes N simulated GPU nodes (a
 Node plus a GpuNodeStatus each, default 100 x 8 GPUs) that heartbeat every
-``--heartbeat`` seconds as the agents do, measures the Lease-create ceiling of
+``--heartbeat`` seconds as the agents do (their heartbeat Lease renewed, and every
+tenth time the GpuNodeStatus's own heartbeat instead), measures the Lease-create ceiling of
 this client library against this API server, then starts ``gpualloc
 controller`` as a process and creates M claims (default 400, sizes 1/2/4/8).
 By default they are created as fast as the API server takes them
@@ -43,6 +44,7 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -64,7 +66,9 @@ import procfs
 import webhook_request
 import webhook_vegeta
 
+from agent import publishing
 from gpualloc.api import constants
+from gpualloc.api import leases as lease_format
 from gpualloc.devcluster import binaries, cluster
 from gpualloc.kube import client, errors, leases, resources, transport, watching
 
@@ -168,16 +172,22 @@ async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
-async def heartbeats(api: Api, names: list[str], interval: float) -> None:
-    """Each node's agent heartbeat every ``interval`` seconds, spread evenly, until cancelled."""
+async def heartbeats(api: Api, names: list[str], interval: float, namespace: str) -> None:
+    """Each node's agent heartbeat every ``interval`` seconds, spread evenly, until cancelled: as
+    ``agent.publishing`` does, the node's heartbeat Lease in ``namespace`` is renewed, and every
+    ``STATUS_REFRESH_INTERVALS``-th time the GpuNodeStatus's own heartbeat is written instead."""
     crs = resources.CustomResources(api)
     gap = interval / max(1, len(names))
-    while True:
-        for name in names:
+    for rounds in itertools.count():
+        for i, name in enumerate(names):
             started = time.monotonic()
-            now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            now = datetime.datetime.now(datetime.UTC)
             with contextlib.suppress(errors.KubeError):
-                await crs.patch_node_status_status(name, {"status": {"lastHeartbeatTime": now}})
+                if (rounds + i) % publishing.STATUS_REFRESH_INTERVALS == 0:
+                    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+                    await crs.patch_node_status_status(name, {"status": {"lastHeartbeatTime": stamp}})
+                else:
+                    await publishing.heartbeat_renewer(api, namespace, name)(now)
             await asyncio.sleep(max(0.0, gap - (time.monotonic() - started)))
 
 
@@ -361,12 +371,13 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
     api = await client.connect(str(plane.kubeconfig), connections=args.concurrency + 8)
     rng = random.Random(args.seed)
     claims_ns, lease_ns, scratch_ns = "bench", "gpualloc-system", "bench-ceiling"
+    heartbeat_ns = lease_format.heartbeat_namespace(lease_ns)  # the controller's default
     controller: subprocess.Popen[bytes] | None = None
     webhook: subprocess.Popen[bytes] | None = None
     watcher: asyncio.Task[None] | None = None
     beating: asyncio.Task[None] | None = None
     try:
-        for ns in (claims_ns, lease_ns, scratch_ns):
+        for ns in (claims_ns, lease_ns, heartbeat_ns, scratch_ns):
             await retrying(
                 lambda ns=ns: transport.request(
                     api, "POST", "/api/v1/namespaces", body={"metadata": {"name": ns}}
@@ -378,7 +389,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         await bounded(16, [(lambda n=n: create_node(api, n, args.gpus)) for n in node_names])
         print(f"{args.nodes} nodes published", flush=True)
         if args.heartbeat > 0:
-            beating = asyncio.create_task(heartbeats(api, node_names, args.heartbeat))
+            beating = asyncio.create_task(heartbeats(api, node_names, args.heartbeat, heartbeat_ns))
         ceiling = await lease_ceiling(api, scratch_ns, args.ceiling_leases, args.ceiling_concurrency)
         print(f"lease-create ceiling: {ceiling['creates_per_second']} creates/s", flush=True)
 
