@@ -281,6 +281,9 @@ def test_cert_manager_issues_the_chain_and_cainjector_fills_the_ca_bundle_the_we
     control_plane: Any, cert_manager: Path, namespace: str, tmp_path: Path
 ) -> None:
 
+    # kube-controller-manager finishes deleting namespaces: `helm uninstall --wait` waits for the
+    # heartbeat namespace the chart made.
+    control_plane.ensure_controller_manager()
     helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
     release = f"cm{uuid.uuid4().hex[:6]}"
     fullname = f"{release}-gpualloc"
