@@ -431,9 +431,11 @@ class Agent:
                 self.node_name,
                 heartbeat_interval=self.args.heartbeat_interval,
                 node_lookup=self.lookup_node,
-                renew_heartbeat=publishing.heartbeat_renewer(self._api, beats, self.node_name)
-                if beats
-                else None,
+                renew_heartbeat=(
+                    publishing.heartbeat_renewer(self._api, beats, self.node_name, self.lookup_node)
+                    if beats
+                    else None
+                ),
                 metrics=self.metrics,
             )
             runners.extend(

@@ -201,14 +201,17 @@ def node_labels(inv: models.NodeInventory) -> dict[str, str]:
     }
 
 
-def heartbeat_renewer(api: Api, namespace: str, node_name: str) -> Renew:
-    """Renews ``node_name``'s heartbeat Lease in ``namespace``, creating it when it is missing."""
+def heartbeat_renewer(api: Api, namespace: str, node_name: str, node_lookup: NodeLookup) -> Renew:
+    """Renews ``node_name``'s heartbeat Lease in ``namespace``, creating it when it is missing,
+    owned by the Node when there is one (the garbage collector deletes it with the Node)."""
 
     async def renew(now: dt.datetime) -> None:
         try:
             await leases.renew(api, namespace, node_name, now)
         except errors.NotFound:
-            body = lease_format.heartbeat_lease(namespace, node=node_name, now=now)
+            node = await node_lookup(node_name)
+            owner = owner_reference(node) if node is not None else None
+            body = lease_format.heartbeat_lease(namespace, node=node_name, now=now, owner=owner)
             with contextlib.suppress(errors.AlreadyExists):  # another round of ours made it meanwhile
                 await leases.create(api, namespace, body)
 

@@ -172,6 +172,11 @@ async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
+async def no_node(name: str) -> None:
+    """The bench's heartbeat Leases need no owner: they go with the control plane."""
+    return None
+
+
 async def heartbeats(api: Api, names: list[str], interval: float, namespace: str) -> None:
     """Each node's agent heartbeat every ``interval`` seconds, spread evenly, until cancelled: as
     ``agent.publishing`` does, the node's heartbeat Lease in ``namespace`` is renewed, and every
@@ -187,7 +192,7 @@ async def heartbeats(api: Api, names: list[str], interval: float, namespace: str
                     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
                     await crs.patch_node_status_status(name, {"status": {"lastHeartbeatTime": stamp}})
                 else:
-                    await publishing.heartbeat_renewer(api, namespace, name)(now)
+                    await publishing.heartbeat_renewer(api, namespace, name, no_node)(now)
             await asyncio.sleep(max(0.0, gap - (time.monotonic() - started)))
 
 

@@ -188,9 +188,8 @@ class State:
         # Nodes.
         self.statuses: dict[str, models.GpuNodeStatus] = {}  # node name -> parsed
         self._status_node: dict[str, str] = {}  # GpuNodeStatus name -> node name
-        self._status_raw: dict[
-            str, Obj
-        ] = {}  # GpuNodeStatus name -> the cached object last parsed or compared
+        # GpuNodeStatus name -> the cached object last parsed or compared with the one before.
+        self._status_raw: dict[str, Obj] = {}
         self._fingerprints: dict[str, Any] = {}
         self.facts: dict[str, views.NodeFacts] = {}
         self.ready_nodes: dict[str, bool] = {}

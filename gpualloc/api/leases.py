@@ -150,11 +150,18 @@ def heartbeat_namespace(lease_namespace: str) -> str:
     return name
 
 
-def heartbeat_lease(namespace: str, *, node: str, now: datetime.datetime) -> Obj:
-    """The heartbeat Lease of ``node``, as its agent first creates it: named after the node, held by it."""
-    return body(
+def heartbeat_lease(
+    namespace: str, *, node: str, now: datetime.datetime, owner: Mapping[str, Any] | None = None
+) -> Obj:
+    """The heartbeat Lease of ``node``, as its agent first creates it: named after the node, held by
+    it, and owned by the Node object ``owner`` when given (``ownerReferences`` entry), so that the
+    garbage collector deletes it with the Node, as the kubelet's node Lease."""
+    lease = body(
         namespace, node, holder=node, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, now=now
     )
+    if owner is not None:
+        lease["metadata"]["ownerReferences"] = [dict(owner)]
+    return lease
 
 
 def renewal(now: datetime.datetime) -> Obj:

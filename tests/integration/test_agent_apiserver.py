@@ -210,7 +210,7 @@ async def test_two_minutes_without_change_renew_only_the_heartbeat_lease_and_ref
     control_plane: Any, kubeconfig: str, namespace: str
 ) -> None:
     node = _node_name("agent-quiet")
-    _create_node(control_plane, node)
+    node_obj = _create_node(control_plane, node)
     interval, window = 10.0, 120.0
     flags = ["--source", "simulated", "--profile", "a100-sxm-8", "--heartbeat-interval", str(interval)]
     flags += ["--heartbeat-namespace", namespace]
@@ -238,6 +238,10 @@ async def test_two_minutes_without_change_renew_only_the_heartbeat_lease_and_ref
     assert (writes["create"], writes["status"]) == (1, 1)
     assert writes["heartbeat"] >= expected - 3 and writes["refresh"] >= 1, writes
     assert lease["spec"]["holderIdentity"] == node
+    # Owned by the Node, as the kubelet's node Lease: the garbage collector deletes it with the Node.
+    assert lease["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_obj["metadata"]["uid"]}
+    ]
     assert agent.scans >= 50
 
 
