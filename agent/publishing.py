@@ -298,7 +298,7 @@ class Publisher:
             return "status"
         if self.last_write is not None and self._mono() - self.last_write < self.heartbeat_interval:
             return None
-        refresh_after = self.heartbeat_interval * (STATUS_REFRESH_INTERVALS if self.renew_heartbeat else 1)
+        refresh_after = STATUS_REFRESH_INTERVALS * self.heartbeat_interval
         if (
             self.renew_heartbeat is None
             or self.last_status_write is None
