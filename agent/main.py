@@ -348,10 +348,8 @@ class Agent:
 
     def heartbeat_namespace(self) -> str:
         """Where this agent renews its heartbeat Lease ("": it heartbeats in the GpuNodeStatus)."""
-        if self.args.heartbeat_namespace is not None:
-            return str(self.args.heartbeat_namespace)
-        return (
-            lease_format.heartbeat_namespace(self.args.lease_namespace) if self.args.lease_namespace else ""
+        return lease_format.heartbeat_namespace(
+            self.args.lease_namespace or "", self.args.heartbeat_namespace
         )
 
     async def lookup_node(self, name: str) -> dict[str, Any] | None:

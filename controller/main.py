@@ -25,7 +25,7 @@ from gpualloc.runtime import logging as runtime_logging
 log = logging.getLogger(__name__)
 
 USER_AGENT = "gpualloc-controller"
-DEFAULT_NAMESPACE = "gpualloc-system"
+DEFAULT_NAMESPACE = constants.DEFAULT_NAMESPACE
 EXIT_LOST_LEADERSHIP = 1
 
 
@@ -139,11 +139,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             namespace=args.namespace,
             workers=args.workers,
             node_stale_after=args.node_stale_after,
-            heartbeat_namespace=(
-                args.heartbeat_namespace
-                if args.heartbeat_namespace is not None
-                else lease_format.heartbeat_namespace(args.namespace)
-            ),
+            heartbeat_namespace=lease_format.heartbeat_namespace(args.namespace, args.heartbeat_namespace),
             cost_label=args.cost_label,
             sweep_interval=args.sweep_interval,
             in_use_poll=args.in_use_poll,

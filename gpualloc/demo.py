@@ -33,7 +33,7 @@ from gpualloc.devcluster import cluster
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-NAMESPACE = "gpualloc-system"
+NAMESPACE = constants.DEFAULT_NAMESPACE
 DEMO_NAMESPACE = "default"
 CLIQUE = {"nvidia.com/gpu.clique": "demo-clique-1"}  # the NVLink domain of examples/05-clique-gang.yaml
 NODES = (

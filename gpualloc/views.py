@@ -21,7 +21,7 @@ from typing import Any
 from gpualloc.api import codecs, constants, leases, models, timestamps
 
 # Where the chart's default release (namespace gpualloc-system) keeps the agents' heartbeat Leases.
-HEARTBEAT_NAMESPACE = leases.heartbeat_namespace("gpualloc-system")
+HEARTBEAT_NAMESPACE = leases.heartbeat_namespace(constants.DEFAULT_NAMESPACE)
 
 
 def age(timestamp: str | None, now: dt.datetime) -> str:

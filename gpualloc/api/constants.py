@@ -29,6 +29,7 @@ LABEL_CLAIM_NAME = f"{GROUP}/claim-name"
 LABEL_CLAIM_UID = f"{GROUP}/claim-uid"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpualloc"
+DEFAULT_NAMESPACE = "gpualloc-system"  # the chart's documented release namespace, the controller's default
 
 FINALIZER = f"{GROUP}/release-devices"
 SCHEDULING_GATE = f"{GROUP}/claim-allocated"

@@ -140,10 +140,15 @@ def device_lease(
 HEARTBEAT_NAMESPACE_SUFFIX = "-heartbeats"
 
 
-def heartbeat_namespace(lease_namespace: str) -> str:
-    """Where the heartbeat Leases live by default: ``<device Lease namespace>-heartbeats`` (the
-    chart's ``gpualloc.heartbeatNamespace`` is the same). ValueError when that is longer than a
-    namespace name may be: then it has to be given."""
+def heartbeat_namespace(lease_namespace: str, given: str | None = None) -> str:
+    """Where the heartbeat Leases live: ``given`` (a --heartbeat-namespace flag) when set, even
+    empty; else ``<device Lease namespace>-heartbeats`` (the chart's ``gpualloc.heartbeatNamespace``
+    is the same), and "" without a device Lease namespace. ValueError when the derived name is
+    longer than a namespace name may be: then it has to be given."""
+    if given is not None:
+        return given
+    if not lease_namespace:
+        return ""
     name = lease_namespace + HEARTBEAT_NAMESPACE_SUFFIX
     if len(name) > 63:
         raise ValueError(f"{name} is longer than 63 characters: give the heartbeat namespace")
