@@ -55,7 +55,7 @@ class Prepared:
     matrix: Mapping[int, Mapping[int, int]] | None = None
     island: Mapping[int, int] | None = None
     # The allocator's set searches on this inventory, by the usable devices and what the claim
-    # asks (``allocator._best_set``): a node ranked first for many claims in a row is searched once.
+    # asks (``sets.best_set``): a node ranked first for many claims in a row is searched once.
     searches: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def topology(self) -> tuple[Mapping[int, Mapping[int, int]], Mapping[int, int]]:

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller import allocator
+from controller.nodes import in_mig_mode
 from gpualloc.api import constants, models
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -126,7 +127,7 @@ def _free(view: allocator.NodeView, claim: models.GpuClaim | None = None) -> lis
         d
         for d in view.inventory.devices
         if d.health == constants.HEALTHY
-        and not allocator.in_mig_mode(d)
+        and not in_mig_mode(d)
         and d.uuid not in view.taken
         and (pinned is None or d.index in pinned)
     ]
@@ -179,7 +180,7 @@ def test_allocations_are_safe_exact_and_respect_required_topology(
             dev = own[ref.uuid]  # on the replica's node
             assert (dev.index, dev.minor) == (ref.index, ref.minor)
             assert dev.health == constants.HEALTHY  # never unhealthy
-            assert not allocator.in_mig_mode(dev)  # never a GPU in MIG mode, whole
+            assert not in_mig_mode(dev)  # never a GPU in MIG mode, whole
             assert ref.uuid not in view.taken  # never taken
         assert not seen & set(uuids)  # never twice across replicas
         seen |= set(uuids)

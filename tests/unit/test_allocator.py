@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller import allocator
+from controller import allocator, asks, screening
 from controller import nodes as node_tables
 from gpualloc.api import models
 
@@ -369,7 +369,7 @@ def _sel(*exprs: tuple[str, str, tuple[str, ...]], **labels: str) -> models.Labe
 
 def test_selector_operators_follow_kubernetes_semantics() -> None:
     labels = {"zone": "a", "gpus": "8", "pool": "train"}
-    m = allocator.matches_selector
+    m = asks.matches_selector
     assert m(None, labels) and m(_sel(), labels) and m(_sel(), {})
     assert m(_sel(zone="a"), labels) and not m(_sel(zone="b"), labels)
     assert m(_sel(("zone", "In", ("a", "b"))), labels)
@@ -418,10 +418,10 @@ def test_product_memory_and_compute_capability_filters() -> None:
 
 
 def test_compute_capability_compares_as_integers_not_strings() -> None:
-    assert allocator.parse_compute_capability("10.0") == (10, 0)
-    assert allocator.parse_compute_capability("9") == (9, 0)
-    assert allocator.parse_compute_capability("8.10") == (8, 10) > (8, 9)
-    assert allocator.parse_compute_capability("x.y") is None
+    assert asks.parse_compute_capability("10.0") == (10, 0)
+    assert asks.parse_compute_capability("9") == (9, 0)
+    assert asks.parse_compute_capability("8.10") == (8, 10) > (8, 9)
+    assert asks.parse_compute_capability("x.y") is None
 
 
 def test_unhealthy_and_taken_devices_are_never_given() -> None:
@@ -814,13 +814,13 @@ def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pyt
     ]
     index = node_tables.NodeIndex(views)
     screened: list[str] = []
-    real = allocator._screen
+    real = screening.screen
 
     def counting(view: allocator.NodeView, *args: Any) -> Any:
         screened.append(view.name)
         return real(view, *args)
 
-    monkeypatch.setattr(allocator, "_screen", counting)
+    monkeypatch.setattr(allocator, "screen", counting)
     by_index = allocator.allocate(claim(2), index)
     assert picked(by_index) == ("n0000", (6, 7))
     assert screened == ["n0000"]

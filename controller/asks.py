@@ -1,0 +1,159 @@
+"""What a claim asks for, parsed once per decision, and whether a device or a node's labels match it (pure).
+
+The allocator's module docstring gives the rules ("Nodes", "Devices"); this module holds the
+parsing and the matching, so that screening and the set search read one ``Ask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+from gpualloc.api import constants, models, taints
+
+
+def matches_selector(selector: models.LabelSelector | None, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label-selector semantics; ``None`` and an empty selector match everything.
+
+    ``Gt``/``Lt`` need the label and the single value to parse as integers;
+    an unknown operator matches nothing.
+    """
+    if selector is None:
+        return True
+    for key, value in selector.match_labels.items():
+        if labels.get(key) != value:
+            return False
+    for req in selector.match_expressions:
+        present = req.key in labels
+        value = labels.get(req.key, "")
+        op = req.operator
+        if op == "In":
+            ok = present and value in req.values
+        elif op == "NotIn":
+            ok = not present or value not in req.values
+        elif op == "Exists":
+            ok = present
+        elif op == "DoesNotExist":
+            ok = not present
+        elif op in ("Gt", "Lt"):
+            ok = present and len(req.values) == 1 and _int_compare(value, req.values[0], op)
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
+def _int_compare(label: str, bound: str, op: str) -> bool:
+    try:
+        left, right = int(label), int(bound)
+    except ValueError:
+        return False
+    return left > right if op == "Gt" else left < right
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Ask:
+    count: int
+    exclusivity: str  # Exclusive: whole GPUs; MIG: MIG instances; Shared: slots of shared GPUs
+    mig_profiles: tuple[str, ...]  # MIG: the acceptable profiles (empty: any)
+    sharing: models.SharingRequest  # Shared: the strategy and most sharers it accepts
+    policy: str
+    prefer_ids: tuple[int, ...]
+    product: str | None
+    min_memory_mib: int | None
+    min_cc: tuple[int, int] | None
+    mode: str
+    min_bw: int
+    strategy: str
+    node_name: str | None
+    selector: models.LabelSelector | None
+    filters: str  # ' matching product "X", >=N MiB' or ""
+    tolerations: tuple[models.Toleration, ...]  # the claim's and the defaults
+
+
+def parse_compute_capability(text: str) -> tuple[int, int] | None:
+    """``"8.6"`` -> ``(8, 6)``; ``"9"`` -> ``(9, 0)``; anything else -> ``None``."""
+    parts = text.strip().split(".")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def parse(claim: models.GpuClaim) -> Ask | str:
+    spec = claim.spec
+    dev = spec.devices
+    if dev.count < 1:
+        return f"devices.count must be at least 1 (got {dev.count})"
+    if spec.replicas < 1:
+        return f"replicas must be at least 1 (got {spec.replicas})"
+    if dev.exclusivity not in constants.EXCLUSIVITIES:
+        return f"unknown exclusivity {dev.exclusivity!r}; use one of {', '.join(constants.EXCLUSIVITIES)}"
+    if dev.exclusivity != "Exclusive" and dev.policy == "preferIds":
+        return f"policy preferIds names whole GPUs; a {dev.exclusivity} claim cannot use it"
+    sharing = dev.sharing or models.SharingRequest()
+    if dev.exclusivity == "Shared" and sharing.strategy not in constants.SHARING_STRATEGIES:
+        known = ", ".join(constants.SHARING_STRATEGIES)
+        return f"unknown sharing.strategy {sharing.strategy!r}; use one of {known}"
+    if dev.policy not in constants.POLICIES:
+        return f"unknown devices.policy {dev.policy!r}; use one of {', '.join(constants.POLICIES)}"
+    if spec.strategy not in constants.STRATEGIES:
+        return f"unknown strategy {spec.strategy!r}; use one of {', '.join(constants.STRATEGIES)}"
+    mode = spec.topology.mode
+    if mode not in constants.TOPOLOGY_MODES:
+        return f"unknown topology.mode {mode!r}; use one of {', '.join(constants.TOPOLOGY_MODES)}"
+    min_cc = None
+    if dev.min_compute_capability:
+        min_cc = parse_compute_capability(dev.min_compute_capability)
+        if min_cc is None:
+            return f'minComputeCapability "{dev.min_compute_capability}" is not of the form "8.0"'
+    prefer_ids: tuple[int, ...] = ()
+    if dev.policy == "preferIds":
+        prefer_ids = tuple(sorted(set(dev.prefer_ids)))
+        if len(prefer_ids) < dev.count:
+            return (
+                f"policy preferIds lists {len(prefer_ids)} distinct indices but count is {dev.count};"
+                " list at least count indices"
+            )
+    filters = []
+    if dev.product:
+        filters.append(f'product "{dev.product}"')
+    if dev.min_memory_mib:
+        filters.append(f">={dev.min_memory_mib} MiB")
+    if min_cc is not None:
+        filters.append(f"compute capability >={min_cc[0]}.{min_cc[1]}")
+    mig = dev.exclusivity == "MIG"
+    if mig and dev.mig_profiles:
+        filters.insert(0, f"MIG profile {' or '.join(dev.mig_profiles)}")
+    whole = dev.exclusivity == "Exclusive"  # topology ranks sets of whole GPUs only
+    return Ask(
+        count=dev.count,
+        exclusivity=dev.exclusivity,
+        mig_profiles=dev.mig_profiles if mig else (),
+        sharing=sharing,
+        policy=dev.policy,
+        prefer_ids=prefer_ids,
+        product=dev.product or None,
+        min_memory_mib=dev.min_memory_mib or None,
+        min_cc=min_cc,
+        mode=mode if whole else "Ignore",  # instances and slots are not ranked by links
+        min_bw=max(0, spec.topology.min_bandwidth_gbps) if whole else 0,
+        strategy=spec.strategy,
+        node_name=spec.node_name or None,
+        selector=spec.selector,
+        filters=(" matching " + ", ".join(filters)) if filters else "",
+        tolerations=taints.claim_tolerations(spec),
+    )
+
+
+def matches(ask: Ask, device: models.Device) -> bool:
+    if ask.product is not None and not fnmatch.fnmatchcase(device.product, ask.product):
+        return False
+    if ask.min_memory_mib is not None and device.memory_mib < ask.min_memory_mib:
+        return False
+    if ask.min_cc is not None:
+        cc = parse_compute_capability(device.compute_capability)
+        if cc is None or cc < ask.min_cc:
+            return False
+    return True
