@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup build compiled test test-unit test-compiled test-integration test-gpu lint demo bench clean
+.PHONY: help setup build test test-unit test-integration test-gpu lint demo bench clean
 
 help:
 	@echo "make demo   - build what is missing, start a local cluster with 3 simulated GPU nodes, show allocation"
@@ -22,36 +22,13 @@ $(BIN)/gpualloc: pyproject.toml
 
 setup: $(BIN)/gpualloc
 
-# The webhook's admission path compiled with mypyc (setup.py; the modules are listed in
-# pyproject.toml), as the image ships it. Built apart, in .compiled/, so that in development the
-# sources are what runs; PYTHONPATH=.compiled puts the compiled modules first. Rebuilt when a
-# webhook source changes.
-COMPILED_DIR := .compiled
-$(COMPILED_DIR)/.built: setup.py $(wildcard webhook/*.py) $(wildcard gpualloc/*/*.py) | setup
-	rm -rf $(COMPILED_DIR) && mkdir -p $(COMPILED_DIR)
-	cp -r setup.py pyproject.toml README.md LICENSE gpualloc webhook $(COMPILED_DIR)/
-	cd $(COMPILED_DIR) && GPUALLOC_MYPYC=1 ../$(BIN)/python setup.py -q build_ext --inplace >build.log 2>&1 \
-		|| { cat build.log; exit 1; }
-	rm -rf $(COMPILED_DIR)/build $(COMPILED_DIR)/gpualloc  # gpualloc itself is not compiled
-	@touch $@
-
-compiled: $(COMPILED_DIR)/.built
-
 # Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok, helm, toxiproxy-server and vegeta
 # from pinned Go modules into ~/.cache/gpualloc (once per machine; prints progress).
 build: setup
 	$(BIN)/gpualloc dev build
 
-test: build compiled
+test: build
 	$(BIN)/pytest $(PYTEST_ARGS) tests
-	$(MAKE) --no-print-directory test-compiled
-
-# The webhook's tests again, against the compiled modules (conftest.py checks they are the ones loaded).
-WEBHOOK_TESTS := $(wildcard tests/unit/test_webhook_*.py tests/property/test_webhook_*.py \
-	tests/integration/test_webhook_*.py) tests/integration/test_gate_mode_end_to_end.py
-test-compiled: build compiled
-	GPUALLOC_EXPECT_COMPILED=1 PYTHONPATH=$(CURDIR)/$(COMPILED_DIR) $(BIN)/pytest -q --import-mode=append $(PYTEST_ARGS) \
-		$(WEBHOOK_TESTS)
 
 test-unit: setup
 	$(BIN)/pytest -q tests/unit tests/property
@@ -81,7 +58,7 @@ bench: build
 	$(BIN)/python bench/agent_scan.py
 
 clean:
-	rm -rf $(VENV) $(COMPILED_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
 
 # The deterministic simulation (tests/simulation): several controllers and simulated users
 # interleaved at every await against an in-memory API server; invariants checked after every step.

@@ -1,15 +1,13 @@
 """The admission webhook under vegeta, against a plain Go ``net/http`` webhook doing the same work.
 
-    .venv/bin/python bench/webhook_vegeta.py [--rate 500] [--duration 10] [--rounds 3] [--compiled]
+    .venv/bin/python bench/webhook_vegeta.py [--rate 500] [--duration 10] [--rounds 3]
         [--go-prebuilt DIR]   # DIR: gowebhook and gowebhook-jsonv2 built elsewhere (no Go here)
 
 What runs, all on 127.0.0.1:
 
-* ``gpualloc``: ``gpualloc webhook`` from the source checkout, interpreted (no
-  mypyc), against a real local kube-apiserver + etcd that holds the claim: the
-  webhook's watch cache has it, as in the steady state of a cluster; with
-  ``--compiled``, its admission path compiled with mypyc as the image ships it
-  (``make compiled`` builds ``.compiled/``, put first on PYTHONPATH);
+* ``gpualloc``: ``gpualloc webhook`` from the source checkout, against a real
+  local kube-apiserver + etcd that holds the claim: the webhook's watch cache
+  has it, as in the steady state of a cluster;
 * ``go``: ``bench/gowebhook``, a plain Go ``net/http`` TLS webhook built with
   the Go on PATH, the claim in memory, answering the benchmark's review with the
   same JSON Patch and warning (checked before measuring: every answer's patch
@@ -340,18 +338,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plane = start_cluster(tmp / "cluster", bins)
             gpualloc_port, *go_ports = cluster.free_ports(1 + len(GO_SERVERS))
             pin = ["taskset", "-c", str(SERVER_CPU)]
-            env = dict(os.environ)
-            if args.compiled:
-                env["PYTHONPATH"] = os.pathsep.join(
-                    filter(None, [str(ROOT / ".compiled"), env.get("PYTHONPATH")])
-                )
             script = Path(sys.executable).with_name("gpualloc")  # the command a source checkout installs
             command = [str(script)] if script.exists() else [sys.executable, "-m", "gpualloc.cli"]
             gpualloc = subprocess.Popen(
                 [*pin, *command, *webhook_args(cert, key, gpualloc_port, plane.kubeconfig)],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
-                env=env,
             )
             processes.append(gpualloc)
             servers = {"gpualloc": (gpualloc, gpualloc_port)}
@@ -372,18 +364,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 servers[name] = (go, port)
             for name, (process, port) in servers.items():
                 wait_ready(port, ca, "/readyz" if name == "gpualloc" else "/healthz", process)
-            # The module `gpualloc webhook` loads, with the same interpreter and environment.
-            loaded = subprocess.run(
-                [sys.executable, "-c", "import webhook.admission as a; print(a.__file__)"],
-                cwd=tmp,  # as the console script: no checkout directory first on sys.path
-                check=True,
-                capture_output=True,
-                text=True,
-                env=env,
-            ).stdout.strip()
-            compiled = loaded.endswith(".so")
-            if compiled != args.compiled:
-                raise SystemExit(f"gpualloc webhook would load {loaded}; run `make compiled` for --compiled")
             answers = {name: post_review(port, ca, body) for name, (_, port) in servers.items()}
             shapes = {name: answer_shape(a) for name, a in answers.items()}
             if any(shape != shapes["gpualloc"] for shape in shapes.values()) or not shapes["go"]["patch"]:
@@ -405,7 +385,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if plane is not None:
                 plane.stop()
     after = os.getloadavg()
-    return summarise(args, rounds, before, after, answers["gpualloc"], shapes["gpualloc"], compiled, vegeta)
+    return summarise(args, rounds, before, after, answers["gpualloc"], shapes["gpualloc"], vegeta)
 
 
 def median_by(runs: list[dict[str, Any]], pick: Any) -> dict[str, Any]:
@@ -420,7 +400,6 @@ def summarise(
     after: tuple[float, float, float],
     answer: dict[str, Any],
     shape: dict[str, Any],
-    compiled: bool,
     vegeta: Path,
 ) -> dict[str, Any]:
     servers: dict[str, Any] = {}
@@ -468,7 +447,6 @@ def summarise(
             "vegeta": version,
             "openssl": ssl.OPENSSL_VERSION,
         },
-        "gpualloc_compiled": compiled,
         "request": {"bytes": len(request_shape.review_body()), "containers": 3, "init_containers": 1},
         "answer": {
             "bytes": len(json.dumps({"response": answer}, separators=(",", ":"))),
@@ -525,7 +503,7 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
     targets = report["targets"]
     p99, ratio = targets["p99_ms_at_rate"], targets["saturation_vs_go"]
     print(
-        f"gpualloc (interpreted: {not report['gpualloc_compiled']}) p99 at {settings['rate']:g}/s: "
+        f"gpualloc p99 at {settings['rate']:g}/s: "
         f"{p99['measured']:.2f} ms (goal <= {p99['limit']:g} ms): {'met' if p99['met'] else 'NOT met'}"
     )
     by_round = ", ".join(f"{r:.2f}x" for r in report["saturation_ratio_by_round"])
@@ -550,9 +528,6 @@ def main() -> int:
         help="closed-loop connection counts of the saturation sweep (comma-separated)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="runs of each server, alternating")
-    parser.add_argument(
-        "--compiled", action="store_true", help="run the webhook's admission path compiled (make compiled)"
-    )
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument(
         "--go-prebuilt",

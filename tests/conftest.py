@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import re
-import tomllib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -70,30 +68,6 @@ _tally = _IntegrationTally()  # pytest_runtest_logreport gets no config; one ses
 def pytest_configure(config: pytest.Config) -> None:
     global _tally
     _tally = _IntegrationTally()
-    if os.environ.get(EXPECT_COMPILED) == "1":
-        _check_compiled()
-
-
-# ------------------------------------------- GPUALLOC_EXPECT_COMPILED=1
-
-EXPECT_COMPILED = "GPUALLOC_EXPECT_COMPILED"
-
-
-def _check_compiled() -> None:
-    """Fail the session unless every module pyproject.toml lists for mypyc is loaded compiled.
-
-    ``make test-compiled`` sets it, so its run is known to test the compiled
-    modules and not, by a path mistake, the sources again.
-    """
-    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
-        paths = tomllib.load(f)["tool"]["gpualloc"]["mypyc"]
-    interpreted = []
-    for path in paths:
-        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        if not str(module.__file__).endswith(".so"):
-            interpreted.append(f"{module.__name__} ({module.__file__})")
-    if interpreted:
-        raise pytest.UsageError(f"{EXPECT_COMPILED}=1 but these are not compiled: {', '.join(interpreted)}")
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:

@@ -136,8 +136,6 @@ async def run(args: argparse.Namespace) -> int:
                     "port": args.port,
                     "pending": args.pending,
                     "ids": args.device_ids,
-                    # the image runs the admission path compiled with mypyc (setup.py); a source tree does not
-                    "compiled": str(admission.__file__).endswith(".so"),
                 },
             )
             return await _until_stopped(stop, reflector, reloader, webhook, runner, args)
