@@ -85,7 +85,7 @@ Reasons
     has each node's own line (``fits: ...`` for nodes that could take it).
     For speed, nodes ranked below the winner are not searched, and nodes tied
     with it are searched in order of the best set they could reach (their
-    fastest link) until none can win, unless ``explain=True``; the decision is
+    fastest link, the fewest NUMA nodes their free GPUs allow) until none can win, unless ``explain=True``; the decision is
     the same either way. Per-inventory tables (bandwidth matrix, islands) are
     memoised by object identity: keep parsed inventories between decisions.
 
@@ -127,7 +127,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from controller.asks import Ask, parse
-from controller.nodes import NodeIndex, in_mig_mode
+from controller.nodes import Bucket, NodeIndex, fewest_numa_nodes, in_mig_mode, per_numa
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
 from controller.screening import Miss, Screened, SlotDevice, screen
 from controller.sets import NO_PAIRS, Choice, Key, best_set
@@ -210,14 +210,17 @@ def _cost_rank(cost_preference: Sequence[str]) -> dict[str, int]:
 
 def _quality_bound(node: Screened, ask: Ask) -> Key:
     """A key no worse than ``(*_quality(best set), name)`` for any set on this node."""
-    return _bound(ask, node.view.name, node.position, node.prep.max_bw)
+    return _bound(ask, node.view.name, node.position, node.prep.max_bw, per_numa(node.usable))
 
 
-def _bound(ask: Ask, name: str, position: int, max_bw: int) -> Key:
+def _bound(ask: Ask, name: str, position: int, max_bw: int, free_per_numa: Sequence[int]) -> Key:
+    """No set of the node has a higher least bandwidth than its fastest link, nor spans fewer NUMA
+    nodes than its free GPUs allow: without the second term, a claim whose every set spans two
+    NUMA nodes (8 GPUs of a two-socket box) would search every tied node for a set on one."""
     if ask.mode == "Ignore":
         return (name, position)
     least = NO_PAIRS if ask.count == 1 else max_bw
-    return (-least, 1, name, position)
+    return (-least, fewest_numa_nodes(free_per_numa, ask.count), name, position)
 
 
 def _quality(choice: Choice, ask: Ask) -> Key:
@@ -519,20 +522,20 @@ def _in_rank_order(
     strategy key, best key first, each group's nodes in order of their quality bound (with the
     bound). Only the index's buckets are read: a node is looked at when its turn comes."""
     cost_rank = _cost_rank(cost_preference)
-    groups: dict[Key, list[tuple[int, Sequence[str]]]] = {}
+    groups: dict[Key, list[tuple[Bucket, Sequence[str]]]] = {}
     for bucket, names in index.buckets().items():
         if bucket.free < ask.count:
             continue
         tier = cost_rank.get(bucket.tier, len(cost_rank))
         key = _load_key(ask.strategy, bucket.total, bucket.free, ask.count, tier)
-        groups.setdefault(key, []).append((bucket.max_bw, names))
+        groups.setdefault(key, []).append((bucket, names))
 
-    def in_bound_order(max_bw: int, names: Sequence[str]) -> Iterator[tuple[Key, str]]:
+    def in_bound_order(bucket: Bucket, names: Sequence[str]) -> Iterator[tuple[Key, str]]:
         for name in names:
-            yield _bound(ask, name, index.position(name), max_bw), name
+            yield _bound(ask, name, index.position(name), bucket.max_bw, bucket.free_per_numa), name
 
     for key in sorted(groups):
-        yield heapq.merge(*(in_bound_order(max_bw, names) for max_bw, names in groups[key]))
+        yield heapq.merge(*(in_bound_order(bucket, names) for bucket, names in groups[key]))
 
 
 def _allocate_indexed(
@@ -548,8 +551,8 @@ def _allocate_indexed(
     stopping once no node left can beat the best set found; the first key with
     a set wins. This visits nodes in that same order without screening the
     rest: the index's buckets give each node's key and bound (they depend only
-    on its GPUs, free GPUs, fastest link and cost tier), buckets with fewer
-    free GPUs than the claim asks are never visited, and a node is screened
+    on its GPUs, free GPUs and their NUMA nodes, fastest link and cost tier),
+    buckets with fewer free GPUs than the claim asks are never visited, and a node is screened
     only when its turn comes. Nodes that fail screening are skipped, as
     ``_allocate`` leaves them out of the ranking.
     """

@@ -72,6 +72,30 @@ class Prepared:
         """Healthy GPUs, not in MIG mode and not shared, whose UUID is not in ``taken``."""
         return sum(1 for d in self.healthy if d.uuid not in taken)
 
+    def free_by_numa(self, taken: frozenset[str]) -> tuple[int, ...]:
+        """Those GPUs counted per NUMA node, most first."""
+        return per_numa(d for d in self.healthy if d.uuid not in taken)
+
+
+def per_numa(devices: Iterable[models.Device]) -> tuple[int, ...]:
+    """How many of ``devices`` each NUMA node has, most first (the NUMA nodes named, not which)."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.numa_node] = counts.get(d.numa_node, 0) + 1
+    return tuple(sorted(counts.values(), reverse=True))
+
+
+def fewest_numa_nodes(free_per_numa: Sequence[int], count: int) -> int:
+    """The fewest NUMA nodes a set of ``count`` of these GPUs can span (``per_numa``'s counts).
+
+    A bound for the set search's NUMA term: no set of ``count`` spans fewer."""
+    spanned, gathered = 0, 0
+    for free in free_per_numa:
+        if gathered >= count:
+            break
+        spanned, gathered = spanned + 1, gathered + free
+    return max(spanned, 1)
+
 
 # A memo of one entry per node name, used while the node's inventory is the very
 # same object. Inventories are frozen, so decisions depend only on the arguments;
@@ -115,12 +139,14 @@ def prepare(name: str, inv: models.NodeInventory, nodes: int) -> Prepared:
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class Bucket:
-    """Nodes alike for ranking: as many GPUs, as many free, the same fastest link and cost tier."""
+    """Nodes alike for ranking and for the quality bound: as many GPUs, as many free, as many free
+    on each NUMA node, the same fastest link and cost tier."""
 
     total: int
     free: int  # healthy, not in MIG mode, not taken
     max_bw: int
     tier: str  # the value of the cost label ("" without it)
+    free_per_numa: tuple[int, ...]  # those free GPUs per NUMA node, most first (sums to ``free``)
 
 
 class NodeIndex:
@@ -164,6 +190,7 @@ class NodeIndex:
             free=prep.free(view.taken),
             max_bw=prep.max_bw,
             tier=view.labels.get(self.cost_label, ""),
+            free_per_numa=prep.free_by_numa(view.taken),
         )
         self._bucket_of[name] = bucket
         bisect.insort(self._buckets.setdefault(bucket, []), name)

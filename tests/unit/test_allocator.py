@@ -841,6 +841,47 @@ def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pyt
     assert len(set(screened)) == 1000
 
 
+def test_a_set_that_must_span_two_numa_nodes_is_found_on_the_first_tied_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two NUMA nodes of four GPUs each: 8 GPUs, or 4 where only 2 + 2 are free, span both on
+    # every node. The bound says so, and the search stops at the first node instead of looking
+    # on every tied node for a set on one NUMA node.
+    empty = [node(f"e{i:04d}", nvswitch(f"e{i:04d}")) for i in range(1000)]
+    split = [node(f"s{i:04d}", nvswitch(f"s{i:04d}"), taken=(0, 1, 4, 5)) for i in range(1000)]
+    screened: list[str] = []
+    real = screening.screen
+
+    def counting(view: allocator.NodeView, *args: Any) -> Any:
+        screened.append(view.name)
+        return real(view, *args)
+
+    monkeypatch.setattr(allocator, "screen", counting)
+    assert picked(allocator.allocate(claim(8), node_tables.NodeIndex(empty))) == ("e0000", tuple(range(8)))
+    assert screened == ["e0000"]
+    screened.clear()
+    assert picked(allocator.allocate(claim(4), node_tables.NodeIndex(split))) == ("s0000", (2, 3, 6, 7))
+    assert screened == ["s0000"]
+    # The full search finds the same set, and searches one node of each group of tied nodes.
+    screened.clear()
+    assert picked(allocator.allocate(claim(4), split)) == ("s0000", (2, 3, 6, 7))
+    assert len(set(screened)) == 1000  # (it screens every node; it searches the first)
+    # Where one node has its 4 free GPUs on one NUMA node, it wins over the split ones.
+    mixed = [*split[:999], node("s0999", nvswitch("s0999"), taken=(0, 1, 2, 3))]
+    screened.clear()
+    assert picked(allocator.allocate(claim(4), node_tables.NodeIndex(mixed))) == ("s0999", (4, 5, 6, 7))
+    assert screened == ["s0999"]
+
+
+def test_fewest_numa_nodes_a_set_can_span() -> None:
+    assert node_tables.fewest_numa_nodes((4, 4), 8) == 2
+    assert node_tables.fewest_numa_nodes((4, 4), 4) == 1
+    assert node_tables.fewest_numa_nodes((3, 2, 2), 4) == 2
+    assert node_tables.fewest_numa_nodes((2, 2, 1), 5) == 3
+    assert node_tables.fewest_numa_nodes((1,), 1) == 1
+    assert node_tables.per_numa(nvswitch("n").devices) == (4, 4)
+
+
 def test_a_node_set_search_is_remembered_until_its_free_devices_change() -> None:
     inv = pcie("n1")  # two NUMA nodes of four: the best pair depends on which GPUs are free
     first = allocator.allocate(claim(2), [node("n1", inv, taken=[0])])
