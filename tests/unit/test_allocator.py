@@ -807,12 +807,8 @@ def test_the_memo_keeps_one_inventory_per_node_however_often_each_is_parsed_anew
     )
 
 
-def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 1,000 nodes: the even ones have 2 GPUs free, the odd ones 8 (binpack takes the fullest).
-    views = [
-        node(f"n{i:04d}", nvswitch(f"n{i:04d}"), taken=range(6) if i % 2 == 0 else ()) for i in range(1000)
-    ]
-    index = node_tables.NodeIndex(views)
+def count_screened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the nodes the allocator screens from now on, in order."""
     screened: list[str] = []
     real = screening.screen
 
@@ -821,6 +817,16 @@ def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pyt
         return real(view, *args)
 
     monkeypatch.setattr(allocator, "screen", counting)
+    return screened
+
+
+def test_an_index_finds_the_winner_without_screening_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1,000 nodes: the even ones have 2 GPUs free, the odd ones 8 (binpack takes the fullest).
+    views = [
+        node(f"n{i:04d}", nvswitch(f"n{i:04d}"), taken=range(6) if i % 2 == 0 else ()) for i in range(1000)
+    ]
+    index = node_tables.NodeIndex(views)
+    screened = count_screened(monkeypatch)
     by_index = allocator.allocate(claim(2), index)
     assert picked(by_index) == ("n0000", (6, 7))
     assert screened == ["n0000"]
@@ -849,14 +855,7 @@ def test_a_set_that_must_span_two_numa_nodes_is_found_on_the_first_tied_node(
     # on every tied node for a set on one NUMA node.
     empty = [node(f"e{i:04d}", nvswitch(f"e{i:04d}")) for i in range(1000)]
     split = [node(f"s{i:04d}", nvswitch(f"s{i:04d}"), taken=(0, 1, 4, 5)) for i in range(1000)]
-    screened: list[str] = []
-    real = screening.screen
-
-    def counting(view: allocator.NodeView, *args: Any) -> Any:
-        screened.append(view.name)
-        return real(view, *args)
-
-    monkeypatch.setattr(allocator, "screen", counting)
+    screened = count_screened(monkeypatch)
     assert picked(allocator.allocate(claim(8), node_tables.NodeIndex(empty))) == ("e0000", tuple(range(8)))
     assert screened == ["e0000"]
     screened.clear()
