@@ -85,9 +85,10 @@ Reasons
     has each node's own line (``fits: ...`` for nodes that could take it).
     For speed, nodes ranked below the winner are not searched, and nodes tied
     with it are searched in order of the best set they could reach (their
-    fastest link, the fewest NUMA nodes their free GPUs allow) until none can win, unless ``explain=True``; the decision is
-    the same either way. Per-inventory tables (bandwidth matrix, islands) are
-    memoised by object identity: keep parsed inventories between decisions.
+    fastest link, the fewest NUMA nodes their free GPUs allow) until none can
+    win, unless ``explain=True``; the decision is the same either way.
+    Per-inventory tables (bandwidth matrix, islands) are memoised by object
+    identity: keep parsed inventories between decisions.
 
 MIG claims
     ``exclusivity: MIG`` asks for ``count`` MIG instances per replica: free
