@@ -211,17 +211,18 @@ def _cost_rank(cost_preference: Sequence[str]) -> dict[str, int]:
 
 def _quality_bound(node: Screened, ask: Ask) -> Key:
     """A key no worse than ``(*_quality(best set), name)`` for any set on this node."""
-    return _bound(ask, node.view.name, node.position, node.prep.max_bw, per_numa(node.usable))
+    numa = fewest_numa_nodes(per_numa(node.usable), ask.count)
+    return _bound(ask, node.view.name, node.position, node.prep.max_bw, numa)
 
 
-def _bound(ask: Ask, name: str, position: int, max_bw: int, free_per_numa: Sequence[int]) -> Key:
+def _bound(ask: Ask, name: str, position: int, max_bw: int, numa: int) -> Key:
     """No set of the node has a higher least bandwidth than its fastest link, nor spans fewer NUMA
     nodes than its free GPUs allow: without the second term, a claim whose every set spans two
     NUMA nodes (8 GPUs of a two-socket box) would search every tied node for a set on one."""
     if ask.mode == "Ignore":
         return (name, position)
     least = NO_PAIRS if ask.count == 1 else max_bw
-    return (-least, fewest_numa_nodes(free_per_numa, ask.count), name, position)
+    return (-least, numa, name, position)
 
 
 def _quality(choice: Choice, ask: Ask) -> Key:
@@ -532,8 +533,9 @@ def _in_rank_order(
         groups.setdefault(key, []).append((bucket, names))
 
     def in_bound_order(bucket: Bucket, names: Sequence[str]) -> Iterator[tuple[Key, str]]:
+        numa = fewest_numa_nodes(bucket.free_per_numa, ask.count)  # the same for the bucket's nodes
         for name in names:
-            yield _bound(ask, name, index.position(name), bucket.max_bw, bucket.free_per_numa), name
+            yield _bound(ask, name, index.position(name), bucket.max_bw, numa), name
 
     for key in sorted(groups):
         yield heapq.merge(*(in_bound_order(bucket, names) for bucket, names in groups[key]))
