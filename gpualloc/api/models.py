@@ -341,6 +341,8 @@ class GpuQuotaSpec:
     gpus: int
     products: tuple[ProductLimit, ...] = ()
     max_priority: int | None = None
+    max_claims: int | None = None  # the most GpuClaims of the namespace the controller considers
+    allowed_tolerations: tuple[Toleration, ...] = ()  # what the claims may tolerate; () = the defaults only
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -66,3 +66,20 @@ def test_a_map_of_models_names_the_bad_key() -> None:
     }
     with pytest.raises(codecs.DecodeError, match=r"^status\.claims\.uid-1\.gpus: expected an integer"):
         codecs.parse_quota(raw)
+
+
+def test_a_quotas_claim_bound_and_allowed_tolerations_round_trip() -> None:
+    raw = {
+        "metadata": {"name": "q", "namespace": "ns"},
+        "spec": {
+            "gpus": 4,
+            "maxClaims": 100,
+            "allowedTolerations": [{"key": "team", "value": "a", "effect": "NoSchedule"}],
+        },
+    }
+    quota = codecs.parse_quota(raw)
+    assert quota.spec.max_claims == 100
+    assert quota.spec.allowed_tolerations == (models.Toleration(key="team", value="a", effect="NoSchedule"),)
+    assert codecs.decode(models.GpuQuotaSpec, codecs.encode(quota.spec)) == quota.spec
+    bare = codecs.parse_quota({"metadata": {"name": "q"}, "spec": {"gpus": 1}})
+    assert (bare.spec.max_claims, bare.spec.allowed_tolerations) == (None, ())

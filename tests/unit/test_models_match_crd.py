@@ -34,12 +34,15 @@ def _schema(plural: str) -> dict[str, Any]:
 
 CLAIM = _schema(constants.CLAIM_PLURAL)
 NODE_STATUS = _schema(constants.NODE_STATUS_PLURAL)
+QUOTA = _schema(constants.QUOTA_PLURAL)
 
 ROOTS = [
     ("GpuClaim.spec", models.GpuClaimSpec, CLAIM["properties"]["spec"]),
     ("GpuClaim.status", models.GpuClaimStatus, CLAIM["properties"]["status"]),
     ("GpuNodeStatus.spec", models.GpuNodeStatusSpec, NODE_STATUS["properties"]["spec"]),
     ("GpuNodeStatus.status", models.NodeInventory, NODE_STATUS["properties"]["status"]),
+    ("GpuQuota.spec", models.GpuQuotaSpec, QUOTA["properties"]["spec"]),
+    ("GpuQuota.status", models.GpuQuotaStatus, QUOTA["properties"]["status"]),
 ]
 
 
@@ -83,6 +86,8 @@ def test_walk_reaches_every_nested_model() -> None:
         models.MigInfo,
         models.MigDevice,
         models.Link,
+        models.ProductLimit,
+        models.Toleration,
     } <= reached
 
 
@@ -170,6 +175,10 @@ def test_crd_enum_equals_the_constants_tuple(
     schema: Mapping[str, Any], keys: tuple[str, ...], expected: tuple[str, ...]
 ) -> None:
     assert tuple(_at(schema, *keys)["enum"]) == expected
+
+
+def test_a_quotas_allowed_tolerations_have_the_claims_toleration_schema() -> None:
+    assert _at(QUOTA, "spec", "allowedTolerations", "[]") == _at(CLAIM, "spec", "tolerations", "[]")
 
 
 def test_link_type_pattern_accepts_every_known_link_type_and_nothing_else() -> None:
