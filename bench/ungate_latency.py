@@ -60,7 +60,7 @@ NAMESPACE, LEASES = "bench", "gpualloc-system"
 
 
 def admitted_pod(name: str, claim_name: str, node: str, uuids: str) -> dict[str, Any]:
-    """A pod as the webhook admits it for an Allocated claim (webhook.admission.edit_allocated)."""
+    """A pod as the webhook admits it for an Allocated claim (webhook.recipe.edits)."""
     env = [{"name": n, "value": uuids} for n in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")]
     return {
         "apiVersion": "v1",

@@ -7,36 +7,29 @@ options)`` finds the claim in the pod's own namespace through ``claims`` (a
 synchronous lookup; the server warms it with one GET on a cache miss before
 calling) and answers; ``encode(answer)`` writes the answer as JSON:
 
-* claim Allocated: allow, with a JSON Patch that pins the pod to the node
-  (``nodeSelector kubernetes.io/hostname``), sets ``CUDA_VISIBLE_DEVICES`` and
-  ``NVIDIA_VISIBLE_DEVICES`` in every container and init container, records
-  the allocation in the ``gpu.scheduling/devices`` annotation (UUIDs,
-  comma-joined), and holds the pod behind the scheduling gate
-  ``gpu.scheduling/claim-allocated``. The claim was read from a watch, which
-  may be behind: the controller lifts the gate only once the API server still
-  holds that claim, with those devices, and nothing is releasing it. Until then
-  the pod exists, so it keeps the claim in use;
+* claim Allocated: allow, with a JSON Patch that pins the pod to the node of
+  its replica's allocation and gives its containers those devices, and holds
+  the pod behind the scheduling gate ``gpu.scheduling/claim-allocated``
+  (``recipe.edits`` says what the pod gets). The claim was read from a watch,
+  which may be behind: the controller lifts the gate only once the API server
+  still holds that claim, with those devices, and nothing is releasing it.
+  Until then the pod exists, so it keeps the claim in use;
 * claim being deleted, or that lost devices to another claim (its ``DevicesLost``
   condition True with reason ``DevicesTaken``): deny, in gate mode too, saying
   so (delete and re-create the claim to get other GPUs);
 * claim missing, Pending or Failed: deny with the claim's status message
   (``pending="deny"``), or (``pending="gate"``) allow with the scheduling gate
   ``gpu.scheduling/claim-allocated`` and env vars read from the annotation
-  through the downward API, which the controller fills in later. A claim that
-  does not exist yet is gated too: it may be created after the pod;
+  through the downward API, which the controller fills in later
+  (``recipe.edits`` again). A claim that does not exist yet is gated too: it
+  may be created after the pod;
 * pods that also ask the device plugin for ``nvidia.com/gpu``: deny, unless
   ``allow_device_plugin``;
 * anything else (other kinds, other operations, pods without the annotation):
   allow, no patch.
 
-Device ids: UUIDs by default. ``device_ids="index"`` is for clusters whose
-container runtime exposes every GPU of the node to every container: it writes
-host indices to ``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so
-CUDA numbers GPUs as nvidia-smi does) and ``NVIDIA_VISIBLE_DEVICES=all``: were
-the runtime to expose only the allocated GPUs, they would be renumbered from 0
-inside the container and host indices would name the wrong devices, so index
-mode must not ask it to. Gate mode always yields UUIDs (the annotation holds
-UUIDs), whatever the device-id mode.
+Device ids (``Options.device_ids``): UUIDs by default, or host indices for
+runtimes that expose every GPU of the node (``recipe`` says why and how).
 
 Input is the request body, decoded by ``objects.decode_review`` into typed
 Structs holding only what is read here. A body that is not JSON raises
@@ -50,16 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
 
-from gpualloc.api import codecs, constants, models, pods, taints
-from webhook import mutations, objects
+from gpualloc.api import codecs, constants, models, pods
+from webhook import mutations, objects, recipe
 
 PendingMode = Literal["deny", "gate"]
-DeviceIdMode = Literal["uuid", "index"]
+DeviceIdMode = recipe.DeviceIdMode
 
 # Outcomes, also the label values of the admissions counter.
 ALLOWED = "allowed"  # allowed, nothing to change
@@ -438,22 +430,13 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Deci
             f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
             "remove the pin or use another claim",
         )
-    ops, replaced = edit_allocated(
-        pod,
-        allocation,
-        options.device_ids,
-        taints.claim_tolerations(claim.spec),
-        sharing_env(claim.spec),
-    )
+    ops, replaced = recipe.edits(pod, claim, allocation, options.device_ids)
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
         else None
     )
     return Decision(answer=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
-
-
-_GATED_ENV = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
 
 
 def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
@@ -464,75 +447,5 @@ def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
         replica = _replica(req, claim)
         if isinstance(replica, str):
             return _denied(uid, replica)
-    wanted = taints.claim_tolerations(claim.spec) if claim is not None else taints.DEFAULT_TOLERATIONS
-    extra_env = sharing_env(claim.spec) if claim is not None else []
-    return Decision(answer=allow(uid, patch=edit_gated(pod, wanted, extra_env)), outcome=GATED)
-
-
-def device_env(
-    devices: Sequence[models.DeviceRef], device_ids: DeviceIdMode = "uuid"
-) -> list[dict[str, Any]]:
-    """The env entries that give a container ``devices``, as UUIDs or as host indices (MIG
-    instances always by UUID: an index names a whole GPU)."""
-    if device_ids == "index" and not any(d.uuid.startswith("MIG-") for d in devices):
-        return [
-            mutations.value_env(mutations.ENV_CUDA_VISIBLE_DEVICES, ",".join(str(d.index) for d in devices)),
-            mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),
-            mutations.value_env(mutations.ENV_CUDA_DEVICE_ORDER, "PCI_BUS_ID"),
-        ]
-    uuids = ",".join(d.uuid for d in devices)
-    return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
-
-
-def sharing_env(spec: models.GpuClaimSpec) -> list[dict[str, Any]]:
-    """The MPS client limits of a Shared MPS claim (``sharing.computePercent``, ``memoryMiB``), for
-    each of its ``count`` GPUs as the container numbers them (0, 1, ...); none for other claims."""
-    sharing = spec.devices.sharing
-    if spec.devices.exclusivity != "Shared" or sharing is None or sharing.strategy != "MPS":
-        return []
-    entries = []
-    if sharing.compute_percent is not None:
-        entries.append(mutations.value_env(mutations.ENV_MPS_THREAD_PERCENTAGE, str(sharing.compute_percent)))
-    if sharing.memory_mib is not None:
-        limits = ",".join(f"{i}={sharing.memory_mib}M" for i in range(spec.devices.count))
-        entries.append(mutations.value_env(mutations.ENV_MPS_MEMORY_LIMIT, limits))
-    return entries
-
-
-def edit_allocated(
-    pod: objects.Pod[Any],
-    allocation: models.Allocation,
-    device_ids: DeviceIdMode = "uuid",
-    tolerations: Sequence[models.Toleration] = (),
-    extra_env: Sequence[dict[str, Any]] = (),
-) -> tuple[list[mutations.Op], list[str]]:
-    """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``).
-    ``extra_env``: more entries for every container (``sharing_env``). The pod waits at the gate
-    until the controller has checked the claim against the API server (``controller.gating``)."""
-    ops: list[mutations.Op] = []
-    mutations.add_tolerations(pod, tolerations, ops)
-    mutations.pin_to_node(pod, allocation.node_name, ops)
-    entries = [*device_env(allocation.devices, device_ids), *extra_env]
-    replaced = mutations.set_env_everywhere(pod, entries, ops)
-    uuids = ",".join(d.uuid for d in allocation.devices)
-    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
-    mutations.add_scheduling_gate(pod, ops)
-    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
-    return ops, replaced
-
-
-def edit_gated(
-    pod: objects.Pod[Any],
-    tolerations: Sequence[models.Toleration] = (),
-    extra_env: Sequence[dict[str, Any]] = (),
-) -> list[mutations.Op]:
-    """The patch for a claim not allocated yet, in gate mode. ``extra_env``: as ``edit_allocated``'s
-    (a claim that does not exist yet has none: its pod gets no MPS limits)."""
-    ops: list[mutations.Op] = []
-    mutations.add_tolerations(pod, tolerations, ops)
-    # Only the controller may say which devices the pod gets: drop a user-set value.
-    mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
-    mutations.add_scheduling_gate(pod, ops)
-    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
-    mutations.set_env_everywhere(pod, [*_GATED_ENV, *extra_env], ops)
-    return ops
+    ops, _ = recipe.edits(pod, claim)
+    return Decision(answer=allow(uid, patch=ops), outcome=GATED)

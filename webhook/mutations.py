@@ -3,7 +3,7 @@
 The pod is the typed view ``objects.Pod[Any]`` of the object in the review. The
 edits do not change it: each appends RFC 6902 operations (plain dicts) to a
 list, computed against the pod as it came; the answer carries the list
-json-encoded. ``admission`` decides which edits to make; the operations of one
+json-encoded. ``recipe`` says which edits a pod gets; the operations of one
 decision touch disjoint parts of the pod (scheduling gates, the node selector,
 each container's env, one annotation, one label), so their order between edits
 does not matter. Within the env edit it does: a container after the first may

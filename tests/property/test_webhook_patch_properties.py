@@ -1,11 +1,11 @@
 """The hand-built patches, checked against a plain dict editor with ``jsonpatch`` applying them.
 
-``edit_allocated`` and ``edit_gated`` build RFC 6902 operations against the
-pod as it came. The oracle here edits a deep copy of the pod the obvious way;
-``jsonpatch.apply_patch`` of the webhook's operations must give exactly that
-document, for pods with and without metadata, spec, env lists (absent, null,
-with duplicates), node selectors, scheduling gates and annotations, and with
-keys that need escaping.
+``recipe.edit_allocated`` and ``recipe.edit_gated`` build RFC 6902 operations
+against the pod as it came. The oracle here edits a deep copy of the pod the
+obvious way; ``jsonpatch.apply_patch`` of the webhook's operations must give
+exactly that document, for pods with and without metadata, spec, env lists
+(absent, null, with duplicates), node selectors, scheduling gates and
+annotations, and with keys that need escaping.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpualloc.api import constants, models
-from webhook import admission, mutations, objects
+from webhook import mutations, objects, recipe
 
 GATE = constants.SCHEDULING_GATE
 ENTRIES = [
@@ -138,9 +138,9 @@ def typed(pod: dict[str, Any]) -> objects.Pod:
 @given(pod=pods, gated=st.booleans())
 def test_patch_applied_by_jsonpatch_equals_editing_the_pod(pod: dict[str, Any], gated: bool) -> None:
     if gated:
-        ops = admission.edit_gated(typed(pod))
+        ops = recipe.edit_gated(typed(pod))
     else:
-        ops, _ = admission.edit_allocated(typed(pod), TARGET)
+        ops, _ = recipe.edit_allocated(typed(pod), TARGET)
     want = copy.deepcopy(pod)
     (edit_gated if gated else edit_allocated)(want)
     assert jsonpatch.apply_patch(pod, ops) == want, ops
@@ -151,8 +151,8 @@ def test_patch_applied_by_jsonpatch_equals_editing_the_pod(pod: dict[str, Any], 
 def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> None:
     def ops_for(p: dict[str, Any]) -> list[mutations.Op]:
         if gated:
-            return admission.edit_gated(typed(p))
-        return admission.edit_allocated(typed(p), TARGET)[0]
+            return recipe.edit_gated(typed(p))
+        return recipe.edit_allocated(typed(p), TARGET)[0]
 
     once = jsonpatch.apply_patch(pod, ops_for(pod))
     assert ops_for(once) == []
@@ -161,7 +161,7 @@ def test_patch_of_a_patched_pod_is_empty(pod: dict[str, Any], gated: bool) -> No
 @settings(max_examples=200, deadline=None)
 @given(pod=pods)
 def test_replaced_names_are_the_user_entries_that_differed(pod: dict[str, Any]) -> None:
-    _, replaced = admission.edit_allocated(typed(pod), TARGET)
+    _, replaced = recipe.edit_allocated(typed(pod), TARGET)
     expected = []
     for key in ("initContainers", "containers"):
         for container in (pod.get("spec") or {}).get(key) or []:

@@ -13,7 +13,7 @@ import pytest
 
 from gpualloc.api import codecs, constants, models
 from tests import admitting, reviews
-from webhook import admission, mutations, objects
+from webhook import admission, mutations, objects, recipe
 
 NS = "team-a"
 UUIDS = ["GPU-aaaaaaaa-0000-0000-0000-000000000001", "GPU-bbbbbbbb-0000-0000-0000-000000000002"]
@@ -239,7 +239,7 @@ def test_index_mode_writes_host_indices_and_pci_bus_order() -> None:
 def test_mig_instances_are_given_by_uuid_in_every_mode(device_ids: admission.DeviceIdMode) -> None:
     # An index names a whole GPU: a MIG instance (here on GPU 0) only has its MIG- UUID.
     mig = [models.DeviceRef(index=0, minor=0, uuid="MIG-11111111-2222-3333-4444-555555555555")]
-    env = {e["name"]: e["value"] for e in admission.device_env(mig, device_ids)}
+    env = {e["name"]: e["value"] for e in recipe.device_env(mig, device_ids)}
     assert env == {"CUDA_VISIBLE_DEVICES": mig[0].uuid, "NVIDIA_VISIBLE_DEVICES": mig[0].uuid}
 
 

@@ -1,0 +1,132 @@
+"""What a pod of a claim gets: one pure function of the pod and the claim, ``edits``.
+
+``admission`` decides whether a pod is let in and which replica it is;
+``edits`` says what it then gets, as JSON Patch operations made by
+``mutations`` (the DRA example driver keeps its container edits in one
+function the same way):
+
+* an Allocated claim's replica (``allocation``): the claim's tolerations, a
+  ``nodeSelector kubernetes.io/hostname`` pinning the pod to the replica's
+  node, ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` in every
+  container and init container (``device_env``), a Shared MPS claim's client
+  limits (``sharing_env``), the devices' UUIDs comma-joined in the
+  ``gpu.scheduling/devices`` annotation, the scheduling gate
+  ``gpu.scheduling/claim-allocated`` and the gated label. The controller lifts
+  the gate once the API server still holds that claim with those devices
+  (``controller.gating``);
+* no allocation yet (gate mode): the claim's tolerations (the defaults when
+  the claim does not exist yet), the gate and the label, no
+  ``gpu.scheduling/devices`` annotation (a user-set one is removed: only the
+  controller says which devices a pod gets), and the device env vars read
+  from that annotation through the downward API, which the controller fills
+  in when it lifts the gate. Gate mode always yields UUIDs, whatever the
+  device-id mode, since the annotation holds UUIDs.
+
+Device ids: UUIDs by default. ``device_ids="index"`` is for clusters whose
+container runtime exposes every GPU of the node to every container: it writes
+host indices to ``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so
+CUDA numbers GPUs as nvidia-smi does) and ``NVIDIA_VISIBLE_DEVICES=all``: were
+the runtime to expose only the allocated GPUs, they would be renumbered from 0
+inside the container and host indices would name the wrong devices, so index
+mode must not ask it to. MIG instances are always given by UUID.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from gpualloc.api import constants, models, taints
+from webhook import mutations, objects
+
+DeviceIdMode = Literal["uuid", "index"]
+
+_GATED_ENV = [mutations.annotation_env(name) for name in mutations.DEVICE_ENV_NAMES]
+
+
+def edits(
+    pod: objects.Pod[Any],
+    claim: models.GpuClaim | None,
+    allocation: models.Allocation | None = None,
+    device_ids: DeviceIdMode = "uuid",
+) -> tuple[list[mutations.Op], list[str]]:
+    """The patch that gives ``pod`` what ``claim`` provides, and the user-set env entries it replaces
+    (``container/NAME``; none in gate mode).
+
+    With ``allocation`` (the pod's replica's, holding devices): the allocated pod; without, the
+    pod of a claim not allocated yet, or not created yet (``claim`` None), in gate mode."""
+    spec = claim.spec if claim is not None else None
+    tolerations = taints.claim_tolerations(spec) if spec is not None else taints.DEFAULT_TOLERATIONS
+    extra_env = sharing_env(spec) if spec is not None else []
+    if allocation is None:
+        return edit_gated(pod, tolerations, extra_env), []
+    return edit_allocated(pod, allocation, device_ids, tolerations, extra_env)
+
+
+def device_env(
+    devices: Sequence[models.DeviceRef], device_ids: DeviceIdMode = "uuid"
+) -> list[dict[str, Any]]:
+    """The env entries that give a container ``devices``, as UUIDs or as host indices (MIG
+    instances always by UUID: an index names a whole GPU)."""
+    if device_ids == "index" and not any(d.uuid.startswith("MIG-") for d in devices):
+        return [
+            mutations.value_env(mutations.ENV_CUDA_VISIBLE_DEVICES, ",".join(str(d.index) for d in devices)),
+            mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),
+            mutations.value_env(mutations.ENV_CUDA_DEVICE_ORDER, "PCI_BUS_ID"),
+        ]
+    uuids = ",".join(d.uuid for d in devices)
+    return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
+
+
+def sharing_env(spec: models.GpuClaimSpec) -> list[dict[str, Any]]:
+    """The MPS client limits of a Shared MPS claim (``sharing.computePercent``, ``memoryMiB``), for
+    each of its ``count`` GPUs as the container numbers them (0, 1, ...); none for other claims."""
+    sharing = spec.devices.sharing
+    if spec.devices.exclusivity != "Shared" or sharing is None or sharing.strategy != "MPS":
+        return []
+    entries = []
+    if sharing.compute_percent is not None:
+        entries.append(mutations.value_env(mutations.ENV_MPS_THREAD_PERCENTAGE, str(sharing.compute_percent)))
+    if sharing.memory_mib is not None:
+        limits = ",".join(f"{i}={sharing.memory_mib}M" for i in range(spec.devices.count))
+        entries.append(mutations.value_env(mutations.ENV_MPS_MEMORY_LIMIT, limits))
+    return entries
+
+
+def edit_allocated(
+    pod: objects.Pod[Any],
+    allocation: models.Allocation,
+    device_ids: DeviceIdMode = "uuid",
+    tolerations: Sequence[models.Toleration] = (),
+    extra_env: Sequence[dict[str, Any]] = (),
+) -> tuple[list[mutations.Op], list[str]]:
+    """The patch for an allocated claim, and the user-set env entries it replaces (``container/NAME``).
+    ``extra_env``: more entries for every container (``sharing_env``). The pod waits at the gate
+    until the controller has checked the claim against the API server (``controller.gating``)."""
+    ops: list[mutations.Op] = []
+    mutations.add_tolerations(pod, tolerations, ops)
+    mutations.pin_to_node(pod, allocation.node_name, ops)
+    entries = [*device_env(allocation.devices, device_ids), *extra_env]
+    replaced = mutations.set_env_everywhere(pod, entries, ops)
+    uuids = ",".join(d.uuid for d in allocation.devices)
+    mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
+    mutations.add_scheduling_gate(pod, ops)
+    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
+    return ops, replaced
+
+
+def edit_gated(
+    pod: objects.Pod[Any],
+    tolerations: Sequence[models.Toleration] = (),
+    extra_env: Sequence[dict[str, Any]] = (),
+) -> list[mutations.Op]:
+    """The patch for a claim not allocated yet, in gate mode. ``extra_env``: as ``edit_allocated``'s
+    (a claim that does not exist yet has none: its pod gets no MPS limits)."""
+    ops: list[mutations.Op] = []
+    mutations.add_tolerations(pod, tolerations, ops)
+    # Only the controller may say which devices the pod gets: drop a user-set value.
+    mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
+    mutations.add_scheduling_gate(pod, ops)
+    mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
+    mutations.set_env_everywhere(pod, [*_GATED_ENV, *extra_env], ops)
+    return ops
