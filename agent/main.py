@@ -225,20 +225,12 @@ class Agent:
         offered = inventory.derive(self.facts, sharing=self.sharing).devices if self.facts else ()
         by_lease = {constants.lease_name(lock_id): lock_id for d in offered for lock_id in d.lock_ids}
         holders: dict[str, agent_metrics.LeaseHolder] = {}
-        for lease in self.leases.cache.values():
-            meta = lease.get("metadata") or {}
-            uuid = by_lease.get(str(meta.get("name", "")))
-            if uuid is None:
-                continue
-            labels = meta.get("labels") or {}
-            claim_namespace, claim_name = constants.lease_claim(meta)
-            holders[uuid] = agent_metrics.LeaseHolder(
-                claim_namespace=claim_namespace,
-                claim_name=claim_name,
-                claim_uid=str(
-                    labels.get(constants.LABEL_CLAIM_UID, (lease.get("spec") or {}).get("holderIdentity", ""))
-                ),
-            )
+        for lease in map(lease_format.parse, self.leases.cache.values()):
+            uuid = by_lease.get(lease.name)
+            if uuid is not None:
+                holders[uuid] = agent_metrics.LeaseHolder(
+                    claim_namespace=lease.claim_namespace, claim_name=lease.claim_name, claim_uid=lease.holder
+                )
         if holders != self.metrics.leases:
             self.metrics.leases = holders
             self.wake.set()

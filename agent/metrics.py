@@ -39,7 +39,7 @@ GPU_LABELS = ("gpu", "uuid", "product", "node")
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LeaseHolder:
-    """Who holds a device, from its Lease's labels."""
+    """Who holds a device, as its Lease says (``gpualloc.api.leases.parse``)."""
 
     claim_namespace: str
     claim_name: str
