@@ -146,12 +146,13 @@ def conditions(
             )
         )
     lost = [d for d in devices if d.health_reason.startswith("lost:")]
+    lost_words = (f"{constants.device_display(d.index, d.uuid)}: {d.health_reason}" for d in lost)
     out.append(
         models.Condition(
             type=constants.CONDITION_DEVICES_LOST,
             status="True" if lost else "False",
             reason="DevicesLost" if lost else "NoDevicesLost",
-            message="; ".join(f"gpu-{d.index}/{d.uuid}: {d.health_reason}" for d in lost)[:32768],
+            message="; ".join(lost_words)[:32768],
         )
     )
     return tuple(out)

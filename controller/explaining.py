@@ -67,7 +67,7 @@ def explain(
     lines.append(f"  wants:   {describe_request(claim)}")
     if claim.status.phase == constants.PHASE_ALLOCATED:
         for a in claim.status.allocations:
-            devices = ", ".join(f"gpu-{d.index}/{d.uuid}" for d in a.devices)
+            devices = ", ".join(constants.device_display(d.index, d.uuid) for d in a.devices)
             lines.append(
                 f"  replica {a.replica}: {a.node_name} [{devices}] least {a.min_bandwidth_gbps} GB/s"
             )

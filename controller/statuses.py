@@ -229,7 +229,7 @@ def allocation_problems(
                 reason, what = REASON_DEVICE_UNHEALTHY, "unhealthy" + (f" ({why})" if why else "")
             else:
                 continue
-            detail = f"gpu-{ref.minor}/{ref.uuid} on {node}: {what}"
+            detail = f"{constants.device_display(ref.minor, ref.uuid)} on {node}: {what}"
             problems.append(Problem(node=node, uuid=ref.uuid, reason=reason, detail=detail))
     return problems
 

@@ -104,6 +104,12 @@ def lease_name(uuid: str) -> str:
     return "gpu-" + _LEASE_UNSAFE.sub("-", uuid.lower())
 
 
+def device_display(number: int, uuid: str) -> str:
+    """How messages and logs name a device: ``gpu-<number>/<uuid>``, e.g. ``gpu-3/GPU-5f1c…``
+    (the number for people, the UUID for identity)."""
+    return f"gpu-{number}/{uuid}"
+
+
 def slot_id(uuid: str, slot: int) -> str:
     """The lock id of slot ``slot`` of a shared GPU: ``<uuid>-s<slot>``, so its Lease is
     ``gpu-<uuid>-s<slot>`` (``lease_name``)."""
@@ -119,7 +125,7 @@ def shorten_label_value(name: str) -> str:
     Object names may be 253 characters (a GpuClaim's is a DNS subdomain) but
     label values only 63: a longer one is cut to 52 characters and given ``-``
     and 10 hex digits of its SHA-256, so it stays distinct and selectable. The
-    whole name goes in an annotation of the same key (``controller.planning.lease_annotations``).
+    whole name goes in an annotation of the same key (``leases.device_lease``).
     A name's characters are all valid in a label value already; free text is
     not, and is the agent's ``publishing.sanitize_label_value``.
     """
