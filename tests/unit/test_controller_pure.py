@@ -1,4 +1,5 @@
-"""controller.planning: NodeViews from caches, lock plans, status patches, retries, gate mode (pure)."""
+"""The controller's pure parts: NodeViews (views), lock plans (locking), device Leases, status patches
+(statuses), retries, gate mode (gates)."""
 
 from __future__ import annotations
 
