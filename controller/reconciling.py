@@ -276,11 +276,12 @@ class Reconciler:
                 cost_label=self.settings.cost_label,
             )
             if not decision.allocations:
-                preempting = await self._preempt(claim, node_index.views())
+                preempting = await self._preempt(claim, node_index)
                 if preempting is None:
                     await self._unfit(claim, decision.reason, leftovers)
                 else:
-                    await self._unfit(claim, preempting, leftovers, why=statuses.REASON_PREEMPTING)
+                    message, reason = preempting
+                    await self._unfit(claim, message, leftovers, why=reason)
                 return
             product = quotas.products_of(decision.allocations, self.state.statuses)
             if not self.ledger.holds(claim, product):
@@ -550,9 +551,16 @@ class Reconciler:
         cap = quotas.max_priority(self.state.quotas(claim.metadata.namespace))
         return claim.spec.priority if cap is None else min(claim.spec.priority, cap)
 
-    async def _preempt(self, claim: models.GpuClaim, node_views: Sequence[allocator.NodeView]) -> str | None:
-        """A claim that fits nowhere: mark the claims it preempts (``preemption``) Preempted; what it
-        waits for ("preempting ns/a (4 GPUs, priority 1)"), or None when it may preempt nobody.
+    async def _preempt(self, claim: models.GpuClaim, node_index: NodeIndex) -> tuple[str, str] | None:
+        """A claim that fits nowhere: mark the claims it preempts (``preemption``) Preempted. What it
+        waits for and the condition's reason: ("preempting ns/a (4 GPUs, priority 1)", Preempting);
+        the quota's message and QuotaExceeded when only plans its namespace's quotas refuse were
+        found (nobody is preempted then); None when it may preempt nobody.
+
+        Admission before preemption: a plan counts only if every quota of the claim's namespace
+        would admit the claim on the devices it names, with the victims out of the ledgers
+        (``quotas.admissible``), so no claim is preempted for a preemptor held back by its quota.
+        A claim that asks more GPUs per replica than any node has never searches.
 
         A victim is marked with a write conditional on its resourceVersion, so a victim that moved on
         meanwhile is left alone (the next try plans again). Its pods are evicted and its Leases
@@ -564,6 +572,8 @@ class Reconciler:
             # Nobody has a lower priority (the CRD's minimum is 0): no need to look at every claim,
             # which the many claims of priority 0 that fit nowhere would each do at every retry.
             return None
+        if preemption.exceeds_every_node(claim, (bucket.total for bucket in node_index.buckets())):
+            return None  # fits nowhere whoever goes: the many such claims of a flood never search
         every = [c for c in (self.state.claim(key) for key in self.state.claim_keys()) if c is not None]
         waiting = sorted(
             c.key
@@ -573,18 +583,35 @@ class Reconciler:
             and (c.status.allocations or self.state.held_by(c.metadata.uid))
         )
         if waiting:  # preempted already: wait until they have let go (Leases too) rather than preempt more
-            return f"waiting for the claims it preempted to release their GPUs: {', '.join(waiting)}"
+            message = f"waiting for the claims it preempted to release their GPUs: {', '.join(waiting)}"
+            return message, statuses.REASON_PREEMPTING
         pool = preemption.candidates(claim, every, priority=self._priority, cluster_scope=scope == "Cluster")
         if not pool:
             return None
+        if claim.spec.replicas == 1:  # searched node by node: only the nodes that hold candidates
+            held = {a.node_name for c in pool for a in c.status.allocations}
+            node_views = [view for name in sorted(held) if (view := node_index.get(name)) is not None]
+        else:
+            node_views = node_index.views()
         seed = views.seed_for(claim.metadata.uid)
+        namespace_quotas = self.state.quotas(claim.metadata.namespace)
+        refused: list[str] = []
 
         def place(candidate_views: Sequence[allocator.NodeView]) -> allocator.Decision:
             return allocator.allocate(claim, candidate_views, seed=seed, cost_label=self.settings.cost_label)
 
-        plan = preemption.choose(claim, pool, node_views, place, priority=self._priority)
+        def admit(decision: allocator.Decision, victims: Sequence[models.GpuClaim]) -> str:
+            if not namespace_quotas:
+                return ""
+            product = quotas.products_of(decision.allocations, self.state.statuses)
+            why = quotas.admissible(namespace_quotas, claim, product, [v.metadata.uid for v in victims])
+            if why and not refused:
+                refused.append(why)
+            return why
+
+        plan = preemption.choose(claim, pool, node_views, place, priority=self._priority, admit=admit)
         if plan is None:
-            return None
+            return (refused[0], quotas.REASON) if refused else None
         now = self._now()
         for victim in plan.victims:
             written = await self._write_status(victim, statuses.preempted_status(victim, by=claim, now=now))
@@ -594,7 +621,7 @@ class Reconciler:
             self.emit(self.state.raw_claim(victim.key) or {}, "Preempted", written.status.message, "Warning")
         described = plan.describe()
         self.emit(self.state.raw_claim(claim.key) or {}, "Preempting", described, "Normal")
-        return described
+        return described, statuses.REASON_PREEMPTING
 
     async def _finish_preemption(self, claim: models.GpuClaim) -> None:
         """A Preempted claim: evict its pods (the Eviction API, so PodDisruptionBudgets hold; one a

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+import pytest
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
@@ -18,8 +22,12 @@ from tests.integration.chaos_support import Mirror, Timeline
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
+    condition,
     controller_argv,
+    delete_gpu_node,
+    device_leases,
     get_claim,
+    publish_simulated_node,
     running_controller,
     status_uuids,
     wait_for,
@@ -128,3 +136,132 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
                 await watching
     assert mirror.stats["checks"] > 20, mirror.stats  # it did watch the handover
     assert not mirror.violations, mirror.violations[:5]
+
+
+# ----------------------------------------------------------------------------- admission first (issue 37)
+
+
+@pytest.fixture
+def other_namespace(control_plane: Any) -> Iterator[str]:
+    """A second fresh namespace: the victims' (their claims deleted first, as ``namespace`` does)."""
+    from gpualloc.devcluster import cluster
+
+    name = f"t-victims-{uuid.uuid4().hex[:8]}"
+    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    control_plane.ensure_service_account(name)
+    try:
+        yield name
+    finally:
+        for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
+            try:
+                control_plane.request("DELETE", path)
+            except cluster.RequestError as exc:
+                if exc.status != 404:
+                    raise
+
+
+@pytest.fixture
+async def h100_and_a100(api: Api) -> AsyncIterator[tuple[str, str, str]]:
+    """An 8-GPU H100 node and an 8-GPU A100 node (the simulated agent's profiles) of a fresh run:
+    (H100 node, A100 node, run)."""
+    run = uuid.uuid4().hex[:8]
+    h100, a100 = f"h100-{run}", f"a100-{run}"
+    await publish_simulated_node(api, h100, run, "h100-sxm-8")
+    await publish_simulated_node(api, a100, run, "a100-sxm-8")
+    yield h100, a100, run
+    for name in (h100, a100):
+        await delete_gpu_node(api, name)
+
+
+QUOTAS = f"/apis/{constants.API_VERSION}/namespaces/{{namespace}}/{constants.QUOTA_PLURAL}"
+NO_H100 = {"gpus": 16, "products": [{"pattern": "*H100*", "gpus": 0}]}
+
+
+async def no_h100_quota(api: Api, namespace: str) -> None:
+    body = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.QUOTA_KIND,
+        "metadata": {"name": "no-h100"},
+    }
+    await transport.request(api, "POST", QUOTAS.format(namespace=namespace), body={**body, "spec": NO_H100})
+
+
+def on(node: str, body: dict[str, Any]) -> dict[str, Any]:
+    body["spec"]["nodeName"] = node
+    return body
+
+
+async def held_leases(api: Api, lease_namespace: str, claim: dict[str, Any]) -> set[str]:
+    selector = f"{constants.LABEL_CLAIM_UID}={claim['metadata']['uid']}"
+    return {lease["metadata"]["name"] for lease in await device_leases(api, lease_namespace, selector)}
+
+
+async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits_with_the_quota_message(
+    api: Api, kubeconfig: str, namespace: str, other_namespace: str, h100_and_a100: tuple[str, str, str]
+) -> None:
+    """Issue 37, item 2: ``*H100*: 0`` in the preemptor's namespace, ``--preemption-scope Cluster``,
+    lower-priority H100 holders in another namespace. Before, they were Preempted and lost their
+    GPUs, and the preemptor then stayed Pending over its quota; now nobody is touched."""
+    h100, _, run = h100_and_a100
+    crs = resources.CustomResources(api)
+    await no_h100_quota(api, namespace)
+    argv = controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
+    async with running_controller(kubeconfig, argv):
+        for name in ("victim-1", "victim-2"):
+            await crs.create_claim(other_namespace, on(h100, claim_body(name, 4, run=run, priority=0)))
+        before = {n: await wait_phase(api, other_namespace, n, "Allocated") for n in ("victim-1", "victim-2")}
+        leases_before = {n: await held_leases(api, namespace, c) for n, c in before.items()}
+        assert all(len(held) == 4 for held in leases_before.values()), leases_before
+
+        wanted = claim_body("wants-h100", 4, run=run, priority=5)
+        wanted["spec"]["devices"]["product"] = "*H100*"
+        await crs.create_claim(namespace, wanted)
+
+        async def over_quota() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "wants-h100")
+            return (
+                got
+                if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
+                else None
+            )
+
+        held_back = await wait_for(over_quota, within=30, what="the preemptor to be held back by its quota")
+        assert held_back["status"]["phase"] == "Pending"
+        assert held_back["status"]["message"] == (
+            f"namespace {namespace} would use 4 of 0 *H100* GPUs (quota {namespace}/no-h100)"
+        )
+        await asyncio.sleep(4)  # several retries (backoff 1 s): still nobody preempted
+        got = await get_claim(api, namespace, "wants-h100")
+        assert got is not None and condition(got, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
+        for name, claim in before.items():
+            now = await get_claim(api, other_namespace, name)
+            assert now is not None and now["status"]["phase"] == "Allocated", now
+            assert not now["status"].get("preemptedBy")
+            assert set(status_uuids(now)) == set(status_uuids(claim))
+            assert await held_leases(api, namespace, now) == leases_before[name]
+
+
+async def test_with_an_admissible_a100_plan_the_a100_holder_is_preempted_instead_of_the_h100_ones(
+    api: Api, kubeconfig: str, namespace: str, other_namespace: str, h100_and_a100: tuple[str, str, str]
+) -> None:
+    """The positive control: the 4-GPU H100 holders are the minimal plan by GPUs, but the quota
+    refuses H100s, so the 8-GPU A100 holder goes, and the preemptor is Allocated on its GPUs."""
+    h100, a100, run = h100_and_a100
+    crs = resources.CustomResources(api)
+    await no_h100_quota(api, namespace)
+    argv = controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
+    async with running_controller(kubeconfig, argv):
+        for name, node, count in (("h-1", h100, 4), ("h-2", h100, 4), ("a-all", a100, 8)):
+            await crs.create_claim(other_namespace, on(node, claim_body(name, count, run=run, priority=0)))
+        before = {n: await wait_phase(api, other_namespace, n, "Allocated") for n in ("h-1", "h-2", "a-all")}
+
+        await crs.create_claim(namespace, claim_body("high", 4, run=run, priority=5))
+        preempted = await wait_phase(api, other_namespace, "a-all", "Preempted")
+        assert preempted["status"]["preemptedBy"] == f"{namespace}/high"
+        allocated = await wait_phase(api, namespace, "high", "Allocated", within=40)
+        assert allocated["status"]["allocations"][0]["nodeName"] == a100
+        assert set(status_uuids(allocated)) <= set(status_uuids(before["a-all"]))
+        for name in ("h-1", "h-2"):
+            got = await get_claim(api, other_namespace, name)
+            assert got is not None and got["status"]["phase"] == "Allocated"
+            assert set(status_uuids(got)) == set(status_uuids(before[name]))
