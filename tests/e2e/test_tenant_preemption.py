@@ -1,0 +1,143 @@
+"""Preemption attacked with a tenant's own token, as the chart installs gpualloc (issue 37, item 2).
+
+The release, the tenant (a ServiceAccount bound to ``edit``, with a TokenRequest token) and the
+chart's policies (the quota-priority ValidatingAdmissionPolicy among them) come from
+``test_tenant_isolation``'s fixtures, imported rather than copied. The controller runs with
+``--preemption-scope Cluster``, so a tenant's claim may preempt lower-priority claims of any
+namespace; the tenant's GpuQuota allows no H100 (``*H100*: 0``).
+
+The attack: the tenant creates a high-priority claim for H100s, which its quota will never admit,
+on a node that other namespaces' claims fill. Before issue 37 those claims were Preempted and lost
+their GPUs, and the tenant's claim then waited over its quota; now the quota is checked on the plan
+before any victim is chosen, and nobody is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from gpualloc.api import constants
+from gpualloc.kube import resources
+from tests.e2e.test_tenant_isolation import (  # noqa: F401 - namespaces, setup, tmp_module: fixtures
+    Setup,
+    call,
+    claims_path,
+    eventually,
+    namespaces,
+    purge_claim,
+    quotas_path,
+    refusal,
+    setup,
+    tmp_module,
+)
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    condition,
+    create_gpu_node,
+    delete_gpu_node,
+    device_leases,
+    get_claim,
+    running_controller,
+    status_uuids,
+    wait_for,
+    wait_phase,
+)
+from tests.integration.controller_support import claim_body as integration_claim_body
+from tests.integration.controller_support import controller_argv as integration_controller_argv
+
+
+def no_h100(max_priority: int) -> dict[str, Any]:
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": "GpuQuota",
+        "metadata": {"name": "no-h100"},
+        "spec": {"gpus": 16, "maxPriority": max_priority, "products": [{"pattern": "*H100*", "gpus": 0}]},
+    }
+
+
+async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_namespace(
+    setup: Setup,  # noqa: F811 - the fixture imported above
+) -> None:
+    ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
+    victims_ns = f"victims-{run}"
+    node = f"iso-h100-{run}"
+    setup.control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": victims_ns}})
+    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
+    await call(setup.admin, "POST", quotas_path(ns), body=no_h100(max_priority=10))
+    tenant_claims = resources.CustomResources(setup.tenant)
+    admin_claims = resources.CustomResources(setup.admin)
+    argv = integration_controller_argv(setup.system, "--preemption-scope", "Cluster", run=run)
+    try:
+        async with running_controller(str(setup.control_plane.kubeconfig), argv):
+            for name in ("victim-1", "victim-2"):
+                await admin_claims.create_claim(
+                    victims_ns, integration_claim_body(name, 4, run=run, priority=0)
+                )
+            before = {
+                n: await wait_phase(setup.admin, victims_ns, n, "Allocated", within=60)
+                for n in ("victim-1", "victim-2")
+            }
+
+            async def leases_of(claim: dict[str, Any]) -> set[str]:
+                selector = f"{constants.LABEL_CLAIM_UID}={claim['metadata']['uid']}"
+                held = await device_leases(setup.admin, setup.system, selector)
+                return {lease["metadata"]["name"] for lease in held}
+
+            leases_before = {n: await leases_of(c) for n, c in before.items()}
+            assert all(len(held) == 4 for held in leases_before.values()), leases_before
+
+            # The quota-priority policy is in force for this quota: the tenant cannot out-rank by a
+            # big number (dry run), and asks the most its quota allows.
+            loud = integration_claim_body("loud", 4, run=run, priority=1000)
+            message = await eventually(
+                "the quota-priority policy to see the GpuQuota",
+                lambda: refusal(
+                    call(setup.tenant, "POST", claims_path(ns), body=loud, query=[("dryRun", "All")])
+                ),
+            )
+            assert (
+                f"spec.priority 1000 is above 10, the maximum of namespace {ns} (quota {ns}/no-h100)"
+                in message
+            )
+
+            wanted = integration_claim_body("wants-h100", 4, run=run, priority=10)
+            wanted["spec"]["devices"]["product"] = "*H100*"
+            await tenant_claims.create_claim(ns, wanted)
+
+            async def held_back() -> dict[str, Any] | None:
+                got = await get_claim(setup.tenant, ns, "wants-h100")
+                return (
+                    got
+                    if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
+                    else None
+                )
+
+            got = await wait_for(held_back, within=60, what="the tenant's claim to be held back by its quota")
+            assert got["status"]["phase"] == "Pending"
+            assert (
+                got["status"]["message"]
+                == f"namespace {ns} would use 4 of 0 *H100* GPUs (quota {ns}/no-h100)"
+            )
+            await asyncio.sleep(4)  # several retries (backoff 1 s): still nobody preempted
+            for name, claim in before.items():
+                now = await get_claim(setup.admin, victims_ns, name)
+                assert now is not None and now["status"]["phase"] == "Allocated", (
+                    now["status"] if now else None
+                )
+                assert not now["status"].get("preemptedBy")
+                assert set(status_uuids(now)) == set(status_uuids(claim))
+                assert await leases_of(now) == leases_before[name]
+            still = await get_claim(setup.tenant, ns, "wants-h100")
+            assert (
+                still is not None
+                and condition(still, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
+            )
+    finally:
+        await purge_claim(setup.admin, ns, "wants-h100")
+        for name in ("victim-1", "victim-2"):
+            await purge_claim(setup.admin, victims_ns, name)
+        await call(setup.admin, "DELETE", f"{quotas_path(ns)}/no-h100")
+        await delete_gpu_node(setup.admin, node)
+        await call(setup.admin, "DELETE", f"/api/v1/namespaces/{victims_ns}")
