@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from gpualloc.api import constants, models, taints
 
@@ -157,3 +157,75 @@ def matches(ask: Ask, device: models.Device) -> bool:
         if cc is None or cc < ask.min_cc:
             return False
     return True
+
+
+# ------------------------------------------------------------------ tolerations the operator allows
+
+
+def covers(allowed: models.Toleration, wanted: models.Toleration) -> bool:
+    """Does ``allowed`` (an operator's, from a GpuQuota) tolerate every taint that ``wanted`` (a
+    claim's) tolerates? Yes when the effect is the same or ``allowed`` has none; the key is the same
+    or ``allowed`` has none (with Exists: every key); and ``allowed`` is Exists, or both are Equal
+    with the same value. ``tolerationSeconds`` does not count: the allocator ignores it."""
+    if allowed.effect and allowed.effect != wanted.effect:
+        return False
+    if not allowed.key:
+        return allowed.operator == "Exists"
+    if allowed.key != wanted.key:
+        return False
+    if allowed.operator == "Exists":
+        return True
+    return wanted.operator != "Exists" and wanted.value == allowed.value
+
+
+def allowed_tolerations(
+    claim: models.GpuClaim, namespace_quotas: Iterable[models.GpuQuota]
+) -> tuple[tuple[models.Toleration, ...], tuple[models.Toleration, ...]]:
+    """The claim's tolerations split into those it may use and those it may not: (kept, refused).
+
+    A toleration is kept when ``taints.DEFAULT_TOLERATIONS`` or an allowed toleration of one of
+    the namespace's GpuQuotas (``spec.allowedTolerations``) covers it (``covers``). Tolerations
+    are the operator's to grant: a tenant writes its claims, and a taint that keeps its team off a
+    pool must keep its claims off too."""
+    allowed = [
+        *taints.DEFAULT_TOLERATIONS,
+        *(t for q in namespace_quotas for t in q.spec.allowed_tolerations),
+    ]
+    kept: list[models.Toleration] = []
+    refused: list[models.Toleration] = []
+    for wanted in claim.spec.tolerations:
+        (kept if any(covers(a, wanted) for a in allowed) else refused).append(wanted)
+    return tuple(kept), tuple(refused)
+
+
+def describe_toleration(toleration: models.Toleration) -> str:
+    """``key=value:Effect`` as a taint reads (``key:Effect`` for Exists; ``*`` for any key or effect)."""
+    key = toleration.key or "*"
+    value = f"={toleration.value}" if toleration.operator != "Exists" and toleration.value else ""
+    return f"{key}{value}:{toleration.effect or '*'}"
+
+
+def refused_note(
+    refused: Sequence[models.Toleration],
+    kept: Sequence[models.Toleration],
+    node_taints: Iterable[Sequence[models.Taint]],
+    namespace: str,
+) -> str:
+    """What to add to the reason of a claim that fits nowhere: the refused tolerations that would
+    have let it onto a node (one whose blocking taints they and the kept ones tolerate, and the
+    kept ones alone do not), "" when none would have. ``kept`` includes the defaults."""
+    if not refused:
+        return ""
+    mattered: list[models.Toleration] = []
+    for node in node_taints:
+        if taints.untolerated(node, kept) is None or taints.untolerated(node, (*kept, *refused)) is not None:
+            continue
+        for toleration in refused:
+            if toleration not in mattered and any(taints.tolerates(toleration, t) for t in node):
+                mattered.append(toleration)
+    if not mattered:
+        return ""
+    listed = ", ".join(describe_toleration(t) for t in mattered)
+    verb = "is" if len(mattered) == 1 else "are"
+    noun = "toleration" if len(mattered) == 1 else "tolerations"
+    return f"{noun} {listed} {verb} not allowed in namespace {namespace} (GpuQuota allowedTolerations)"

@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="whose claims a claim of higher priority may preempt: its namespace's (default), any"
         " namespace's, or nobody's",
     )
+    parser.add_argument(
+        "--claim-tolerations",
+        choices=("Allowed", "Any"),
+        default="Allowed",
+        help="which of a claim's tolerations the allocator honours: those a GpuQuota of its namespace"
+        " allows in spec.allowedTolerations (default), or all of them (single-tenant clusters)",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "namespace": "POD_NAMESPACE"})
     return parser
@@ -145,6 +152,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             in_use_poll=args.in_use_poll,
             claim_selector=args.claim_selector,
             preemption_scope=args.preemption_scope,
+            claim_tolerations=args.claim_tolerations,
         ),
         metrics,
     )

@@ -50,14 +50,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from controller import allocator, gates, locking, owners, preemption, quotas, retries, statuses, views
+from controller import allocator, asks, gates, locking, owners, preemption, quotas, retries, statuses, views
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
 from controller.ledger import Ledger
 from controller.nodes import NodeIndex
 from controller.state import State
-from gpualloc.api import codecs, constants, leases, models, timestamps
+from gpualloc.api import codecs, constants, leases, models, taints, timestamps
 from gpualloc.kube import errors, watching
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Settings:
     in_use_poll: float = IN_USE_POLL
     claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all
     preemption_scope: str = "Namespace"  # whose claims a claim may preempt: Namespace, Cluster or None
+    claim_tolerations: str = "Allowed"  # Allowed: those its namespace's GpuQuotas allow; Any: all of them
 
 
 class Reconciler:
@@ -252,6 +253,7 @@ class Reconciler:
     async def _allocate(self, claim: models.GpuClaim) -> None:
         key = claim.key
         uid = claim.metadata.uid
+        claim, refused_tolerations = self._tolerated(claim)  # planned (and preempting) with these only
         retry = self._retry.get(key)
         if retry is None or retry.generation != claim.metadata.generation:
             if retry is not None:  # the spec changed: a fresh start
@@ -278,7 +280,8 @@ class Reconciler:
             if not decision.allocations:
                 preempting = await self._preempt(claim, node_index)
                 if preempting is None:
-                    await self._unfit(claim, decision.reason, leftovers)
+                    reason = self._with_refused(claim, decision.reason, refused_tolerations, node_index)
+                    await self._unfit(claim, reason, leftovers)
                 else:
                     message, reason = preempting
                     await self._unfit(claim, message, leftovers, why=reason)
@@ -334,6 +337,31 @@ class Reconciler:
         # No Event: the status written just now says the same (condition Allocated, its message and
         # transition time), and an Event would be one more write per allocation (issue 20).
         await self.gate.ungate(written)
+
+    def _tolerated(self, claim: models.GpuClaim) -> tuple[models.GpuClaim, tuple[models.Toleration, ...]]:
+        """The claim with only the tolerations its namespace's GpuQuotas allow, and those it may not
+        use (``asks.allowed_tolerations``); as it is with ``--claim-tolerations Any``."""
+        if self.settings.claim_tolerations == "Any" or not claim.spec.tolerations:
+            return claim, ()
+        kept, refused = asks.allowed_tolerations(claim, self.state.quotas(claim.metadata.namespace))
+        if not refused:
+            return claim, ()
+        return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=kept)), refused
+
+    @staticmethod
+    def _with_refused(
+        claim: models.GpuClaim, reason: str, refused: Sequence[models.Toleration], node_index: NodeIndex
+    ) -> str:
+        """``reason``, and the refused tolerations that would have let the claim onto a node."""
+        if not refused:
+            return reason
+        note = asks.refused_note(
+            refused,
+            taints.claim_tolerations(claim.spec),
+            (view.taints for view in node_index.views()),
+            claim.metadata.namespace,
+        )
+        return f"{reason}; {note}" if note else reason
 
     def _advance_cursor(self, node_index: NodeIndex, allocations: Iterable[models.Allocation]) -> None:
         last = list(allocations)[-1].node_name

@@ -652,6 +652,19 @@ def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_c
     assert not [o for o in off if o["metadata"]["name"] == name]
 
 
+def test_controller_honours_only_allowed_claim_tolerations_unless_told_any() -> None:
+    def args(objs: list[Obj]) -> list[str]:
+        spec = one(objs, "Deployment", f"{FULLNAME}-controller")["spec"]["template"]["spec"]
+        (container,) = [c for c in spec["containers"] if c["name"] == "controller"]
+        return [a for a in container["args"] if a.startswith("--claim-tolerations")]
+
+    assert args(render()) == ["--claim-tolerations=Allowed"]
+    assert args(render(controller__claimTolerations="Any")) == ["--claim-tolerations=Any"]
+    refused = _run("template", RELEASE, str(CHART), "--set", "controller.claimTolerations=All")
+    assert refused.returncode != 0
+    assert "value must be one of" in refused.stderr
+
+
 def test_certs_job_touches_only_its_secret_and_its_webhook_configuration() -> None:
     granted = _rules_of(render(certManager__enabled="false"), "certs")
     secret = (f"{FULLNAME}-webhook-tls",)
