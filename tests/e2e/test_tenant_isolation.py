@@ -442,6 +442,7 @@ async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path
                     "-pod-gated-label",
                     "-quota-priority",
                     "-claim-metadata",
+                    "-claim-finalizer-removal",
                 ):
                     _delete(control_plane, f"{ADMISSION}/{kind}/{fullname}{suffix}")
             for name in nodes:
@@ -1173,7 +1174,9 @@ async def test_claim_with_more_than_16_finalizers_or_owner_references_is_refused
     await call(tenant, "POST", claims, body=claim_with("full", finalizers=16))
     try:
         path = f"{claims}/full"
-        grow = {"metadata": {"finalizers": [f"example.com/hold-{i}" for i in range(17)]}}
+        grow = {
+            "metadata": {"finalizers": [*(f"example.com/hold-{i}" for i in range(17)), constants.FINALIZER]}
+        }
         message = await refused(call(tenant, "PATCH", path, body=grow, content_type=MERGE))
         assert "at most 16 finalizers besides gpu.scheduling/release-devices, this one has 17" in message
         # gpualloc's own finalizer (the chart's policy adds it at create) does not count.
@@ -1181,9 +1184,12 @@ async def test_claim_with_more_than_16_finalizers_or_owner_references_is_refused
         owners = {"metadata": {"ownerReferences": claim_with("x", owners=17)["metadata"]["ownerReferences"]}}
         message = await refused(call(tenant, "PATCH", path, body=owners, content_type=MERGE, query=dry))
         assert "at most 16 owner references, this one has 17" in message, message
-        shrink = {"metadata": {"finalizers": [f"example.com/hold-{i}" for i in range(15)]}}
+        # (keeping gpualloc's own, which only the controller may remove)
+        shrink = {
+            "metadata": {"finalizers": [*(f"example.com/hold-{i}" for i in range(15)), constants.FINALIZER]}
+        }
         kept = await call(tenant, "PATCH", path, body=shrink, content_type=MERGE)
-        assert len(kept["metadata"]["finalizers"]) == 15
+        assert len(kept["metadata"]["finalizers"]) == 16
     finally:
         await purge_claim(setup.admin, ns, "full")
 

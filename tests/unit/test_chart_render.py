@@ -652,6 +652,33 @@ def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_c
     assert not [o for o in off if o["metadata"]["name"] == name]
 
 
+def test_only_the_controller_and_cluster_admins_may_remove_the_claim_finalizer_and_it_can_be_off() -> None:
+    objs = render()
+    name = f"{FULLNAME}-claim-finalizer-removal"
+    policy = one(objs, "ValidatingAdmissionPolicy", name)
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
+    assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    # Every write of metadata (patch of any kind, apply, PUT) is an UPDATE of the main resource.
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": ["gpu.scheduling"],
+            "apiVersions": ["*"],
+            "operations": ["UPDATE"],
+            "resources": ["gpuclaims"],
+        }
+    ]
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    assert "'gpu.scheduling/release-devices'" in conditions["had-the-finalizer"]
+    controller = one(objs, "ServiceAccount", f"{FULLNAME}-controller")["metadata"]["name"]
+    assert conditions["not-the-controller"] == (
+        f"request.userInfo.username != 'system:serviceaccount:{NAMESPACE}:{controller}'"
+    )
+    assert "'system:masters'" in conditions["not-a-cluster-admin"]
+    off = render(claimFinalizerRemovalPolicy__enabled="false")
+    assert not [o for o in off if o["metadata"]["name"] == name]
+
+
 def test_controller_honours_only_allowed_claim_tolerations_unless_told_any() -> None:
     def args(objs: list[Obj]) -> list[str]:
         spec = one(objs, "Deployment", f"{FULLNAME}-controller")["spec"]["template"]["spec"]
