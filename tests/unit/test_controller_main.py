@@ -42,3 +42,14 @@ def test_the_namespace_variable_beats_pod_namespace(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("POD_NAMESPACE", "pod")
     monkeypatch.setenv("GPUALLOC_NAMESPACE", "explicit")
     assert main.build_parser().parse_args([]).namespace == "explicit"
+
+
+def test_claim_tolerations_default_to_allowed_and_take_any_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert main.build_parser().parse_args([]).claim_tolerations == "Allowed"
+    monkeypatch.setenv("GPUALLOC_CLAIM_TOLERATIONS", "Any")
+    assert main.build_parser().parse_args([]).claim_tolerations == "Any"
+    assert main.build_parser().parse_args(["--claim-tolerations", "Allowed"]).claim_tolerations == "Allowed"
+    with pytest.raises(SystemExit):
+        main.build_parser().parse_args(["--claim-tolerations", "All"])
