@@ -3,7 +3,9 @@ pods use a claim.
 
 * ``pod_allocation`` / ``placement_conflict`` / ``ungate_patch``: what a gated pod gets once its
   claim is Allocated;
-* ``pods_using``: the pods that keep a claim in use (its devices cannot be released).
+* ``pods_using``: the pods that keep a claim in use (its devices cannot be released);
+* ``given_devices`` / ``kept_of_live_pod`` / ``held_by_pods``: the GPUs live pods were given,
+  which stay in use whatever happens to their claim (pods are the ground truth of use).
 """
 
 from __future__ import annotations
@@ -157,9 +159,11 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
     Adds the ``gpu.scheduling/devices`` annotation (UUIDs, comma-joined) and the
     ``kubernetes.io/hostname`` nodeSelector (allowed while the pod is gated),
     and removes only our scheduling gate and the ``gpu.scheduling/gated`` label the
-    webhook put on the pod. The patch is a diff of a deep copy,
-    led by a ``test`` of the gate list so a concurrent change to the gates
-    makes it fail instead of removing the wrong entry.
+    webhook put on the pod. The patch is a diff of a deep copy, led by a
+    ``test`` of the gate list so a concurrent change to the gates makes it fail
+    instead of removing the wrong entry, and by a ``test`` of the pod's
+    resourceVersion as ``pod`` holds it: any write to the pod since (such as the
+    sweep's ``fence_patch``) makes it fail too, and the caller looks again.
     """
     new = copy.deepcopy(dict(pod))
     metadata = new.setdefault("metadata", {})
@@ -184,4 +188,90 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
     ops: list[Obj] = list(jsonpatch.make_patch(dict(pod), new))
     if gates:
         ops.insert(0, {"op": "test", "path": "/spec/schedulingGates", "value": gates})
+    version = metadata.get("resourceVersion")
+    if version:
+        ops.insert(0, {"op": "test", "path": "/metadata/resourceVersion", "value": version})
     return ops
+
+
+def fence_patch(pod: Mapping[str, Any], claim_uid: str) -> list[Obj]:
+    """The JSON Patch that marks a gated pod of a vanished claim (``gpu.scheduling/claim-gone``:
+    its uid) while the pod is still gated (a ``test`` of the gate list, which fails once the pod
+    was un-gated). An un-gate decided on that claim, before it vanished, carries the pod's older
+    resourceVersion (``ungate_patch``), so after this write it can never land: the claim's Leases
+    may then go, although the pod is still there."""
+    new = copy.deepcopy(dict(pod))
+    annotations = new.setdefault("metadata", {}).get("annotations")
+    if annotations is None:
+        annotations = new["metadata"]["annotations"] = {}
+    annotations[constants.ANNOTATION_CLAIM_GONE] = claim_uid
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return [
+        {"op": "test", "path": "/spec/schedulingGates", "value": gates},
+        *jsonpatch.make_patch(dict(pod), new),
+    ]
+
+
+# ------------------------------------------------------------------ pods as the ground truth of use
+
+_DEVICES_MAX = 16384  # longer than any devices annotation the webhook or the controller writes
+
+
+def given_devices(pod: Mapping[str, Any]) -> tuple[str, frozenset[str]] | None:
+    """(claim name, device UUIDs) a pod was given: its devices annotation, read only on a pod that
+    also names its claim, which is a pod the webhook admitted (it sets or removes the devices
+    annotation of every such pod, and the pod-annotation policy keeps both fixed afterwards). A
+    devices annotation on any other pod never went through gpualloc and means nothing: counting it
+    would let a tenant mark any GPU in use. None when the pod was given no device."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    claim = annotations.get(constants.ANNOTATION_CLAIM)
+    devices = annotations.get(constants.ANNOTATION_DEVICES)
+    if not isinstance(claim, str) or not claim or not isinstance(devices, str):
+        return None
+    uuids = frozenset(u for u in devices.split(",") if u)
+    return (claim, uuids) if uuids else None
+
+
+def kept_of_live_pod(pod: Obj) -> Obj:
+    """The part of a live (not Succeeded or Failed) pod the controller caches: its identity, node,
+    whether our gate still holds it, and the two gpualloc annotations (bounded). Every pod of the
+    cluster is watched, so this is kept small: a tenant's large pod costs these few fields."""
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = {
+        k: v
+        for k, v in (metadata.get("annotations") or {}).items()
+        if k in (constants.ANNOTATION_CLAIM, constants.ANNOTATION_DEVICES)
+        and isinstance(v, str)
+        and len(v) <= (_DEVICES_MAX if k == constants.ANNOTATION_DEVICES else _NAME_MAX)
+    }
+    kept_meta: Obj = {
+        k: metadata[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in metadata
+    }
+    if annotations:
+        kept_meta["annotations"] = annotations
+    kept_spec: Obj = {k: spec[k] for k in ("nodeName",) if k in spec}
+    if is_gated(pod):
+        kept_spec["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
+    return {
+        "apiVersion": pod.get("apiVersion", "v1"),
+        "kind": pod.get("kind", "Pod"),
+        "metadata": kept_meta,
+        "spec": kept_spec,
+    }
+
+
+def held_by_pods(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> tuple[frozenset[str], bool]:
+    """What the live pods among ``candidates`` (one namespace's, read from the API server) that name
+    claim ``claim_name`` hold: the device UUIDs the un-gated ones were given, and whether one of them
+    still waits at our gate (a controller whose cache is behind may be un-gating it onto the claim's
+    devices at this very moment, as ``pods_using`` says; a devices annotation on a gated pod is a
+    webhook's view, not a use)."""
+    devices: set[str] = set()
+    gated = False
+    for pod in pods_using(claim_name, candidates):
+        given = None if is_gated(pod) else given_devices(pod)
+        gated = gated or is_gated(pod)
+        if given is not None:
+            devices |= given[1]
+    return frozenset(devices), gated

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from controller import cluster as kube
-from controller import quotas
+from controller import gates, quotas
 from controller.state import State
 from gpualloc.api import codecs, models
 from gpualloc.kube import errors
@@ -86,18 +86,28 @@ class Ledger:
         return True
 
     async def drop_gone(self, quota: models.GpuQuota) -> None:
-        """Take out the entries of claims that no longer exist (an authoritative read says so)."""
+        """Take out the entries of claims that no longer exist (an authoritative read says so) once
+        their GPUs are free: no Lease of theirs is left (the sweep keeps those that their live pods
+        use) and no live pod that names them holds a device their namespace's claim of that name
+        does not list. Until then the quota counts the GPUs their pods still use."""
         gone: list[str] = []
+        pods: list[dict[str, object]] | None = None
         for uid, entry in sorted(quota.status.claims.items()):
-            if self.state.claim_key_of(uid) is not None:
-                continue  # in the cache: alive as far as we know, and its own reconcile takes it out
+            if self.state.claim_key_of(uid) is not None or self.state.held_by(uid):
+                continue  # alive as far as we know (its own reconcile takes it out), or still locking GPUs
             try:
                 raw = await self.cluster.get_claim(quota.metadata.namespace, entry.name)
             except errors.NotFound:
-                gone.append(uid)
+                raw = None
+            if raw is not None and codecs.decode_meta(raw).uid == uid:
                 continue
-            if codecs.decode_meta(raw).uid != uid:
-                gone.append(uid)
+            if pods is None:
+                pods = await self.cluster.list_pods(quota.metadata.namespace)
+            devices, _ = gates.held_by_pods(entry.name, pods)
+            listed = codecs.parse_claim(raw).status.allocations if raw is not None else ()
+            if devices - {d.uuid for a in listed for d in a.devices}:
+                continue  # its pods still run on GPUs no claim of that name lists
+            gone.append(uid)
         if gone:
             await self._write(quota, quotas.removal_patch(quota, gone), "")
             log.info("dropped gone claims from a quota", extra={"quota": quota.key, "claims": ",".join(gone)})

@@ -84,6 +84,13 @@ def recorded(claim: models.GpuClaim) -> frozenset[str]:
     return frozenset(constants.lease_name(d.lock_id) for a in claim.status.allocations for d in a.devices)
 
 
+def locks_device(lease_name: str, uuid: str) -> bool:
+    """Whether the Lease ``lease_name`` locks GPU ``uuid``, or a MIG instance with that UUID, or one
+    of the GPU's sharing slots (``constants.slot_id``): what a pod given ``uuid`` relies on."""
+    name = constants.lease_name(uuid)
+    return lease_name == name or lease_name.startswith(f"{name}-s")
+
+
 def releasable(leftovers: Iterable[leases.LeaseInfo], view: models.GpuClaim) -> list[leases.LeaseInfo]:
     """The leftovers (Leases of ``view``'s claim seen before ``view`` was read) that no attempt can
     still record: not listed by ``view`` and stamped with another resourceVersion (rule 3)."""

@@ -1,9 +1,10 @@
 """What the controller knows of the cluster: its caches and the indexes kept from their events.
 
-Seven feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
+Eight feeds (``FEEDS``): every GpuClaim, every GpuNodeStatus, every Node, the
 device Leases (``managed-by=gpualloc`` in the controller's namespace), the
 agents' heartbeat Leases (in their own namespace; optional), the pods the
-webhook gated and every GpuQuota. On a real API server each is a
+webhook gated, every live pod (not Succeeded or Failed; a few fields of each,
+``gates.kept_of_live_pod``) and every GpuQuota. On a real API server each is a
 ``watching.Reflector``; in the deterministic simulation, an in-memory stand-in
 with the same ``cache`` / ``synced`` / ``on_event`` / ``get``. Each event
 updates the indexes here in O(what changed) and names the claims worth looking
@@ -30,7 +31,11 @@ the ready nodes whose heartbeat has just grown too old.
 whoever holds it (Leases the claim being planned holds but does not record
 are left over from another attempt and are not adopted, see ``locking``); the
 devices every live claim's status lists, whether or not their Leases are
-there; and the devices being acquired right now by this process.
+there; the devices being acquired right now by this process; and the devices
+live pods were given that their own claim does not list (``held_by_pods_alone``):
+pods are the ground truth of use, so a GPU a running pod was given stays taken
+whatever happened to its claim (deleted with its finalizer stripped, restored
+from a backup) or to its Lease, until the pod ends.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-FEEDS = ("claims", "node_statuses", "nodes", "leases", "heartbeats", "pods", "quotas")
+FEEDS = ("claims", "node_statuses", "nodes", "leases", "heartbeats", "pods", "live_pods", "quotas")
 OPTIONAL_FEEDS = frozenset({"heartbeats"})  # without it, a node's heartbeat is its GpuNodeStatus's
+LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 GONE_KEPT = 10_000  # deleted uids remembered, against late answers to our own writes
 
 
@@ -76,6 +82,7 @@ KEPT: dict[str, Callable[[Obj], Obj]] = {
     "claims": codecs.kept_of_claim,
     "nodes": views.kept_of_node,
     "pods": gates.kept_of_pod,
+    "live_pods": gates.kept_of_live_pod,
 }
 
 
@@ -96,6 +103,11 @@ def reflectors(
         # only the few fields gate mode reads (``gates.kept_of_pod``).
         "pods": watching.Reflector(
             api, watching.PODS, label_selector=f"{constants.LABEL_GATED}=true", transform=KEPT["pods"]
+        ),
+        # Every pod that is not Succeeded or Failed (one that ends leaves the field selector, which
+        # the watch reports as DELETED), kept as a few fields: the GPUs each was given.
+        "live_pods": watching.Reflector(
+            api, watching.PODS, field_selector=LIVE_PODS, transform=KEPT["live_pods"]
         ),
         "quotas": watching.Reflector(api, watching.QUOTAS),
     }
@@ -172,6 +184,7 @@ class State:
             "leases": self._on_lease,
             "heartbeats": self._on_heartbeat,
             "pods": self._on_pod,
+            "live_pods": self._on_live_pod,
             "quotas": self._on_quota,
         }
         for name, feed in self.feeds.items():
@@ -214,6 +227,13 @@ class State:
         # Gated pods.
         self._pod_claim: dict[str, str] = {}
         self._pods_by_claim: dict[str, set[str]] = collections.defaultdict(set)
+        # Live pods: the devices each was given, and those its own claim does not list, which are
+        # held by the pods alone (``held_by_pods_alone``).
+        self._pod_uses: dict[str, tuple[str, frozenset[str]]] = {}  # pod key -> (claim key, UUIDs)
+        self._pods_of_claim: dict[str, set[str]] = collections.defaultdict(set)  # claim key -> pod keys
+        self._claim_uuids: dict[str, frozenset[str]] = {}  # claim key -> the UUIDs its status lists
+        self._pod_alone: dict[str, frozenset[str]] = {}  # pod key -> its UUIDs no claim of it lists
+        self._held_by_pods: dict[str, set[str]] = collections.defaultdict(set)  # UUID -> those pods
         # Quotas.
         self._quotas: dict[str, dict[str, models.GpuQuota]] = collections.defaultdict(dict)  # namespace ->
 
@@ -306,11 +326,11 @@ class State:
             self._stale.add(heapq.heappop(self._ready_until)[1])
         if not self._stale:
             return self._index
-        held, listed, reserved = self.leases, self._listed, self.reserved
+        held, listed, reserved, pods = self.leases, self._listed, self.reserved, self._held_by_pods
 
         def is_taken(uuid: str) -> bool:
             name = constants.lease_name(uuid)
-            return name in held or name in reserved or uuid in listed
+            return name in held or name in reserved or uuid in listed or uuid in pods
 
         for node in sorted(self._stale):
             status = self.statuses.get(node)
@@ -360,7 +380,7 @@ class State:
         for node, status in sorted(self.statuses.items()):
             counts = dict.fromkeys(controller_metrics.DEVICE_STATES, 0)
             for device in status.status.devices:
-                if any(
+                if device.uuid in self._held_by_pods or any(
                     constants.lease_name(lock_id) in self.leases or lock_id in self._listed
                     for lock_id in device.lock_ids
                 ):
@@ -453,6 +473,8 @@ class State:
             if self._uid_to_key.get(uid) == key:
                 del self._uid_to_key[uid]
             self._key_to_uid.pop(key, None)
+            self._claim_uuids.pop(key, None)
+            self._judge_pods_of(key)  # its pods' devices are theirs alone now
             self._wake_pending()  # its devices are free for the others now
             self.wake(key)  # gone: the controller forgets what it kept about it
             return
@@ -477,11 +499,15 @@ class State:
                 for uuid in listed:
                     self._listed[uuid] = uid
                 self._mark_device_nodes(listed)
+            self._claim_uuids[key] = frozenset(d.uuid for a in claim.status.allocations for d in a.devices)
             nodes = frozenset(a.node_name for a in claim.status.allocations)
             if nodes:
                 self._claim_nodes[key] = nodes
                 for node in nodes:
                     self._allocated_on[node].add(key)
+        if claim is None:
+            self._claim_uuids.pop(key, None)
+        self._judge_pods_of(key)
         if old_listed - (self._claim_listed.get(key, ("", frozenset()))[1]):
             self._wake_pending()  # it gave devices back
         self._wake_claim(key)
@@ -624,6 +650,48 @@ class State:
         self._pod_claim[key] = claim_key
         self._pods_by_claim[claim_key].add(key)
         self.wake(claim_key)
+
+    def _on_live_pod(self, type_: str, raw: Obj) -> None:
+        """A live pod was added, changed or ended (or was deleted): the devices it was given."""
+        key = watching.object_key(raw)
+        old = self._pod_uses.pop(key, None)
+        if old is not None:
+            self._pods_of_claim[old[0]].discard(key)
+            if not self._pods_of_claim[old[0]]:
+                del self._pods_of_claim[old[0]]
+        given = None if type_ == watching.DELETED or gates.is_gated(raw) else gates.given_devices(raw)
+        if given is not None:
+            claim_key = f"{_meta(raw).get('namespace', '')}/{given[0]}"
+            self._pod_uses[key] = (claim_key, given[1])
+            self._pods_of_claim[claim_key].add(key)
+        self._judge_pod(key)
+
+    def _judge_pods_of(self, claim_key: str) -> None:
+        for pod_key in sorted(self._pods_of_claim.get(claim_key, ())):
+            self._judge_pod(pod_key)
+
+    def _judge_pod(self, pod_key: str) -> None:
+        """Which devices a live pod holds alone: those it was given that its claim (the claim of
+        its name in the cache now, whatever its phase) does not list. A gated pod uses none yet."""
+        claim_key, uuids = self._pod_uses.get(pod_key, ("", frozenset()))
+        alone = uuids - self._claim_uuids.get(claim_key, frozenset())
+        before = self._pod_alone.pop(pod_key, frozenset())
+        if alone:
+            self._pod_alone[pod_key] = alone
+        for uuid in before - alone:
+            self._held_by_pods[uuid].discard(pod_key)
+            if not self._held_by_pods[uuid]:
+                del self._held_by_pods[uuid]
+        for uuid in alone - before:
+            self._held_by_pods[uuid].add(pod_key)
+        self._mark_device_nodes(before ^ alone)
+        if before - alone:
+            self._wake_pending()  # devices a pod held alone are free now
+
+    def held_by_pods_alone(self, uuid: str) -> list[str]:
+        """The live pods (``namespace/name``) that were given device ``uuid`` and whose claim does
+        not list it (gone, re-created, or moved on): they hold it until they end."""
+        return sorted(self._held_by_pods.get(uuid, ()))
 
     def _on_quota(self, type_: str, raw: Obj) -> None:
         """Index the quota; when it may admit more than before, wake its namespace's pending claims."""

@@ -23,6 +23,8 @@ QUOTA_PLURAL = "gpuquotas"
 ANNOTATION_CLAIM = f"{GROUP}/claim"
 ANNOTATION_REPLICA = f"{GROUP}/replica"
 ANNOTATION_DEVICES = f"{GROUP}/devices"
+# On a gated pod: the uid of the claim of its name that vanished while it waited (the sweep's fence).
+ANNOTATION_CLAIM_GONE = f"{GROUP}/claim-gone"
 LABEL_NODE = f"{GROUP}/node"
 LABEL_CLAIM_NAMESPACE = f"{GROUP}/claim-namespace"
 LABEL_CLAIM_NAME = f"{GROUP}/claim-name"

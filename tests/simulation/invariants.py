@@ -1,4 +1,4 @@
-"""What must hold in the simulated cluster: after every step (1-3), and once settled (4).
+"""What must hold in the simulated cluster: after every step (1-3, 5, 6), and once settled (4).
 
 1. No device (a GPU, a MIG instance, a slot of a shared GPU) is listed by two
    live claims' statuses, nor one piece of silicon: a GPU listed whole by one
@@ -14,12 +14,21 @@
    device yet) to the claim of its name when it is un-gated. The devices a pod
    uses are the ones in its containers' env (what the webhook wrote there from
    its view of the claim, which may be out of date), else its devices annotation.
+   A claim whose finalizers a tenant stripped while it was being deleted is gone
+   at once (the "strip-finalizer" action): its pods are then the ground truth of
+   use, and Leases held by it must exist for every device such a pod uses.
 4. Once settled, no Lease is held by a claim that no longer exists, and no
-   quota ledger counts a claim that no longer exists.
+   quota ledger counts a claim that no longer exists; except, for a claim whose
+   finalizers were stripped, while a live pod that names it is there (its Leases)
+   or was given a device by it (its ledger entries).
 5. No quota is exceeded: the GPUs listed by the Allocated claims of a
    namespace that hold GPUs (live, or being deleted but still holding a Lease)
    are within every GpuQuota of the namespace (total and per product
-   pattern), and so is each quota's stored ledger.
+   pattern), and so is each quota's stored ledger. The GPUs that live pods of a
+   stripped claim use count too, until those pods end.
+6. A GPU a live pod was given is never listed by a live claim other than the one
+   the pod is bound to, in whole or in part (a MIG instance, a slot, or the GPU
+   of either), whatever happened to the pod's own claim.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -109,6 +118,8 @@ def _quota_problem(server: model.ApiServer) -> str | None:
                 if (claim.get("status") or {}).get("phase") != constants.PHASE_ALLOCATED:
                     continue
                 in_use += sum(1 for uuid, _, _ in listed_devices(claim) if _product_matches(uuid, pattern))
+            for devices in _stripped_in_use(server, namespace).values():
+                in_use += sum(1 for uuid in devices if _product_matches(uuid, pattern))
             stored = sum(
                 int(e.get("gpus", 0))
                 for e in ledger
@@ -121,6 +132,37 @@ def _quota_problem(server: model.ApiServer) -> str | None:
             if stored > hard:
                 return f"quota {key}'s ledger counts {stored} {what}, above its {hard}"
     return None
+
+
+def _live_given(pod: dict[str, Any]) -> bool:
+    """A pod that is not terminal and not gated: it runs (or may) on the devices it was given."""
+    return (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES and not model.is_gated(pod)
+
+
+def _names_of_live_pods(server: model.ApiServer) -> set[str]:
+    """``namespace/claim`` of every claim name a live pod (gated or not) carries."""
+    names = set()
+    for pod in server.objects["pods"].values():
+        if (pod.get("status") or {}).get("phase") in model.TERMINAL_PHASES:
+            continue
+        m = model.meta(pod)
+        names.add(f"{m.get('namespace')}/{(m.get('annotations') or {}).get(constants.ANNOTATION_CLAIM)}")
+    return names
+
+
+def _last_version(server: model.ApiServer, key: str, uid: str) -> dict[str, Any]:
+    """The last stored version of claim ``key`` with ``uid``."""
+    return next(c for c in reversed(server.claim_history[key]) if model.meta(c).get("uid") == uid)
+
+
+def _stripped_in_use(server: model.ApiServer, namespace: str) -> dict[str, set[str]]:
+    """Stripped claims of ``namespace`` with live pods: uid -> the devices those pods use."""
+    used: dict[str, set[str]] = {}
+    for key, pod in server.objects["pods"].items():
+        uid = server.pod_claim_uid.get(key, "")
+        if uid in server.stripped and model.meta(pod).get("namespace") == namespace and _live_given(pod):
+            used.setdefault(uid, set()).update(u for u in _devices_used(pod).split(",") if u)
+    return used
 
 
 def _product_matches(uuid: str, pattern: str) -> bool:
@@ -142,12 +184,17 @@ def _devices_used(pod: dict[str, Any]) -> str:
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
     owners: dict[str, str] = {}
+    live_uids: dict[str, str] = {}  # live claim key -> its uid
     parent = _parents(server)
+    children: dict[str, set[str]] = {}  # a GPU's UUID -> its MIG instances' UUIDs and slots' lock ids
+    for part, gpu in parent.items():
+        children.setdefault(gpu, set()).add(part)
     silicon: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing it or a part of it
     for key, claim in sorted(server.objects["claims"].items()):
         if model.meta(claim).get("deletionTimestamp"):
             continue
         uid = str(model.meta(claim).get("uid"))
+        live_uids[key] = uid
         for uuid, _, _ in listed_devices(claim):
             other = owners.get(uuid)
             if other is not None and other != key:
@@ -186,11 +233,40 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
         admitted_for = server.pod_claim_uid.get(pod_key, "")
         claim = server.claim(str(m.get("namespace")), str(claim_name))
         claim_key = f"{m.get('namespace')}/{claim_name}"
-        if claim is None or model.meta(claim).get("uid") != admitted_for:
-            raise Violation(
-                3, f"claim {claim_key} ({admitted_for}) is gone while its pod {pod_key} is {phase}"
-            )
         used = [u for u in _devices_used(pod).split(",") if u]
+        bound = claim if claim is not None and model.meta(claim).get("uid") == admitted_for else None
+        if bound is None and admitted_for in server.stripped:
+            bound = _last_version(server, claim_key, admitted_for)
+        # A shared GPU's pod names the GPU; its claim lists the slot it holds.
+        slot_of = {parent[lock]: lock for lock, _, _ in listed_devices(bound or {}) if _SLOT.fullmatch(lock)}
+        for uuid in used:
+            lock = slot_of.get(uuid, uuid)
+            parts = {lock, parent[lock]} if lock in parent else {lock} | children.get(lock, set())
+            for part in sorted(parts):
+                other = owners.get(part)
+                if other is not None and live_uids[other] != admitted_for:
+                    raise Violation(
+                        6,
+                        f"pod {pod_key} ({phase}) of claim {claim_key} ({admitted_for}) was given "
+                        f"{label.get(lock, lock)}, and {other} ({live_uids[other]}) lists "
+                        f"{label.get(part, part)}",
+                    )
+        if claim is None or model.meta(claim).get("uid") != admitted_for:
+            if admitted_for not in server.stripped:
+                raise Violation(
+                    3, f"claim {claim_key} ({admitted_for}) is gone while its pod {pod_key} is {phase}"
+                )
+            last = _last_version(server, claim_key, admitted_for)
+            lock_of = {parent[lock]: lock for lock, _, _ in listed_devices(last) if lock in parent}
+            for uuid in [lock_of.get(u, u) for u in used]:
+                problem = _lease_problem(server, uuid, admitted_for)
+                if problem is not None:
+                    raise Violation(
+                        3,
+                        f"claim {claim_key} ({admitted_for}) was stripped of its finalizers, its pod "
+                        f"{pod_key} ({phase}) uses device {label.get(uuid, uuid)}, which {problem}",
+                    )
+            continue
         listed = [lock for lock, _, _ in listed_devices(claim)]
         lock_of = {parent[lock]: lock for lock in listed if _SLOT.fullmatch(lock) and lock in parent}
         for uuid in listed + [lock_of.get(u, u) for u in used]:
@@ -209,12 +285,21 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
 def check_settled(server: model.ApiServer) -> None:
     """Invariant 4 (Leases and ledgers); raises ``Violation``."""
     uids = {str(model.meta(c).get("uid")) for c in server.objects["claims"].values()}
+    named = _names_of_live_pods(server)
+    bound = {server.pod_claim_uid.get(k, "") for k, pod in server.objects["pods"].items() if _live_given(pod)}
     for key, lease in sorted(server.objects["leases"].items()):
         holder = _holder(lease)
+        labels = model.meta(lease).get("labels") or {}
+        claim_key = f"{labels.get(constants.LABEL_CLAIM_NAMESPACE)}/{labels.get(constants.LABEL_CLAIM_NAME)}"
+        if holder in server.stripped and claim_key in named:
+            continue  # its pods still use it (or may: one waits at the gate)
         if holder not in uids:
             state = " (Terminating)" if model.meta(lease).get("deletionTimestamp") else ""
             raise Violation(4, f"settled, yet Lease {key}{state} is held by {holder!r}, a claim that is gone")
     for key, quota in sorted(server.objects["quotas"].items()):
+        held = {_holder(lease) for lease in server.objects["leases"].values()}
         for uid in (quota.get("status") or {}).get("claims") or {}:
+            if uid in server.stripped and (uid in held or uid in bound):
+                continue  # the quota counts the GPUs its pods still use
             if uid not in uids:
                 raise Violation(4, f"settled, yet quota {key}'s ledger counts {uid}, a claim that is gone")

@@ -58,6 +58,12 @@ from gpualloc.kube import errors, watching
 Obj = dict[str, Any]
 
 KINDS = ("claims", "node_statuses", "nodes", "leases", "pods", "quotas")
+# The controller's watches: one per kind, and a second one on the pods (every live pod, as the
+# controller's field selector ``state.LIVE_PODS`` gives them). The scheduler delivers the second
+# one's events only along with another delivery to the same process (``Simulation._do_deliver``),
+# so the choices drawn from a seed are the ones they were before it existed.
+WATCHED = (*KINDS, "live_pods")
+STORED_AS = {"live_pods": "pods"}  # a watch -> the kind of object it lists
 NAMESPACE = "gpualloc-system"  # where the device Leases live
 PRODUCT = "NVIDIA H100 80GB HBM3"
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -204,7 +210,7 @@ class Watch:
 
     name: str
     queues: dict[str, collections.deque[tuple[str, Obj]]] = dataclasses.field(
-        default_factory=lambda: {kind: collections.deque() for kind in KINDS}
+        default_factory=lambda: {kind: collections.deque() for kind in WATCHED}
     )
 
 
@@ -230,6 +236,9 @@ class ApiServer:
         # The claim uid each pod is bound to: the one the webhook admitted it for, or for a gated
         # pod the claim of its name when it was un-gated ("" when there was none).
         self.pod_claim_uid: dict[str, str] = {}
+        # Uids of claims whose finalizers a tenant stripped while they were being deleted (the
+        # "strip-finalizer" action): they vanish at once, and their pods are the ground truth of use.
+        self.stripped: set[str] = set()
         self.events_emitted = 0
         # Every version of each claim key ever stored, oldest first: what a webhook whose watch is
         # behind may still see (the scheduler's "stale-pod" action admits pods from them).
@@ -258,6 +267,8 @@ class ApiServer:
             )
         if kind == "pods":
             return labels.get(constants.LABEL_GATED) == "true"
+        if kind == "live_pods":
+            return (obj.get("status") or {}).get("phase") not in TERMINAL_PHASES
         return True
 
     def subscribe(self, name: str) -> Watch:
@@ -271,7 +282,8 @@ class ApiServer:
 
     def list(self, kind: str) -> dict[str, Obj]:
         """What a LIST with the controller's filter returns now, by ``object_key`` (copies)."""
-        return {key: clone(obj) for key, obj in self.objects[kind].items() if self.visible(kind, obj)}
+        stored = self.objects[STORED_AS.get(kind, kind)]
+        return {key: clone(obj) for key, obj in stored.items() if self.visible(kind, obj)}
 
     def relist(self, name: str, kind: str) -> dict[str, Obj]:
         """A LIST for controller ``name``'s watch of ``kind``: its queue restarts from now."""
@@ -306,16 +318,17 @@ class ApiServer:
         return new
 
     def _fan_out(self, kind: str, old: Obj | None, new: Obj | None, shown: Obj) -> None:
-        was = old is not None and self.visible(kind, old)
-        now = new is not None and self.visible(kind, new)
-        if now:
-            type_ = watching.MODIFIED if was else watching.ADDED
-        elif was:
-            type_ = watching.DELETED
-        else:
-            return
-        for watch in self.watches.values():
-            watch.queues[kind].append((type_, clone(shown)))
+        for watched in [kind, *(w for w, stored in STORED_AS.items() if stored == kind)]:
+            was = old is not None and self.visible(watched, old)
+            now = new is not None and self.visible(watched, new)
+            if now:
+                type_ = watching.MODIFIED if was else watching.ADDED
+            elif was:
+                type_ = watching.DELETED
+            else:
+                continue
+            for watch in self.watches.values():
+                watch.queues[watched].append((type_, clone(shown)))
 
     def pending_events(self) -> int:
         return sum(len(q) for w in self.watches.values() for q in w.queues.values())
@@ -387,6 +400,17 @@ class ApiServer:
                 self._write("claims", key, new)
             return
         self._write("claims", key, None)
+
+    def strip_finalizers(self, namespace: str, name: str) -> bool:
+        """A tenant empties the finalizers of its claim being deleted (a merge patch that no admission
+        policy refuses here): the claim vanishes at once. True when it did."""
+        key = f"{namespace}/{name}"
+        old = self.objects["claims"].get(key)
+        if old is None or not meta(old).get("deletionTimestamp"):
+            return False
+        self.stripped.add(str(meta(old).get("uid")))
+        self._write("claims", key, None)
+        return True
 
     def get_claim(self, namespace: str, name: str) -> Obj:
         obj = self.claim(namespace, name)

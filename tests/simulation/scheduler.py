@@ -84,6 +84,7 @@ ACTIONS = frozenset(
         "mig",
         "shared",
         "stale-pod",
+        "strip-finalizer",
         "tick",
     }
 )
@@ -528,6 +529,11 @@ class Simulation:
             if self._shared_rng is not None and self._shared_rng.random() < 0.5
             else 0
         )
+        # A tenant who strips the finalizers of its claim being deleted, in half the schedules (an
+        # RNG of its own; the option's presence changes the main RNG's pick, so seeds pinned before
+        # it run with "strip-finalizer" off).
+        strip_rng = None if "strip-finalizer" in without else random.Random(seed ^ 0x57819)
+        self._strip = strip_rng is not None and strip_rng.random() < 0.5
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -618,7 +624,7 @@ class Simulation:
         n = self.incarnations.get(slot, 0) + 1
         self.incarnations[slot] = n
         name = slot if n == 1 else f"{slot}.{n}"
-        feeds = {kind: model.SimFeed(kind) for kind in model.KINDS}
+        feeds = {kind: model.SimFeed(kind) for kind in model.WATCHED}
         cluster = SimCluster(self, name)
         make, takes_now = _controller_class()
         extra: dict[str, Any] = {"now": self.clock.now} if takes_now else {}
@@ -634,7 +640,7 @@ class Simulation:
         cluster.process = process
         self.processes[slot] = process
         self.server.subscribe(name)
-        for kind in model.KINDS:
+        for kind in model.WATCHED:
             feeds[kind].relist(self.server.relist(name, kind))
         return process
 
@@ -783,7 +789,7 @@ class Simulation:
             (process, kind)
             for process in processes
             for kind, queue in self.server.watches[process.name].queues.items()
-            if queue
+            if queue and kind in model.KINDS
         ]
         if queues:
             options.append((2.0 * len(queues), lambda: self._do_deliver(*rng.choice(queues))))
@@ -873,6 +879,17 @@ class Simulation:
                 self.log(process.name, self._describe_event(kind, type_, obj))
             process.feeds[kind].apply(type_, obj)
             self.count("events")
+        self._deliver_live_pods(process)
+
+    def _deliver_live_pods(self, process: Process) -> None:
+        """Every queued event of the live-pods watch (``model.WATCHED``), with another delivery."""
+        queue = self.server.watches[process.name].queues["live_pods"]
+        while queue:
+            type_, obj = queue.popleft()
+            if self.keep_trace:
+                self.log(process.name, self._describe_event("live_pods", type_, obj))
+            process.feeds["live_pods"].apply(type_, obj)
+            self.count("events")
 
     def _describe_event(self, kind: str, type_: str, obj: Obj) -> str:
         m = model.meta(obj)
@@ -929,6 +946,8 @@ class Simulation:
                 options.append(("create-claim", 3.0, functools.partial(self._create_claim, key)))
                 continue
             if model.meta(claim).get("deletionTimestamp"):
+                if self._strip:
+                    options.append(("strip-finalizer", 0.6, functools.partial(self._strip_finalizer, key)))
                 continue
             options.append(("delete-claim", 1.2, functools.partial(self._delete_claim, key)))
             phase = (claim.get("status") or {}).get("phase")
@@ -1008,6 +1027,14 @@ class Simulation:
         self.server.delete_claim(namespace, name)
         still = self.server.claim(namespace, name)
         self.log("user", f"deletes claim {key}" + (" (Terminating)" if still is not None else " (gone)"))
+
+    def _strip_finalizer(self, key: str) -> None:
+        namespace, name = key.split("/")
+        claim = self.server.claim(namespace, name)
+        uid = model.meta(claim).get("uid") if claim is not None else None
+        if self.server.strip_finalizers(namespace, name):
+            self.count("strips")
+            self.log("user", f"strips the finalizers of claim {key} ({uid}) being deleted: it is gone")
 
     def _create_pod(self, claim: Obj, *, gated: bool) -> None:
         m = model.meta(claim)
@@ -1130,7 +1157,10 @@ class Simulation:
             self.step += 1
             if not await self._one_step(users=False, starts=False):
                 self.step -= 1
-                return
+                if not any(w.queues["live_pods"] for w in self.server.watches.values()):
+                    return
+                for process in list(self.processes.values()):
+                    self._deliver_live_pods(process)
             await self.quiesce()
             self.check()
         raise invariants.Violation(0, f"the cluster never quietened ({DRAIN_BOUND} steps of draining)")

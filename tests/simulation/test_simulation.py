@@ -372,9 +372,11 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # Every seed below was found before the simulation drew quotas, OnPodsCompleted, Reallocate and MIG
 # claims: it runs without them, so that it still names the schedule it was found as (each is drawn
 # from an RNG of its own).
-_PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"})
+# Seeds found before the simulation had tenants who strip a claim's finalizers run without them.
+_BEFORE_STRIPS = frozenset({"strip-finalizer"})
+_PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
 # Seeds found before the simulation had stale webhooks (the "stale-pod" action) run without them.
-_BEFORE_STALE_PODS = frozenset({"stale-pod"})
+_BEFORE_STALE_PODS = frozenset({"stale-pod"}) | _BEFORE_STRIPS
 _NO_ADMIN_NO_DELETE = _PINNED | {"admin-delete-lease", "delete-claim", "fail-call"}
 _NO_ADMIN = _PINNED | {"admin-delete-lease", "fail-call", "crash"}
 _NO_DELETE = _PINNED | {"delete-claim", "fail-call", "crash"}
@@ -501,8 +503,8 @@ def test_a_stale_cache_does_not_ungate_the_pod_of_a_new_claim_of_the_same_name(
 def test_a_claim_recreated_under_its_name_unseen_does_not_stay_in_a_quota(
     runner: scheduler.Runner,
 ) -> None:
-    result = runner.run(3634710)
-    assert result.violation is None, _failure(runner, 3634710, frozenset())
+    result = runner.run(3634710, without=_BEFORE_STRIPS)
+    assert result.violation is None, _failure(runner, 3634710, _BEFORE_STRIPS)
 
 
 # Found on the first fixed controller: liveness, not safety. c1's finalizer patch of ns-a/c2 was
@@ -555,7 +557,7 @@ def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds
         return gated_create(self, body, claim_uid=claim_uid)
 
     monkeypatch.setattr(model.ApiServer, "create_pod", ungated_create)
-    result = runner.run(101)
+    result = runner.run(101, without=_BEFORE_STRIPS)
     assert result.violation is not None and result.violation.number == 3, result.violation
     monkeypatch.undo()
-    assert runner.run(101).violation is None, _failure(runner, 101)
+    assert runner.run(101, without=_BEFORE_STRIPS).violation is None, _failure(runner, 101, _BEFORE_STRIPS)

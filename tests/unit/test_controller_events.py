@@ -33,7 +33,7 @@ async def test_events_past_the_pending_bound_are_dropped_and_counted(monkeypatch
         cluster,  # type: ignore[arg-type]
         reconciling.Settings(namespace="gpu-system"),
         metrics,
-        feeds={kind: model.SimFeed(kind) for kind in model.KINDS},
+        feeds={kind: model.SimFeed(kind) for kind in model.WATCHED},
     )
     claim = {"kind": "GpuClaim", "metadata": {"name": "c", "namespace": "t"}}
     for i in range(5):
