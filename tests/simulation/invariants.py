@@ -29,6 +29,10 @@
 6. A GPU a live pod was given is never listed by a live claim other than the one
    the pod is bound to, in whole or in part (a MIG instance, a slot, or the GPU
    of either), whatever happened to the pod's own claim.
+7. No claim is preempted for a claim that its quota could not admit: when a claim
+   is written Preempted, its preemptor fits every stored quota ledger of its
+   namespace, counted with its whole ask and without the claims of its own
+   namespace it preempted (``model.ApiServer.inadmissible_preemptions``).
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -280,6 +284,8 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     problem = _quota_problem(server)
     if problem is not None:
         raise Violation(5, problem)
+    if server.inadmissible_preemptions:
+        raise Violation(7, server.inadmissible_preemptions[0])
 
 
 def check_settled(server: model.ApiServer) -> None:

@@ -43,6 +43,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import fnmatch
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -239,6 +240,9 @@ class ApiServer:
         # Uids of claims whose finalizers a tenant stripped while they were being deleted (the
         # "strip-finalizer" action): they vanish at once, and their pods are the ground truth of use.
         self.stripped: set[str] = set()
+        # Invariant 7: each claim written Preempted for a preemptor that its namespace's stored
+        # quota ledgers could not admit, even with every claim it preempted there gone.
+        self.inadmissible_preemptions: list[str] = []
         self.events_emitted = 0
         # Every version of each claim key ever stored, oldest first: what a webhook whose watch is
         # behind may still see (the scheduler's "stale-pod" action admits pods from them).
@@ -444,7 +448,61 @@ class ApiServer:
                     new["status"] = status
             return new
 
-        return self._patch_claim(namespace, name, resource_version, change)
+        written = self._patch_claim(namespace, name, resource_version, change)
+        if (written.get("status") or {}).get("phase") == constants.PHASE_PREEMPTED and (
+            (patch.get("status") or {}).get("phase") == constants.PHASE_PREEMPTED
+        ):
+            why = self._inadmissible(written)
+            if why:
+                self.inadmissible_preemptions.append(f"{namespace}/{name} was preempted for {why}")
+        return written
+
+    def _inadmissible(self, victim: Mapping[str, Any]) -> str:
+        """Why the preemptor of ``victim`` (just written Preempted) cannot be admitted by its
+        namespace's stored quota ledgers with every claim of its namespace it preempted gone; ""."""
+        by = str((victim.get("status") or {}).get("preemptedBy") or "")
+        namespace, _, name = by.partition("/")
+        preemptor = self.claim(namespace, name)
+        if preemptor is None:
+            return ""
+        spec = preemptor.get("spec") or {}
+        ask = int((spec.get("devices") or {}).get("count", 1)) * max(1, int(spec.get("replicas", 1)))
+        uid = str(meta(preemptor).get("uid"))
+        leaving = {
+            str(meta(c).get("uid"))
+            for c in self.objects["claims"].values()
+            if meta(c).get("namespace") == namespace
+            and (c.get("status") or {}).get("phase") == constants.PHASE_PREEMPTED
+            and (c.get("status") or {}).get("preemptedBy") == by
+        }
+        for quota in self.objects["quotas"].values():
+            if meta(quota).get("namespace") != namespace:
+                continue
+            q = quota.get("spec") or {}
+            entries = [
+                e
+                for u, e in ((quota.get("status") or {}).get("claims") or {}).items()
+                if u != uid and u not in leaving
+            ]
+            limits = [("", int(q["gpus"]))] + [
+                (p["pattern"], int(p["gpus"])) for p in q.get("products") or []
+            ]
+            for pattern, hard in limits:
+                if pattern and not fnmatch.fnmatchcase(PRODUCT, pattern):
+                    continue
+                counted = [
+                    e
+                    for e in entries
+                    if not pattern
+                    or any(fnmatch.fnmatchcase(n, pattern) for n in str(e.get("product", "")).split(","))
+                ]
+                used = sum(int(e.get("gpus", 0)) for e in counted) + ask
+                if used > hard:
+                    what = pattern or "GPUs"
+                    return (
+                        f"{by}, which quota {meta(quota).get('name')} would count as {used} of {hard} {what}"
+                    )
+        return ""
 
     def patch_claim_metadata(
         self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str

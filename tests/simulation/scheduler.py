@@ -85,6 +85,7 @@ ACTIONS = frozenset(
         "shared",
         "stale-pod",
         "strip-finalizer",
+        "preempt-cluster",
         "tick",
     }
 )
@@ -534,6 +535,14 @@ class Simulation:
         # it run with "strip-finalizer" off).
         strip_rng = None if "strip-finalizer" in without else random.Random(seed ^ 0x57819)
         self._strip = strip_rng is not None and strip_rng.random() < 0.5
+        # Preemption across namespaces (--preemption-scope Cluster) in half the schedules with
+        # priorities, likewise.
+        scope_rng = None if {"preempt", "preempt-cluster"} & without else random.Random(seed ^ 0xC1A55)
+        self.settings = (
+            dataclasses.replace(SETTINGS, preemption_scope="Cluster")
+            if scope_rng is not None and scope_rng.random() < 0.5
+            else SETTINGS
+        )
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -630,7 +639,7 @@ class Simulation:
         extra: dict[str, Any] = {"now": self.clock.now} if takes_now else {}
         controller = make(
             cluster,
-            SETTINGS,
+            self.settings,
             _metrics(),
             rng=random.Random(self.rng.getrandbits(32)),
             feeds=feeds,

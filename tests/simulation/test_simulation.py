@@ -372,8 +372,9 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # Every seed below was found before the simulation drew quotas, OnPodsCompleted, Reallocate and MIG
 # claims: it runs without them, so that it still names the schedule it was found as (each is drawn
 # from an RNG of its own).
-# Seeds found before the simulation had tenants who strip a claim's finalizers run without them.
-_BEFORE_STRIPS = frozenset({"strip-finalizer"})
+# Seeds found before the simulation had tenants who strip a claim's finalizers, and preemption
+# across namespaces, run without them.
+_BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"})
 _PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
 # Seeds found before the simulation had stale webhooks (the "stale-pod" action) run without them.
 _BEFORE_STALE_PODS = frozenset({"stale-pod"}) | _BEFORE_STRIPS
