@@ -1,4 +1,4 @@
-"""The controller's work queue: deduplicated keys, priority order, delayed retries.
+"""The controller's work queue: deduplicated keys, fair priority order, delayed retries.
 
 Semantics follow client-go's workqueue, which every controller author knows:
 
@@ -7,9 +7,20 @@ Semantics follow client-go's workqueue, which every controller author knows:
   marks it dirty, and it is queued again when that worker calls ``done``;
 * ``add_after`` schedules a key for later; a sooner request wins, and an
   immediate ``add`` does not wait for a pending delayed one;
-* among ready keys the one with the smallest ``order(key)`` goes first, so the
-  reconciler can pop the highest-priority, oldest claim first (``order`` is
-  evaluated when the key becomes ready).
+* ``forget`` drops a pending delayed add (the key was deleted);
+* ``shutdown`` stops accepting keys and wakes every waiting worker.
+
+Order (where client-go's queue is FIFO): ``order(key)`` gives a ``Rank``,
+evaluated when the key becomes ready. Every ready key of a lower ``band`` goes
+before any key of a higher one (the reconciler's bands: claims being deleted
+first, then by priority, high first). Within a band the ``tenant``s (the
+reconciler's: namespaces) take turns, round-robin: each turn hands out the
+tenant's smallest ``age``, and a tenant with more ready keys goes to the back
+of the line. So one tenant's thousands of claims cannot starve another
+tenant's claim of the same band: it waits for at most one key of each other
+tenant with ready keys in its band, not for all of them (kube-scheduler's
+queue is by priority then age alone; Kueue's fair sharing takes turns
+between queues in the same way).
 """
 
 from __future__ import annotations
@@ -17,11 +28,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Rank(NamedTuple):
+    """Where a ready key goes: its band (lower first), its tenant (turns within a band), its age
+    within the tenant (lower first)."""
+
+    band: Any = 0
+    tenant: str = ""
+    age: Any = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Band:
+    tenants: dict[str, list[tuple[Any, int, str]]] = dataclasses.field(default_factory=dict)  # heaps
+    turns: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
 
 
 class WorkQueue:
@@ -30,13 +57,14 @@ class WorkQueue:
     def __init__(
         self,
         *,
-        order: Callable[[str], Any] | None = None,
+        order: Callable[[str], Rank] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._order = order or (lambda key: 0)
+        self._order = order or (lambda key: Rank())
         self._clock = clock
-        self._heap: list[tuple[Any, int, str]] = []
-        self._queued: set[str] = set()  # in the heap
+        self._bands: dict[Any, _Band] = {}
+        self._band_heap: list[Any] = []  # the bands with ready keys, each once
+        self._queued: set[str] = set()  # ready, in a band
         self._processing: set[str] = set()  # handed to a worker
         self._dirty: set[str] = set()  # added while processing
         self._delayed: dict[str, tuple[float, asyncio.TimerHandle]] = {}
@@ -62,8 +90,33 @@ class WorkQueue:
         if key in self._queued:
             return
         self._queued.add(key)
-        heapq.heappush(self._heap, (self._order(key), next(self._seq), key))
+        rank = self._order(key)
+        band = self._bands.get(rank.band)
+        if band is None:
+            band = self._bands[rank.band] = _Band()
+            heapq.heappush(self._band_heap, rank.band)
+        heap = band.tenants.get(rank.tenant)
+        if heap is None:
+            heap = band.tenants[rank.tenant] = []
+            band.turns.append(rank.tenant)
+        heapq.heappush(heap, (rank.age, next(self._seq), key))
         self._notify()
+
+    def _pop(self) -> str:
+        """The next ready key: the lowest band's next tenant's oldest."""
+        band_key = self._band_heap[0]
+        band = self._bands[band_key]
+        tenant = band.turns.popleft()
+        heap = band.tenants[tenant]
+        _, _, key = heapq.heappop(heap)
+        if heap:
+            band.turns.append(tenant)
+        else:
+            del band.tenants[tenant]
+            if not band.tenants:
+                del self._bands[band_key]
+                heapq.heappop(self._band_heap)
+        return key
 
     def add_after(self, key: str, delay: float) -> None:
         """Queue ``key`` after ``delay`` seconds; an earlier pending request wins."""
@@ -106,7 +159,7 @@ class WorkQueue:
 
         Raises ``QueueShutDown`` after ``shutdown`` once nothing is ready.
         """
-        while not self._heap:
+        while not self._band_heap:
             if self._shutdown:
                 raise QueueShutDown
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -120,7 +173,7 @@ class WorkQueue:
                     with contextlib.suppress(ValueError):
                         self._waiters.remove(waiter)
                 raise
-        _, _, key = heapq.heappop(self._heap)
+        key = self._pop()
         self._queued.discard(key)
         self._processing.add(key)
         return key

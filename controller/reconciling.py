@@ -50,7 +50,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from controller import allocator, asks, gates, locking, owners, preemption, quotas, retries, statuses, views
+from controller import (
+    allocator,
+    asks,
+    gates,
+    locking,
+    owners,
+    preemption,
+    quotas,
+    retries,
+    statuses,
+    views,
+    waking,
+)
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller.gating import Emit, PodGate
@@ -262,6 +274,10 @@ class Reconciler:
                 retry = retries.initial_retry_state(claim)
             self._retry[key] = retry
         leftovers = list(self.state.held_by(uid).values())  # seen before any write below
+        too_many = self.state.too_many_claims(claim)  # GpuQuota.spec.maxClaims
+        if too_many:
+            await self._unfit(claim, too_many, leftovers, why=waking.REASON_TOO_MANY_CLAIMS)
+            return
         over_quota = self.ledger.check(claim)
         if over_quota:
             await self._unfit(claim, over_quota, leftovers, why=quotas.REASON)
@@ -376,14 +392,23 @@ class Reconciler:
         *,
         why: str = statuses.REASON_INSUFFICIENT,
     ) -> None:
+        """The attempt failed (``reason``): say so in the status, only if that changes it (an
+        attempt that an event triggered before the backoff ran out, with the same reason, writes
+        nothing), and try again after the backoff. ``TooManyClaims`` is no attempt: it is not
+        counted against ``maxRetries`` and is not retried on a timer; the claim is woken when it
+        comes inside its namespace's count limit (``State``)."""
         key = claim.key
         policy = claim.spec.retry_policy
         mono = time.monotonic()
         # The claim may have been deleted (and forgotten) while this reconcile awaited.
         before = self._retry.get(key) or retries.initial_retry_state(claim)
-        retry, counted = retries.record_failure(before, now=mono, policy=policy, jitter=self.rng.random())
+        parked = why == waking.REASON_TOO_MANY_CLAIMS
+        if parked:
+            retry, counted = before, False
+        else:
+            retry, counted = retries.record_failure(before, now=mono, policy=policy, jitter=self.rng.random())
         self._retry[key] = retry
-        exhausted = retries.retries_exhausted(retry, policy)
+        exhausted = not parked and retries.retries_exhausted(retry, policy)
         if exhausted:
             phase, cond_reason = constants.PHASE_FAILED, statuses.REASON_RETRIES_EXHAUSTED
             message = f"{reason} (gave up after {retry.retry_count} retries)"
@@ -423,6 +448,8 @@ class Reconciler:
                 self._failed_event[key] = (message, mono)
                 self.emit(self.state.raw_claim(key) or {}, "AllocationFailed", message, "Warning")
             log.info("not allocated", extra={"claim": key, "reason": message, "retry": retry.retry_count})
+        if parked:
+            return
         if not exhausted:
             self.requeue(key, max(0.0, retry.not_before - mono))
         elif written is not None:

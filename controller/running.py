@@ -160,13 +160,28 @@ class Controller:
             return
         self.queue.add(key)
 
-    def _order(self, key: str) -> tuple[Any, ...]:
+    def _order(self, key: str) -> work_queue.Rank:
+        """Claims being deleted first (releasing frees capacity first); then by priority (high
+        first, capped by the namespace's quota), the namespaces taking turns within a priority,
+        each namespace's oldest first; last, whatever the priority, the claims that cannot be
+        allocated however the cluster's GPUs are used now: those that fit on no node even empty,
+        and those over their namespace's ``maxClaims``."""
         claim = self.state.claim(key)
         if claim is None:
-            return (0, 0, "", "", key)
-        deleting = 0 if claim.metadata.deletion_timestamp else 1  # releasing first frees capacity first
+            return work_queue.Rank(band=(0, 0, 0), tenant=key.partition("/")[0], age=("", key))
+        deleting = bool(claim.metadata.deletion_timestamp)
         cap = quotas.max_priority(self.state.quotas(claim.metadata.namespace))
-        return (deleting, *allocator.order_key(claim, priority_cap=cap))
+        priority, *age = allocator.order_key(claim, priority_cap=cap)
+        parked = (
+            not deleting
+            and key in self.state.pending
+            and (self.state.fits_nowhere(claim) or self.state.too_many_claims(claim) is not None)
+        )
+        return work_queue.Rank(
+            band=(0 if deleting else 1, int(parked), priority),
+            tenant=claim.metadata.namespace,
+            age=tuple(age),
+        )
 
     async def _worker(self) -> None:
         while True:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from controller import gates, views
+from controller import gates, views, waking
 from controller import metrics as controller_metrics
 from controller.nodes import NodeIndex
 from gpualloc.api import codecs, constants, leases, models
@@ -62,6 +62,7 @@ FEEDS = ("claims", "node_statuses", "nodes", "leases", "heartbeats", "pods", "li
 OPTIONAL_FEEDS = frozenset({"heartbeats"})  # without it, a node's heartbeat is its GpuNodeStatus's
 LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 GONE_KEPT = 10_000  # deleted uids remembered, against late answers to our own writes
+FITS_KEPT = 10_000  # answers of fits_nowhere remembered (one per distinct need) until capacity changes
 
 
 class Feed(Protocol):
@@ -194,6 +195,13 @@ class State:
         self._uid_to_key: dict[str, str] = {}
         self._key_to_uid: dict[str, str] = {}
         self.pending: set[str] = set()
+        # Waking (``waking``): the Pending claims that the count limit admits, by what they need of
+        # a node; each namespace's claims by age; what each node could give; and, until that
+        # changes, whether some node could hold a need at all.
+        self._waitlist = waking.PendingIndex()
+        self._ranks = waking.Ranks()
+        self._capacity: dict[str, waking.Capacity] = {}
+        self._fits: dict[waking.Need, bool] = {}
         self._allocated_on: dict[str, set[str]] = collections.defaultdict(set)  # node -> claim keys
         self._claim_nodes: dict[str, frozenset[str]] = {}
         self._listed: dict[str, str] = {}  # lock id -> uid of the claim whose status lists it
@@ -475,7 +483,8 @@ class State:
             self._key_to_uid.pop(key, None)
             self._claim_uuids.pop(key, None)
             self._judge_pods_of(key)  # its pods' devices are theirs alone now
-            self._wake_pending()  # its devices are free for the others now
+            self._claim_gone(key)
+            self._wake_for_devices(old_listed)  # its devices are free for the others now
             self.wake(key)  # gone: the controller forgets what it kept about it
             return
         previous = self._key_to_uid.get(key)
@@ -508,8 +517,8 @@ class State:
         if claim is None:
             self._claim_uuids.pop(key, None)
         self._judge_pods_of(key)
-        if old_listed - (self._claim_listed.get(key, ("", frozenset()))[1]):
-            self._wake_pending()  # it gave devices back
+        self._claim_placed(key, str(meta.get("creationTimestamp") or ""))
+        self._wake_for_devices(old_listed - self._claim_listed.get(key, ("", frozenset()))[1])  # given back
         self._wake_claim(key)
 
     def _on_lease(self, type_: str, raw: Obj) -> None:
@@ -524,7 +533,7 @@ class State:
                     del self._held[old.holder]
         if type_ == watching.DELETED:
             self._bury(info.uid)
-            self._wake_pending()  # capacity freed
+            self._wake_for_node(self._lease_node.get(info.name, info.node))  # capacity freed
             key = self._uid_to_key.get(info.holder)
             if key is not None:
                 self._wake_claim(key)  # an Allocated claim may have lost a recorded Lease
@@ -631,7 +640,16 @@ class State:
             self.node_changed(facts.name)
 
     def node_changed(self, node: str) -> None:
-        self._wake_pending()
+        """Node ``node`` (its Node, GpuNodeStatus or readiness) changed: wake the claims allocated
+        there, and the pending claims that could fit there (``waking``)."""
+        capacity = waking.capacity_of(self.statuses.get(node))
+        if self._capacity.get(node, waking.NO_CAPACITY) != capacity:
+            self._fits.clear()
+            if capacity == waking.NO_CAPACITY:
+                self._capacity.pop(node, None)
+            else:
+                self._capacity[node] = capacity
+        self._wake_for_node(node)
         for key in self._allocated_on.get(node, ()):
             self.wake(key)
 
@@ -685,8 +703,7 @@ class State:
         for uuid in alone - before:
             self._held_by_pods[uuid].add(pod_key)
         self._mark_device_nodes(before ^ alone)
-        if before - alone:
-            self._wake_pending()  # devices a pod held alone are free now
+        self._wake_for_devices(before - alone)  # devices a pod held alone are free now
 
     def held_by_pods_alone(self, uuid: str) -> list[str]:
         """The live pods (``namespace/name``) that were given device ``uuid`` and whose claim does
@@ -697,6 +714,7 @@ class State:
         """Index the quota; when it may admit more than before, wake its namespace's pending claims."""
         namespace = str(_meta(raw).get("namespace", ""))
         key = watching.object_key(raw)
+        limit_before = waking.max_claims(self.quotas(namespace))
         held = self._quotas[namespace]
         old = held.pop(key, None)
         quota: models.GpuQuota | None = None
@@ -715,17 +733,101 @@ class State:
             or quota.spec != old.spec
             or any(uid not in quota.status.claims for uid in old.status.claims)
         )
+        self._limit_changed(namespace, limit_before, waking.max_claims(self.quotas(namespace)))
         if more_room:
-            for claim_key in [k for k in self.pending if k.startswith(f"{namespace}/")]:
+            for claim_key in self._waitlist.in_namespace(namespace):
                 self._wake_claim(claim_key)
 
-    def _wake_pending(self) -> None:
-        for key in self.pending:
-            self.wake(key)
-
     def refresh_readiness(self) -> None:
-        """Nodes whose heartbeat went stale or fresh since the last look wake the pending claims."""
+        """Nodes whose heartbeat went stale or fresh since the last look are changed nodes
+        (``node_changed``)."""
         ready = {node: self.node_ready(node) for node in self.statuses}
         if ready != self.ready_nodes:
+            changed = sorted(
+                n for n in ready.keys() | self.ready_nodes.keys() if ready.get(n) != self.ready_nodes.get(n)
+            )
             self.ready_nodes = ready
-            self._wake_pending()
+            for node in changed:
+                self.node_changed(node)
+
+    # ------------------------------------------------------------------ waking (``waking``)
+
+    def fits_nowhere(self, claim: models.GpuClaim) -> bool:
+        """No node could hold one replica of the claim even with nothing taken (``waking``)."""
+        need = waking.need_of(claim)
+        fits = self._fits.get(need)
+        if fits is None:
+            if len(self._fits) >= FITS_KEPT:
+                self._fits.clear()
+            fits = self._fits[need] = any(cap.fits(need, node) for node, cap in self._capacity.items())
+        return not fits
+
+    def too_many_claims(self, claim: models.GpuClaim) -> str | None:
+        """Why the claim is not considered for allocation (reason ``TooManyClaims``): it is among
+        its namespace's claims beyond ``GpuQuota.spec.maxClaims``, the newest first; else None."""
+        namespace = claim.metadata.namespace
+        limit = waking.max_claims(self.quotas(namespace))
+        if limit is None or self._ranks.rank(claim.key) < limit[0]:
+            return None
+        return waking.too_many_message(namespace, limit[1], limit[0], self._ranks.count(namespace))
+
+    def _over_limit(self, key: str) -> bool:
+        limit = waking.max_claims(self.quotas(key.partition("/")[0]))
+        return limit is not None and self._ranks.rank(key) >= limit[0]
+
+    def _list_pending(self, key: str) -> bool:
+        """Put the claim on the wait list if it is Pending and inside its namespace's count limit,
+        else take it off; whether it is on it."""
+        claim = self.claim(key) if key in self.pending else None
+        if claim is None or self._over_limit(key):
+            self._waitlist.discard(key)
+            return False
+        self._waitlist.add(key, waking.need_of(claim))
+        return True
+
+    def _claim_placed(self, key: str, creation_timestamp: str) -> None:
+        """A claim was seen (new or changed): its rank in its namespace and its place on the wait list.
+        A new claim older than the limit's last pushes that one out."""
+        namespace = key.partition("/")[0]
+        new = key not in self._ranks
+        rank = self._ranks.put(key, creation_timestamp)
+        limit = waking.max_claims(self.quotas(namespace))
+        if new and limit is not None and rank < limit[0]:
+            for pushed in self._ranks.keys(namespace, limit[0], limit[0] + 1):
+                self._list_pending(pushed)
+        self._list_pending(key)
+
+    def _claim_gone(self, key: str) -> None:
+        """A claim was deleted: the next claim of its namespace may come inside the count limit."""
+        self._waitlist.discard(key)
+        namespace = key.partition("/")[0]
+        rank = self._ranks.remove(key)
+        limit = waking.max_claims(self.quotas(namespace))
+        if rank is not None and limit is not None and rank < limit[0]:
+            for entered in self._ranks.keys(namespace, limit[0] - 1, limit[0]):
+                if self._list_pending(entered):
+                    self.wake(entered)
+
+    def _limit_changed(
+        self, namespace: str, before: tuple[int, str] | None, after: tuple[int, str] | None
+    ) -> None:
+        """The namespace's count limit moved: the claims between the two limits come in (and are
+        woken) or go out."""
+        count = self._ranks.count(namespace)
+        old = count if before is None else min(before[0], count)
+        new = count if after is None else min(after[0], count)
+        for key in self._ranks.keys(namespace, min(old, new), max(old, new)):
+            if self._list_pending(key) and new > old:
+                self.wake(key)
+
+    def _wake_for_node(self, node: str) -> None:
+        """Wake the listed pending claims one replica of which could fit on ``node`` if it were empty."""
+        if not node:
+            return
+        for key in list(self._waitlist.helped_by(node, self._capacity.get(node, waking.NO_CAPACITY))):
+            self.wake(key)
+
+    def _wake_for_devices(self, lock_ids: Iterable[str]) -> None:
+        """Devices (lock ids) were given back: wake for the nodes they are on."""
+        for node in sorted({self._device_node.get(lock_id, "") for lock_id in lock_ids}):
+            self._wake_for_node(node)

@@ -186,3 +186,42 @@ async def test_controllers_racing_never_admit_past_a_quota(
 
 
 PRODUCT = "NVIDIA H100 80GB HBM3"
+
+
+async def test_claims_beyond_max_claims_wait_with_too_many_claims_until_an_older_one_goes(
+    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+) -> None:
+    """Issue 37: ``spec.maxClaims: 2``; the third claim (the newest) is not considered for
+    allocation, says why once, and is allocated when an older claim is deleted."""
+    _, run = node
+    crs = resources.CustomResources(api)
+    async with (
+        quota(api, namespace, {"gpus": 8, "maxClaims": 2}) as name,
+        running_controller(kubeconfig, controller_argv(namespace, run=run)),
+    ):
+        for claim in ("a", "b", "c"):  # created in name order: by creationTimestamp, then name
+            await crs.create_claim(namespace, claim_body(claim, 1, run=run))
+        await wait_phase(api, namespace, "a", "Allocated")
+        await wait_phase(api, namespace, "b", "Allocated")
+
+        async def too_many() -> dict[str, Any] | None:
+            got = await get_claim(api, namespace, "c")
+            return (
+                got
+                if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "TooManyClaims"
+                else None
+            )
+
+        waiting = await wait_for(too_many, what="the third claim to wait with TooManyClaims")
+        assert waiting["status"]["phase"] == "Pending" and not waiting["status"].get("allocations")
+        assert f"GpuQuota {name} allows 2 (spec.maxClaims)" in waiting["status"]["message"]
+        assert waiting["status"].get("retryCount", 0) == 0, "not an allocation attempt"
+        await asyncio.sleep(3)  # GPUs are free, yet it is not tried, and its status is written once
+        again = await get_claim(api, namespace, "c")
+        assert (
+            again is not None
+            and again["metadata"]["resourceVersion"] == waiting["metadata"]["resourceVersion"]
+        )
+
+        await crs.delete_claim(namespace, "a")
+        await wait_phase(api, namespace, "c", "Allocated", within=30)

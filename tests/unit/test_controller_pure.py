@@ -663,7 +663,7 @@ def test_a_heartbeat_alone_keeps_the_parsed_node_and_wakes_nothing_until_it_revi
     write(inventory(1, heartbeat=NOW))
     parsed, view = st.statuses["n1"], st.node_index().get("n1")
     assert view is not None and view.ready
-    st.pending.add("ns/waiting")
+    feeds["claims"].put(codecs.encode(claim("waiting", count=1)), key="ns/waiting")  # Pending
     woken.clear()
 
     mono[0] += 30
