@@ -1,12 +1,19 @@
-"""Claims for the admission decision: a watch-fed cache, and one GET on a miss.
+"""Claims for the admission decision: a watch-fed cache of the Allocated ones, and one GET otherwise.
 
 The cache is a ``gpualloc.kube.watching.Reflector`` over every GpuClaim in the
-cluster; an admission reads it with a dict lookup (parsed claims are memoized
-per raw object, so a claim is parsed once per change, not once per pod). A
-claim the cache does not hold (not synced yet, or created a moment ago and not
-yet seen on the watch) is read with one GET, bounded by ``get_timeout`` so the
-answer still reaches the API server inside the webhook's ``timeoutSeconds``.
-A GET that fails denies the pod (fail closed) with the reason.
+cluster that keeps (``kept_of_claim``) only the claims whose pods it mutates
+without asking: the Allocated ones, of which there are at most as many as
+GPUs in the cluster, whoever creates claims. Every other claim (Pending,
+Failed, Released, Preempted: thousands a tenant may create) is held as
+``NOT_KEPT``, its key alone, so the webhook's memory does not grow with claims
+that no pod can run with yet. An admission reads the cache with a dict lookup
+(parsed claims are memoized per raw object, so a claim is parsed once per
+change, not once per pod). A claim the cache does not hold (not Allocated, not
+synced yet, or created a moment ago and not yet seen on the watch) is read
+with one GET, bounded by ``get_timeout`` so the answer still reaches the API
+server inside the webhook's ``timeoutSeconds``: the decision is the same as
+from the cache, made on a fresher copy. A GET that fails denies the pod (fail
+closed) with the reason.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from gpualloc.api import codecs, models
+from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors, resources, watching
 from webhook import admission
 from webhook import metrics as metrics_
@@ -27,6 +34,18 @@ Fetch = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
 
 GET_TIMEOUT = 3.0  # seconds; the webhook's own timeoutSeconds is 5
 PARSED_SLACK = 16  # memoized claims kept beyond twice the cache's size before dead ones are dropped
+
+# What the cache holds for a claim it does not keep: one shared empty object (treat as read-only).
+NOT_KEPT: dict[str, Any] = {}
+
+
+def kept_of_claim(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Reflector transform: an Allocated claim's part that gpualloc reads
+    (``codecs.kept_of_claim``); ``NOT_KEPT`` for any other claim (read with a GET when a pod
+    names it)."""
+    if (raw.get("status") or {}).get("phase") != constants.PHASE_ALLOCATED:
+        return NOT_KEPT
+    return codecs.kept_of_claim(raw)
 
 
 class ClaimStore(Protocol):
@@ -73,14 +92,19 @@ class ClaimCache:
         return self.store.synced.is_set()
 
     def contains(self, namespace: str, name: str) -> bool:
-        return f"{namespace}/{name}" in self.store.cache
+        """The cache can answer for the claim (it holds it, and keeps it)."""
+        raw = self.store.cache.get(f"{namespace}/{name}")
+        return raw is not None and raw is not NOT_KEPT
 
     def get(self, namespace: str, name: str, /) -> models.GpuClaim | None:
-        """The cached claim (a ClaimLookup); raises codecs.DecodeError for a malformed one."""
+        """The cached claim (a ClaimLookup); raises codecs.DecodeError for a malformed one, and
+        admission.ClaimUnavailable for one the cache does not keep (``lookup_for`` GETs those)."""
         key = f"{namespace}/{name}"
         raw = self.store.cache.get(key)
-        if raw is None:
+        if raw is None or raw is NOT_KEPT:
             self._parsed.pop(key, None)
+            if raw is NOT_KEPT:
+                raise admission.ClaimUnavailable(f"claim {key} is not cached; it must be read")
             return None
         memo = self._parsed.get(key)
         if memo is not None and memo[0] is raw:

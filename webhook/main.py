@@ -2,8 +2,9 @@
 
 Serves ``/mutate``, ``/healthz``, ``/readyz`` and ``/metrics`` on the TLS port
 (``--port``, default 8443); ``/metrics`` (with the probes) also on plain HTTP
-at ``--metrics-port`` (0: off). Claims come from a watch of every GpuClaim; a
-claim not yet in the cache is read with one GET. The serving certificate is
+at ``--metrics-port`` (0: off). Claims come from a watch of every GpuClaim that
+keeps the Allocated ones (``cache``); any other claim a pod names is read with
+one GET. The serving certificate is
 reloaded when its files change. On SIGTERM readiness goes false, requests are
 still served for ``--shutdown-delay`` seconds, then the server stops and lets
 requests in flight finish within ``--shutdown-timeout`` seconds: keep the sum
@@ -20,7 +21,6 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from gpualloc.api import codecs
 from gpualloc.kube import client, resources, watching
 from gpualloc.runtime import eventloop, serving, signals
 from gpualloc.runtime import logging as runtime_logging
@@ -111,7 +111,7 @@ async def run(args: argparse.Namespace) -> int:
     api = await client.connect(args.kubeconfig)
     try:
         metrics = metrics_.Metrics()
-        reflector = watching.Reflector(api, watching.CLAIMS, transform=codecs.kept_of_claim)
+        reflector = watching.Reflector(api, watching.CLAIMS, transform=cache.kept_of_claim)
         claims = cache.ClaimCache(
             reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics
         )

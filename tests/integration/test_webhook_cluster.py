@@ -178,7 +178,7 @@ async def webhook(
         context.load_cert_chain(str(cert_file), str(key_file))
 
     metrics = metrics_.Metrics()
-    reflector = watching.Reflector(api, watching.CLAIMS)
+    reflector = watching.Reflector(api, watching.CLAIMS, transform=cache.kept_of_claim)  # as main does
     claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(api)), metrics=metrics)
     webhook = server.Webhook(claims, webhook_options, metrics)
     runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)

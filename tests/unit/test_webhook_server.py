@@ -314,3 +314,35 @@ def test_the_claim_cache_forgets_deleted_claims_whatever_the_churn() -> None:
         if i >= 10:
             del store.cache[f"{NS}/c-{i - 10}"]  # the watch's DELETED
     assert len(claims._parsed) <= 2 * len(store.cache) + cache.PARSED_SLACK + 1
+
+
+# ------------------------------------------------------------------ what the watch cache keeps
+
+
+def test_the_watch_cache_keeps_allocated_claims_only_and_holds_a_shared_marker_for_the_rest() -> None:
+    allocated = raw_claim()
+    allocated["metadata"]["annotations"] = {"ballast": "x" * 10_000}
+    kept = cache.kept_of_claim(allocated)
+    assert kept["status"]["allocations"] and "annotations" not in kept["metadata"]
+    for phase in ("Pending", "Failed", "Released", "Preempted", ""):
+        assert cache.kept_of_claim(raw_claim("p", phase=phase)) is cache.NOT_KEPT
+
+
+async def test_a_claim_the_cache_does_not_keep_is_read_with_a_get_and_decided_the_same(serve: Any) -> None:
+    store = cache.StaticStore([])
+    for i in range(3000):  # a flood of Pending claims costs the cache their keys, nothing more
+        store.cache[f"{NS}/flood-{i}"] = cache.kept_of_claim(raw_claim(f"flood-{i}", phase="Pending"))
+    assert all(value is cache.NOT_KEPT for value in store.cache.values())
+    store.cache[f"{NS}/train"] = cache.kept_of_claim(raw_claim())
+    fetch = CountingFetch(result=raw_claim("flood-7", phase="Pending"))
+    claims = cache.ClaimCache(store, fetch)
+    assert not claims.contains(NS, "flood-7") and claims.contains(NS, "train")
+    with pytest.raises(admission.ClaimUnavailable):
+        claims.get(NS, "flood-7")
+    client = await client_for(serve, claims)
+    body = await (await client.post("/mutate", json=review("flood-7"))).json()
+    assert body["response"]["allowed"] is False
+    assert "is Pending, not Allocated" in body["response"]["status"]["message"]
+    assert fetch.calls == [(NS, "flood-7")]
+    body = await (await client.post("/mutate", json=review("train"))).json()
+    assert body["response"]["allowed"] is True and fetch.calls == [(NS, "flood-7")]
