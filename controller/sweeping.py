@@ -17,7 +17,7 @@ Every ``sweep_interval`` seconds, and once when this process starts leading:
   and Allocated claims with ``release: OnPodsCompleted`` or ``OnOwnerCompleted``
   (their pods or Job may have completed: neither is watched) are queued for a
   reconcile;
-* nodes whose heartbeat went stale or fresh wake the pending claims;
+* nodes whose heartbeat went stale or fresh wake the pending claims they could hold;
 * quota ledger entries of claims that are gone are taken out (``ledger``),
   once they hold no Lease and their pods hold no device.
 """
