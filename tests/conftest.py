@@ -4,7 +4,8 @@
   modules, with the CRDs from ``helm/gpualloc/crds/`` applied and Established.
   If the binaries cannot be built the tests that need it fail with the build
   error; they are never skipped.
-- ``kubeconfig`` (session), ``namespace`` (function), ``api`` (function, async).
+- ``kubeconfig`` (session), ``namespace`` (function), ``api`` (function, async);
+  ``fresh_namespace`` and ``delete_if_present`` for fixtures of their own.
 - Tests under tests/integration, tests/e2e and tests/gpu get the markers
   ``integration``, ``e2e`` and ``gpu``.
 - With ``GPUALLOC_REQUIRE_INTEGRATION=1`` (set by .ci/run) the session fails
@@ -163,20 +164,30 @@ def namespace(control_plane: Any, request: pytest.FixtureRequest) -> Iterator[st
     test's GpuClaims are deleted first: a controller started by a later test then
     only sees them as being deleted.
     """
-    from gpualloc.devcluster import cluster
+    yield from fresh_namespace(control_plane, _namespace_name(request.node.name))
 
-    name = _namespace_name(request.node.name)
+
+def fresh_namespace(control_plane: Any, name: str) -> Iterator[str]:
+    """The body of a fixture that yields the namespace ``name``, created with its ``default``
+    ServiceAccount, and deletes it afterwards (its GpuClaims first, see ``namespace``)."""
     control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
     control_plane.ensure_service_account(name)
     try:
         yield name
     finally:
         for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
-            try:
-                control_plane.request("DELETE", path)
-            except cluster.RequestError as exc:
-                if exc.status != 404:
-                    raise
+            delete_if_present(control_plane, path)
+
+
+def delete_if_present(control_plane: Any, path: str) -> None:
+    """DELETE ``path`` as the admin; a 404 (already gone) is not an error."""
+    from gpualloc.devcluster import cluster
+
+    try:
+        control_plane.request("DELETE", path)
+    except cluster.RequestError as exc:
+        if exc.status != 404:
+            raise
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpualloc.devcluster import binaries, cluster
-from tests.conftest import generated_client
+from tests.conftest import delete_if_present, generated_client
+from tests.e2e import tenants
 from tests.integration.tls_support import http_status
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
@@ -86,27 +87,6 @@ def _render(release: str, namespace: str, *extra: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def _token_kubeconfig(admin_kubeconfig: Path, server: str, token: str, path: Path) -> Path:
-    """A kubeconfig with the admin's cluster (server, CA) and a bearer-token user."""
-    admin = yaml.safe_load(admin_kubeconfig.read_text())
-    cluster = dict(admin["clusters"][0]["cluster"])
-    cluster["server"] = server
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "local", "cluster": cluster}],
-                "users": [{"name": "sa", "user": {"token": token}}],
-                "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
-                "current-context": "sa",
-            }
-        )
-    )
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture
 async def api(kubeconfig: str) -> AsyncIterator[k8s.ApiClient]:
     """The admin's generated client: the RBAC is checked as kubectl would meet it."""
@@ -118,8 +98,6 @@ async def api(kubeconfig: str) -> AsyncIterator[k8s.ApiClient]:
 async def installed(
     control_plane: Any, namespace: str, api: k8s.ApiClient, tmp_path: Path
 ) -> AsyncIterator[Installed]:
-    from gpualloc.devcluster import cluster
-
     release = f"rb{uuid.uuid4().hex[:6]}"
     inst = Installed(release=release, namespace=namespace, fullname=f"{release}-gpualloc")
     objs = _render(
@@ -148,20 +126,13 @@ async def installed(
             review = await core.create_namespaced_service_account_token(
                 inst.name(component), namespace, request
             )
-            inst.kubeconfigs[component] = _token_kubeconfig(
-                control_plane.kubeconfig,
-                control_plane.server,
-                review.status.token,
-                tmp_path / f"{component}.kubeconfig",
+            inst.kubeconfigs[component] = tenants.token_kubeconfig(
+                control_plane, review.status.token, tmp_path / f"{component}.kubeconfig"
             )
         yield inst
     finally:
         for path in created:
-            try:
-                control_plane.request("DELETE", path)
-            except cluster.RequestError as exc:
-                if exc.status != 404:
-                    raise
+            delete_if_present(control_plane, path)
 
 
 @pytest.fixture
@@ -711,8 +682,6 @@ async def annotation_policy(control_plane: Any, installed: Installed) -> AsyncIt
     installed (and for the moment its removal takes to reach the API server's
     policy cache) it cannot refuse another test's pods.
     """
-    from gpualloc.devcluster import cluster
-
     docs = [
         d
         for d in _render(installed.release, installed.namespace, "--set", "webhook.pendingMode=gate")
@@ -732,11 +701,7 @@ async def annotation_policy(control_plane: Any, installed: Installed) -> AsyncIt
         yield
     finally:
         for path in reversed(created):
-            try:
-                control_plane.request("DELETE", path)
-            except cluster.RequestError as exc:
-                if exc.status != 404:
-                    raise
+            delete_if_present(control_plane, path)
 
 
 async def _tenant(control_plane: Any, installed: Installed, api: k8s.ApiClient, tmp_path: Path) -> Path:
@@ -768,9 +733,7 @@ async def _tenant(control_plane: Any, installed: Installed, api: k8s.ApiClient, 
     review = await core.create_namespaced_service_account_token(
         "tenant", ns, k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[]))
     )
-    return _token_kubeconfig(
-        control_plane.kubeconfig, control_plane.server, review.status.token, tmp_path / "tenant.kubeconfig"
-    )
+    return tenants.token_kubeconfig(control_plane, review.status.token, tmp_path / "tenant.kubeconfig")
 
 
 def _pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A tenant's finalizer strip and tolerations, attacked with its own token (issue 37, items 1 and 4).
 
 The release, the tenant (a ServiceAccount bound to ``edit``, with a TokenRequest token) and the
-chart's policies come from ``test_tenant_isolation``'s fixtures, imported rather than copied. The
+chart's policies come from the e2e fixtures (``tests/e2e/conftest.py``, ``tests/e2e/tenants.py``). The
 controller runs in this process as the chart's controller ServiceAccount (a TokenRequest token of
 it, so the chart's RBAC and the policies' exemptions are what it meets).
 
@@ -26,36 +26,8 @@ from gpualloc.api import constants
 from gpualloc.kube import client as kube_client
 from gpualloc.kube import errors, resources, transport
 from gpualloc.kube.client import Api
-from tests.e2e.test_tenant_isolation import (  # noqa: F401 - namespaces, setup, tmp_module: fixtures
-    JSON_PATCH,
-    MERGE,
-    Setup,
-    _token,
-    call,
-    claims_path,
-    container,
-    create,
-    eventually,
-    namespaces,
-    pod,
-    purge_claim,
-    quotas_path,
-    refused,
-    setup,
-    tmp_module,
-)
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    condition,
-    create_gpu_node,
-    delete_gpu_node,
-    get_claim,
-    running_controller,
-    wait_for,
-    wait_phase,
-)
-from tests.integration.controller_support import claim_body as integration_claim_body
-from tests.integration.controller_support import controller_argv as integration_controller_argv
+from tests.e2e import tenants
+from tests.integration import controller_support as support
 
 WHY = "only the gpualloc controller may remove it; it does once the claim's pods are gone"
 
@@ -64,26 +36,28 @@ def strip_refusal(namespace: str, name: str) -> str:
     return f"GpuClaim {namespace}/{name}: the finalizer {constants.FINALIZER} cannot be removed: {WHY}"
 
 
-async def controller_kubeconfig(s: Setup) -> str:
+async def controller_kubeconfig(s: tenants.Setup) -> str:
     """A kubeconfig with a token of the chart's controller ServiceAccount."""
-    token = await _token(s.admin, s.system, f"{s.fullname}-controller")
+    token = await tenants.service_account_token(s.admin, s.system, f"{s.fullname}-controller")
     return str(s.token_kubeconfig(token, "controller.kubeconfig"))
 
 
-async def wait_until_strips_are_refused(s: Setup) -> None:
+async def wait_until_strips_are_refused(s: tenants.Setup) -> None:
     """The API server loads the policy and its binding from watches: a dry-run strip until refused."""
     name = f"probe-{uuid.uuid4().hex[:6]}"
-    await call(s.tenant, "POST", claims_path(s.tenant_ns), body=integration_claim_body(name, 1, run="probe"))
-    path = f"{claims_path(s.tenant_ns)}/{name}"
+    await tenants.call(
+        s.tenant, "POST", tenants.claims_path(s.tenant_ns), body=support.claim_body(name, 1, run="probe")
+    )
+    path = f"{tenants.claims_path(s.tenant_ns)}/{name}"
 
     async def in_force() -> bool:
         try:
-            await call(
+            await tenants.call(
                 s.tenant,
                 "PATCH",
                 path,
                 body={"metadata": {"finalizers": None}},
-                content_type=MERGE,
+                content_type=tenants.MERGE,
                 query=[("dryRun", "All")],
             )
         except errors.KubeError as exc:
@@ -91,72 +65,78 @@ async def wait_until_strips_are_refused(s: Setup) -> None:
         return False
 
     try:
-        await eventually("the claim-finalizer-removal ValidatingAdmissionPolicy", in_force)
+        await tenants.eventually("the claim-finalizer-removal ValidatingAdmissionPolicy", in_force)
     finally:
-        await purge_claim(s.admin, s.tenant_ns, name)
+        await tenants.purge_claim(s.admin, s.tenant_ns, name)
 
 
 async def try_every_strip(tenant: Api, namespace: str, name: str) -> None:
     """A JSON patch (remove, and replace the list), a merge patch (null and []), and a
     PUT without the finalizer: each refused with the policy's message."""
-    path = f"{claims_path(namespace)}/{name}"
-    stored = await call(tenant, "GET", path)
+    path = f"{tenants.claims_path(namespace)}/{name}"
+    stored = await tenants.call(tenant, "GET", path)
     index = stored["metadata"]["finalizers"].index(constants.FINALIZER)
     at = f"/metadata/finalizers/{index}"
     attempts: list[tuple[Any, str]] = [
         (
             [{"op": "test", "path": at, "value": constants.FINALIZER}, {"op": "remove", "path": at}],
-            JSON_PATCH,
+            tenants.JSON_PATCH,
         ),
-        ([{"op": "replace", "path": "/metadata/finalizers", "value": []}], JSON_PATCH),
-        ({"metadata": {"finalizers": None}}, MERGE),
-        ({"metadata": {"finalizers": []}}, MERGE),
+        ([{"op": "replace", "path": "/metadata/finalizers", "value": []}], tenants.JSON_PATCH),
+        ({"metadata": {"finalizers": None}}, tenants.MERGE),
+        ({"metadata": {"finalizers": []}}, tenants.MERGE),
     ]
     for body, kind in attempts:
-        message = await refused(call(tenant, "PATCH", path, body=body, content_type=kind))
+        message = await tenants.refused(tenants.call(tenant, "PATCH", path, body=body, content_type=kind))
         assert strip_refusal(namespace, name) in message, (body, message)
     stored["metadata"]["finalizers"] = [
         f for f in stored["metadata"]["finalizers"] if f != constants.FINALIZER
     ]
-    message = await refused(call(tenant, "PUT", path, body=stored))
+    message = await tenants.refused(tenants.call(tenant, "PUT", path, body=stored))
     assert strip_refusal(namespace, name) in message
 
 
 async def test_a_tenant_cannot_strip_the_finalizer_of_its_deleted_claim_while_its_pod_runs(
-    setup: Setup,  # noqa: F811 - the fixture imported above
+    setup: tenants.Setup,
 ) -> None:
     ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
     node = f"att-gpu-{run}"
     await wait_until_strips_are_refused(setup)
-    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
+    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
     tenant_claims = resources.CustomResources(setup.tenant)
-    path = f"{claims_path(ns)}/held"
+    path = f"{tenants.claims_path(ns)}/held"
     try:
         kubeconfig = await controller_kubeconfig(setup)
-        argv = integration_controller_argv(setup.system, "--in-use-poll", "1", run=run)
-        async with running_controller(kubeconfig, argv):
-            await tenant_claims.create_claim(ns, integration_claim_body("held", 1, run=run))
-            await wait_phase(setup.admin, ns, "held", "Allocated", within=60)
+        argv = support.controller_argv(setup.system, "--in-use-poll", "1", run=run)
+        async with support.running_controller(kubeconfig, argv):
+            await tenant_claims.create_claim(ns, support.claim_body("held", 1, run=run))
+            await support.wait_phase(setup.admin, ns, "held", "Allocated", within=60)
             annotations = {constants.ANNOTATION_CLAIM: "held"}
-            await create(setup.tenant, ns, pod("worker", [container("main")], annotations=annotations))
+            await tenants.create(
+                setup.tenant, ns, tenants.pod("worker", [tenants.container("main")], annotations=annotations)
+            )
             await tenant_claims.delete_claim(ns, "held")
 
             async def in_use() -> dict[str, Any] | None:
-                got = await get_claim(setup.admin, ns, "held")
-                return got if condition(got, "InUse").get("status") == "True" else None
+                got = await support.get_claim(setup.admin, ns, "held")
+                return got if support.condition(got, "InUse").get("status") == "True" else None
 
-            kept = await wait_for(in_use, within=60, what="the deleted claim to say its pod uses it")
+            kept = await support.wait_for(in_use, within=60, what="the deleted claim to say its pod uses it")
             assert kept["metadata"]["deletionTimestamp"]
 
             await try_every_strip(setup.tenant, ns, "held")
             # The status subresource is no way around it: the tenant may not write it, and the
             # API server keeps a custom resource's metadata as it was on a status write.
             strip = {"metadata": {"finalizers": None}, "status": {"message": "stripped?"}}
-            await refused(call(setup.tenant, "PATCH", f"{path}/status", body=strip, content_type=MERGE))
-            written = await call(setup.admin, "PATCH", f"{path}/status", body=strip, content_type=MERGE)
+            await tenants.refused(
+                tenants.call(setup.tenant, "PATCH", f"{path}/status", body=strip, content_type=tenants.MERGE)
+            )
+            written = await tenants.call(
+                setup.admin, "PATCH", f"{path}/status", body=strip, content_type=tenants.MERGE
+            )
             assert constants.FINALIZER in written["metadata"]["finalizers"]
 
-            still = await call(setup.tenant, "GET", path)
+            still = await tenants.call(setup.tenant, "GET", path)
             assert constants.FINALIZER in still["metadata"]["finalizers"]
             assert still["status"]["phase"] == "Allocated"
 
@@ -169,40 +149,44 @@ async def test_a_tenant_cannot_strip_the_finalizer_of_its_deleted_claim_while_it
             )
 
             async def gone() -> bool:
-                return await get_claim(setup.admin, ns, "held") is None
+                return await support.get_claim(setup.admin, ns, "held") is None
 
-            await wait_for(gone, within=60, what="the controller to release the claim and let it go")
+            await support.wait_for(gone, within=60, what="the controller to release the claim and let it go")
     finally:
         with contextlib.suppress(errors.KubeError):
             await transport.request(
                 setup.admin, "DELETE", f"/api/v1/namespaces/{ns}/pods/worker", body={"gracePeriodSeconds": 0}
             )
-        await purge_claim(setup.admin, ns, "held")
-        await delete_gpu_node(setup.admin, node)
+        await tenants.purge_claim(setup.admin, ns, "held")
+        await support.delete_gpu_node(setup.admin, node)
 
 
 async def test_a_preempted_claim_cannot_strip_its_finalizer_but_the_controllers_account_can(
-    setup: Setup,  # noqa: F811 - the fixture imported above
+    setup: tenants.Setup,
 ) -> None:
     """A Preempted claim whose pods are being evicted (held, say, by their own PodDisruptionBudget)
     keeps its finalizer, before and after the tenant deletes it; no controller runs here, so the
     phase stays as the admin wrote it, as the controller would."""
     ns = setup.tenant_ns
     await wait_until_strips_are_refused(setup)
-    path = f"{claims_path(ns)}/victim"
-    await call(setup.tenant, "POST", claims_path(ns), body=integration_claim_body("victim", 1, run="none"))
+    path = f"{tenants.claims_path(ns)}/victim"
+    await tenants.call(
+        setup.tenant, "POST", tenants.claims_path(ns), body=support.claim_body("victim", 1, run="none")
+    )
     devices = [{"index": 0, "minor": 0, "uuid": "GPU-0a0a0a0a-1111-2222-3333-444444444444"}]
     status = {
         "phase": constants.PHASE_PREEMPTED,
         "allocations": [{"replica": 0, "nodeName": "gpu-node-9", "devices": devices}],
     }
-    await call(setup.admin, "PATCH", f"{path}/status", body={"status": status}, content_type=MERGE)
+    await tenants.call(
+        setup.admin, "PATCH", f"{path}/status", body={"status": status}, content_type=tenants.MERGE
+    )
     controller: Api | None = None
     try:
         await try_every_strip(setup.tenant, ns, "victim")
-        await call(setup.tenant, "DELETE", path)
+        await tenants.call(setup.tenant, "DELETE", path)
         await try_every_strip(setup.tenant, ns, "victim")
-        still = await call(setup.tenant, "GET", path)
+        still = await tenants.call(setup.tenant, "GET", path)
         assert still["metadata"]["deletionTimestamp"]
         assert still["status"]["phase"] == constants.PHASE_PREEMPTED
 
@@ -210,12 +194,14 @@ async def test_a_preempted_claim_cannot_strip_its_finalizer_but_the_controllers_
         # Leases released): without that exemption the policy would keep every claim for ever.
         kubeconfig = await controller_kubeconfig(setup)
         controller = await kube_client.connect(kubeconfig)
-        await call(controller, "PATCH", path, body={"metadata": {"finalizers": None}}, content_type=MERGE)
-        assert await get_claim(setup.admin, ns, "victim") is None
+        await tenants.call(
+            controller, "PATCH", path, body={"metadata": {"finalizers": None}}, content_type=tenants.MERGE
+        )
+        assert await support.get_claim(setup.admin, ns, "victim") is None
     finally:
         if controller is not None:
             await controller.close()
-        await purge_claim(setup.admin, ns, "victim")
+        await tenants.purge_claim(setup.admin, ns, "victim")
 
 
 TEAM_TAINT = {"key": "team", "value": "reserved", "effect": "NoSchedule"}
@@ -233,11 +219,11 @@ def allowing_quota(*allowed: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_a_tenants_toleration_opens_a_tainted_node_only_once_its_quota_allows_it(
-    setup: Setup,  # noqa: F811 - the fixture imported above
+    setup: tenants.Setup,
 ) -> None:
     ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
     node = f"att-reserved-{run}"
-    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
+    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
     await transport.request(
         setup.admin,
         "PATCH",
@@ -245,36 +231,38 @@ async def test_a_tenants_toleration_opens_a_tainted_node_only_once_its_quota_all
         body={"spec": {"taints": [TEAM_TAINT]}},
         content_type=transport.MERGE_PATCH,
     )
-    body = integration_claim_body("sneaky", 1, run=run)
+    body = support.claim_body("sneaky", 1, run=run)
     body["spec"]["tolerations"] = [TOLERATION]
-    quotas = quotas_path(ns)
+    quotas = tenants.quotas_path(ns)
     try:
         # The tenant cannot grant itself the toleration: GpuQuotas are the cluster admin's.
-        await refused(call(setup.tenant, "POST", quotas, body=allowing_quota(TOLERATION)))
+        await tenants.refused(tenants.call(setup.tenant, "POST", quotas, body=allowing_quota(TOLERATION)))
         kubeconfig = await controller_kubeconfig(setup)
-        async with running_controller(kubeconfig, integration_controller_argv(setup.system, run=run)):
-            await call(setup.tenant, "POST", claims_path(ns), body=body)
+        async with support.running_controller(kubeconfig, support.controller_argv(setup.system, run=run)):
+            await tenants.call(setup.tenant, "POST", tenants.claims_path(ns), body=body)
             reason = (
                 f"toleration team=reserved:NoSchedule is not allowed in namespace {ns}"
                 " (GpuQuota allowedTolerations)"
             )
 
             async def refused_named() -> dict[str, Any] | None:
-                got = await get_claim(setup.admin, ns, "sneaky")
+                got = await support.get_claim(setup.admin, ns, "sneaky")
                 return got if reason in ((got or {}).get("status") or {}).get("message", "") else None
 
-            held_back = await wait_for(refused_named, within=60, what="the claim to name its toleration")
+            held_back = await support.wait_for(
+                refused_named, within=60, what="the claim to name its toleration"
+            )
             assert held_back["status"]["phase"] == "Pending"
             assert "tainted team=reserved:NoSchedule" in held_back["status"]["message"]
 
             # The operator allows the team's toleration in the namespace: the claim gets the node.
-            await call(
+            await tenants.call(
                 setup.admin, "POST", quotas, body=allowing_quota({"key": "team", "operator": "Exists"})
             )
-            allocated = await wait_phase(setup.admin, ns, "sneaky", "Allocated", within=60)
+            allocated = await support.wait_phase(setup.admin, ns, "sneaky", "Allocated", within=60)
             assert allocated["status"]["nodes"] == node
     finally:
-        await purge_claim(setup.admin, ns, "sneaky")
+        await tenants.purge_claim(setup.admin, ns, "sneaky")
         with contextlib.suppress(errors.KubeError):
-            await call(setup.admin, "DELETE", f"{quotas}/pool")
-        await delete_gpu_node(setup.admin, node)
+            await tenants.call(setup.admin, "DELETE", f"{quotas}/pool")
+        await support.delete_gpu_node(setup.admin, node)

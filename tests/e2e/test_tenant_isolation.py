@@ -18,26 +18,24 @@ a TokenRequest token bound to each pod, which carries the pod's node
 Quotas: the tenant's ``edit`` gets GpuClaim rights through the chart's aggregated ClusterRoles
 (kube-controller-manager aggregates them), may read GpuQuotas and write none, and the
 quota-priority ValidatingAdmissionPolicy caps ``spec.priority`` at each GpuQuota's maxPriority.
+
+The release, the tenant and the webhook are the e2e fixtures' (``tests/e2e/conftest.py``), built
+with the helpers of ``tests/e2e/tenants.py``, which ``test_tenant_attacks`` and
+``test_tenant_preemption`` share.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime
-import json
 import os
 import re
 import signal
-import ssl
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,212 +44,44 @@ import yaml
 
 from gpualloc.api import constants, leases
 from gpualloc.devcluster import binaries
-from gpualloc.devcluster import cluster as cluster_mod
 from gpualloc.kube import client as kube_client
-from gpualloc.kube import errors, resources, transport, watching
+from gpualloc.kube import errors, resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    condition,
-    create_gpu_node,
-    delete_gpu_node,
-    get_claim,
-    running_controller,
-    wait_for,
-    wait_phase,
+from tests.e2e.tenants import (
+    ADMISSION,
+    CHART,
+    CUDA,
+    JSON_PATCH,
+    MERGE,
+    NODE_STATUSES,
+    NOT_A_GPU_POD,
+    NV,
+    STRATEGIC,
+    VOID,
+    Setup,
+    call,
+    claim_body,
+    claims_path,
+    container,
+    create,
+    device_entries,
+    eventually,
+    from_field,
+    pod,
+    purge_claim,
+    quotas_path,
+    refusal,
+    refused,
+    service_account_token,
+    status_body,
+    value,
 )
-from tests.integration.controller_support import claim_body as integration_claim_body
-from tests.integration.controller_support import controller_argv as integration_controller_argv
-from tests.integration.tls_support import write_serving_pair
-from webhook import admission, cache, server
-from webhook import metrics as metrics_
+from tests.integration import controller_support as support
 
-CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
-ADMISSION = "/apis/admissionregistration.k8s.io/v1"
-NODE_STATUSES = "/apis/gpu.scheduling/v1/gpunodestatuses"
-MERGE = "application/merge-patch+json"
-STRATEGIC = "application/strategic-merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
-NV, CUDA = "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
-VOID = {"name": NV, "value": "void"}
-# An image whose Dockerfile says ENV NVIDIA_VISIBLE_DEVICES=all (nothing pulls it here: what
-# counts is that the stored spec overrides whatever the image says).
-CUDA_IMAGE = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
 UUIDS = "GPU-11111111-2222-3333-4444-555555555555,GPU-66666666-7777-8888-9999-000000000000"
-NOT_A_GPU_POD = "a pod without a gpu.scheduling/claim annotation gets no GPU"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@dataclass
-class Setup:
-    """The installed release, the tenant's client and the namespaces it may edit."""
-
-    release: str
-    system: str  # the release namespace
-    tenant_ns: str  # an ordinary tenant namespace
-    unhooked_ns: str  # a namespace the webhook is not called for (webhook.excludeNamespaces)
-    exempt_ns: str  # a namespace listed in isolation.exemptNamespaces
-    admin: Api
-    tenant: Api
-    control_plane: Any
-    kubeconfigs: Path  # a directory for token kubeconfigs and logs
-    nodes: list[str] = field(default_factory=list)
-
-    def token_kubeconfig(self, token: str, name: str) -> Path:
-        return _token_kubeconfig(self.control_plane, token, self.kubeconfigs / name)
-
-    @property
-    def fullname(self) -> str:
-        return f"{self.release}-gpualloc"
-
-
-def _helm(kubeconfig: Path, home: Path, *args: str) -> str:
-    helm = str(binaries.ensure(["helm"], progress=lambda _: None)["helm"])
-    env = {**os.environ, **{f"HELM_{d.upper()}_HOME": str(home / d) for d in ("config", "cache", "data")}}
-    result = subprocess.run(
-        [helm, "--kubeconfig", str(kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
-
-
-async def call(
-    api: Api,
-    method: str,
-    path: str,
-    *,
-    body: Any = None,
-    content_type: str = "application/json",
-    query: list[tuple[str, str]] | None = None,
-) -> Any:
-    """One API call; the JSON answer. A refusal raises ``errors.KubeError`` with the API server's
-    whole message (``gpualloc.kube.errors`` cuts messages short, and the policies' are long)."""
-    response = await api.send(
-        method,
-        path,
-        query=query or [],
-        body=body,
-        content_type=content_type,
-        client_timeout=transport.REQUEST_TIMEOUT,
-    )
-    try:
-        raw = await response.read()
-    finally:
-        response.release()
-    answer = json.loads(raw) if raw else None
-    if not 200 <= response.status < 300:
-        status = answer if isinstance(answer, dict) else {}
-        raise errors.KubeError(
-            response.status, str(status.get("reason", "")), str(status.get("message", raw))
-        )
-    return answer
-
-
-def _token_kubeconfig(control_plane: Any, token: str, path: Path) -> Path:
-    """A kubeconfig with the admin's cluster (server, CA) and a bearer-token user."""
-    admin = yaml.safe_load(Path(control_plane.kubeconfig).read_text())
-    server_entry = dict(admin["clusters"][0]["cluster"])
-    server_entry["server"] = control_plane.server
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "local", "cluster": server_entry}],
-                "users": [{"name": "sa", "user": {"token": token}}],
-                "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
-                "current-context": "sa",
-            }
-        )
-    )
-    path.chmod(0o600)
-    return path
-
-
-async def _token(admin: Api, namespace: str, account: str, pod: dict[str, Any] | None = None) -> str:
-    """A TokenRequest token for the ServiceAccount; bound to ``pod`` (and so to its node) if given."""
-    spec: dict[str, Any] = {"audiences": [], "expirationSeconds": 3600}
-    if pod is not None:
-        spec["boundObjectRef"] = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": pod["metadata"]["name"],
-            "uid": pod["metadata"]["uid"],
-        }
-    review = await call(
-        admin,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
-    )
-    token: str = review["status"]["token"]
-    return token
-
-
-async def eventually(what: str, check: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            result = await check()
-        except errors.KubeError:
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:.0f} s waiting for {what}")
-        await asyncio.sleep(0.2)
-
-
-def pod(name: str, containers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """A pod whose containers are ``containers``; ``init=[...]`` adds init containers,
-    ``annotations``/``labels`` go to metadata, anything else to spec."""
-    metadata: dict[str, Any] = {"name": name}
-    for key in ("annotations", "labels"):
-        if key in extra:
-            metadata[key] = extra.pop(key)
-    spec: dict[str, Any] = {"containers": containers, **extra}
-    if "init" in spec:
-        spec["initContainers"] = spec.pop("init")
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-
-
-def container(name: str, *env: dict[str, Any], image: str = CUDA_IMAGE, **more: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": name, "image": image, **more}
-    if env:
-        out["env"] = list(env)
-    return out
-
-
-def value(name: str, text: str) -> dict[str, Any]:
-    return {"name": name, "value": text}
-
-
-def from_field(name: str, path: str = "metadata.name") -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
-def device_entries(container_: dict[str, Any], name: str = NV) -> list[dict[str, Any]]:
-    return [e for e in container_.get("env") or [] if e["name"] == name]
-
-
-async def create(api: Api, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-    stored: dict[str, Any] = await call(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
-    return stored
-
-
-async def refused(call: Awaitable[Any]) -> str:
-    """``call`` must fail with 403 Forbidden; returns the API server's message."""
-    with pytest.raises(errors.KubeError) as caught:
-        await call
-    assert caught.value.status == 403, caught.value
-    return caught.value.message
 
 
 async def add_ephemeral(api: Api, namespace: str, name: str, debug: dict[str, Any]) -> dict[str, Any]:
@@ -264,283 +94,6 @@ async def add_ephemeral(api: Api, namespace: str, name: str, debug: dict[str, An
         content_type=STRATEGIC,
     )
     return stored
-
-
-# ----------------------------------------------------------------------------- the webhook
-
-
-@dataclass
-class LocalWebhook:
-    """The gpualloc webhook, serving TLS on 127.0.0.1 in this process (gate mode)."""
-
-    url: str
-    ca_pem: bytes
-    stop: Callable[[], Awaitable[None]]
-
-
-async def _start_webhook(admin: Api) -> LocalWebhook:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with tempfile.TemporaryDirectory() as tmp:
-        ca_file, cert_file, key_file = write_serving_pair(Path(tmp))
-        ca_pem = ca_file.read_bytes()
-        context.load_cert_chain(str(cert_file), str(key_file))
-    metrics = metrics_.Metrics()
-    reflector = watching.Reflector(admin, watching.CLAIMS)
-    claims = cache.ClaimCache(reflector, cache.fetch_from(resources.CustomResources(admin)), metrics=metrics)
-    webhook = server.Webhook(claims, admission.Options(pending="gate"), metrics)
-    runner = await server.start(webhook, "127.0.0.1", 0, ssl_context=context, shutdown_timeout=2)
-    task = asyncio.create_task(reflector.run())
-    await asyncio.wait_for(reflector.synced.wait(), 30)
-
-    async def stop() -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await server.stop(webhook, runner)
-
-    return LocalWebhook(f"https://127.0.0.1:{runner.addresses[0][1]}/mutate", ca_pem, stop)
-
-
-# ----------------------------------------------------------------------------- fixtures
-
-
-def _delete(control_plane: Any, path: str) -> None:
-    try:
-        control_plane.request("DELETE", path)
-    except cluster_mod.RequestError as exc:
-        if exc.status != 404:
-            raise
-
-
-@pytest.fixture(scope="module")
-def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("isolation")
-
-
-@pytest.fixture(scope="module")
-def namespaces(control_plane: Any) -> Iterator[dict[str, str]]:
-    tag = uuid.uuid4().hex[:6]
-    names = {
-        "system": f"iso-sys-{tag}",
-        "tenant": f"tenant-{tag}",
-        "unhooked": f"tenant-nohook-{tag}",
-        "exempt": f"gpu-op-{tag}",
-    }
-    for name in names.values():
-        control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-        control_plane.ensure_service_account(name)
-    try:
-        yield names
-    finally:
-        for name in names.values():
-            _delete(control_plane, f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture(scope="module")
-async def setup(control_plane: Any, namespaces: dict[str, str], tmp_module: Path) -> AsyncIterator[Setup]:
-    # kube-controller-manager aggregates the edit ClusterRole (without it, edit grants nothing).
-    control_plane.ensure_controller_manager()
-    release = f"iso{uuid.uuid4().hex[:6]}"
-    fullname = f"{release}-gpualloc"
-    kubeconfig = Path(control_plane.kubeconfig)
-    admin = await kube_client.connect(str(kubeconfig))
-    webhook = await _start_webhook(admin)
-    opened = [admin]
-    nodes = [f"iso-node-{uuid.uuid4().hex[:6]}" for _ in range(2)]
-    try:
-        _helm(
-            kubeconfig, tmp_module / "helm", "install", release, str(CHART),
-            "--namespace", namespaces["system"], "--no-hooks", "--timeout", "120s",
-            "--set", "certManager.enabled=false", "--set", "webhook.pendingMode=gate",
-            "--set", f"isolation.exemptNamespaces={{kube-system,{namespaces['exempt']}}}",
-            "--set", f"webhook.excludeNamespaces={{{namespaces['unhooked']}}}",
-        )  # fmt: skip
-        # The release's webhook configuration, pointed at the webhook in this process.
-        client_config = {"url": webhook.url, "caBundle": base64.b64encode(webhook.ca_pem).decode()}
-        await call(
-            admin,
-            "PATCH",
-            f"{ADMISSION}/mutatingwebhookconfigurations/{fullname}",
-            body=[{"op": "replace", "path": "/webhooks/0/clientConfig", "value": client_config}],
-            content_type=JSON_PATCH,
-        )
-
-        # The tenant: edit in its namespaces, a token from the TokenRequest API.
-        for ns in (namespaces["tenant"], namespaces["unhooked"], namespaces["exempt"]):
-            if ns == namespaces["tenant"]:
-                control_plane.ensure_service_account(ns, "tenant")
-            control_plane.request(
-                "POST",
-                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
-                {
-                    "metadata": {"name": "tenant-edit"},
-                    "roleRef": {
-                        "apiGroup": "rbac.authorization.k8s.io",
-                        "kind": "ClusterRole",
-                        "name": "edit",
-                    },
-                    "subjects": [
-                        {"kind": "ServiceAccount", "name": "tenant", "namespace": namespaces["tenant"]}
-                    ],
-                },
-            )
-        # Kubernetes' edit role does not grant pods/ephemeralcontainers (kubectl debug); clusters
-        # that let tenants debug grant it like this, and that is the case the policies must cover.
-        rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespaces['tenant']}"
-        rule = {
-            "apiGroups": [""],
-            "resources": ["pods/ephemeralcontainers"],
-            "verbs": ["get", "patch", "update"],
-        }
-        control_plane.request("POST", f"{rbac}/roles", {"metadata": {"name": "debug"}, "rules": [rule]})
-        control_plane.request(
-            "POST",
-            f"{rbac}/rolebindings",
-            {
-                "metadata": {"name": "tenant-debug"},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "debug"},
-                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": namespaces["tenant"]}],
-            },
-        )
-        token = await _token(admin, namespaces["tenant"], "tenant")
-        tenant = await kube_client.connect(
-            str(_token_kubeconfig(control_plane, token, tmp_module / "tenant.kubeconfig"))
-        )
-        opened.append(tenant)
-        for name in nodes:
-            control_plane.request("POST", "/api/v1/nodes", {"metadata": {"name": name}})
-        result = Setup(
-            release=release,
-            system=namespaces["system"],
-            tenant_ns=namespaces["tenant"],
-            unhooked_ns=namespaces["unhooked"],
-            exempt_ns=namespaces["exempt"],
-            admin=admin,
-            tenant=tenant,
-            control_plane=control_plane,
-            kubeconfigs=tmp_module,
-            nodes=nodes,
-        )
-        await _wait_until_in_force(result)
-        yield result
-    finally:
-        try:
-            _helm(kubeconfig, tmp_module / "helm", "uninstall", release, "--namespace", namespaces["system"])
-        finally:
-            # Never leave a cluster-wide policy or a fail-closed webhook behind for later tests.
-            for kind in (
-                "mutatingwebhookconfigurations",
-                "mutatingadmissionpolicies",
-                "mutatingadmissionpolicybindings",
-                "validatingadmissionpolicies",
-                "validatingadmissionpolicybindings",
-            ):
-                for suffix in (
-                    "",
-                    "-no-gpu-without-claim",
-                    "-pod-devices",
-                    "-node-identity",
-                    "-pod-gated-label",
-                    "-quota-priority",
-                    "-claim-metadata",
-                    "-claim-finalizer-removal",
-                ):
-                    _delete(control_plane, f"{ADMISSION}/{kind}/{fullname}{suffix}")
-            for name in nodes:
-                _delete(control_plane, f"{NODE_STATUSES}/{name}")
-                _delete(control_plane, f"/api/v1/nodes/{name}")  # later tests count the nodes
-            await _wait_until_gone(admin, namespaces["tenant"])
-            await webhook.stop()
-            for api in opened:
-                await api.close()
-
-
-async def _wait_until_gone(admin: Api, namespace: str) -> None:
-    """The API server drops deleted policies from its admission path a moment after the delete:
-    wait for that, so that no later test's pod meets them (dry runs as the admin)."""
-    pods = f"/api/v1/namespaces/{namespace}/pods"
-    body = pod(
-        "probe",
-        [container("main", value(NV, "all"), from_field(CUDA))],
-        labels={constants.LABEL_GATED: "true"},
-    )
-
-    async def gone() -> bool:
-        stored = await call(admin, "POST", pods, body=body, query=[("dryRun", "All")])
-        return bool(device_entries(stored["spec"]["containers"][0]) == [value(NV, "all")])
-
-    await eventually("the policies to leave the API server's admission path", gone)
-
-
-async def _wait_until_in_force(s: Setup) -> None:
-    """The API server loads policies, bindings and the webhook configuration from watches: wait
-    (with dry runs) until each answers, and until the tenant's edit role has been aggregated."""
-    pods = f"/api/v1/namespaces/{s.tenant_ns}/pods"
-    dry = [("dryRun", "All")]
-
-    async def voided() -> bool:
-        body = pod("probe", [container("main", value(NV, "all"))])
-        stored = await call(s.tenant, "POST", pods, body=body, query=dry)
-        return bool(device_entries(stored["spec"]["containers"][0]) == [VOID])
-
-    async def validated() -> bool:
-        body = pod("probe", [container("main", from_field(CUDA))])
-        try:
-            await call(s.admin, "POST", pods, body=body, query=dry)
-        except errors.KubeError as exc:
-            return exc.status == 403 and NOT_A_GPU_POD in exc.message
-        return False
-
-    async def label_checked() -> bool:
-        body = pod("probe", [container("main")], labels={constants.LABEL_GATED: "true"})
-        try:
-            await call(s.admin, "POST", pods, body=body, query=dry)
-        except errors.KubeError as exc:
-            return exc.status == 403 and "gpu.scheduling/gated" in exc.message
-        return False
-
-    async def webhook_called() -> bool:
-        body = pod("probe", [container("main")], annotations={constants.ANNOTATION_CLAIM: "no-such-claim"})
-        stored = await call(s.admin, "POST", pods, body=body, query=dry)
-        return constants.SCHEDULING_GATE in {g["name"] for g in stored["spec"].get("schedulingGates") or []}
-
-    async def agent_checked() -> bool:
-        token = await _token(s.admin, s.system, f"{s.fullname}-agent")
-        agent = await kube_client.connect(str(s.token_kubeconfig(token, "agent-unbound.kubeconfig")))
-        try:
-            body = status_body(s.nodes[0])
-            await call(agent, "POST", NODE_STATUSES, body=body, query=dry)
-        except errors.KubeError as exc:
-            return exc.status == 403 and "carries no node name" in exc.message
-        finally:
-            await agent.close()
-        return False
-
-    async def claims_aggregated() -> bool:
-        await call(s.tenant, "GET", quotas_path(s.tenant_ns))
-        body = claim_body("probe")
-        await call(s.tenant, "POST", claims_path(s.tenant_ns), body=body, query=dry)
-        return True
-
-    async def claims_finalized() -> bool:
-        stored = await call(s.admin, "POST", claims_path(s.tenant_ns), body=claim_body("probe"), query=dry)
-        return constants.FINALIZER in stored["metadata"].get("finalizers", [])
-
-    await eventually("edit to be aggregated with the chart's GpuClaim and GpuQuota rights", claims_aggregated)
-    await eventually("the MutatingAdmissionPolicy to set void", voided)
-    await eventually("the pod-devices ValidatingAdmissionPolicy", validated)
-    await eventually("the gated-label ValidatingAdmissionPolicy", label_checked)
-    await eventually("the API server to call the webhook", webhook_called)
-    await eventually("the node-identity ValidatingAdmissionPolicy", agent_checked)
-    await eventually("the claim-finalizer MutatingAdmissionPolicy", claims_finalized)
-
-
-def status_body(node: str, name: str | None = None) -> dict[str, Any]:
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.NODE_STATUS_KIND,
-        "metadata": {"name": name or node},
-        "spec": {"nodeName": node},
-    }
 
 
 # ----------------------------------------------------------------------------- pods without a claim
@@ -814,7 +367,7 @@ async def test_agent_token_writes_only_its_own_nodes_status_and_heartbeat_lease(
         for node in setup.nodes:
             body = pod(f"agent-{node}", [container("agent")], serviceAccountName=agent_account, nodeName=node)
             agent_pod = await create(setup.admin, setup.system, body)
-            token = await _token(setup.admin, setup.system, agent_account, agent_pod)
+            token = await service_account_token(setup.admin, setup.system, agent_account, agent_pod)
             kubeconfigs[node] = setup.token_kubeconfig(token, f"{node}.kubeconfig")
             agents[node] = await kube_client.connect(str(kubeconfigs[node]))
             clients.append(agents[node])
@@ -851,7 +404,7 @@ async def test_agent_token_writes_only_its_own_nodes_status_and_heartbeat_lease(
         )
 
         # A token of the agent's ServiceAccount not bound to a pod carries no node: refused.
-        unbound = await _token(setup.admin, setup.system, agent_account)
+        unbound = await service_account_token(setup.admin, setup.system, agent_account)
         loose = await kube_client.connect(str(setup.token_kubeconfig(unbound, "unbound.kubeconfig")))
         clients.append(loose)
         message = await refused(
@@ -931,53 +484,11 @@ async def test_agent_token_writes_only_its_own_nodes_status_and_heartbeat_lease(
 # ----------------------------------------------------------------------------- quotas
 
 
-def quotas_path(namespace: str) -> str:
-    return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuquotas"
-
-
-def claims_path(namespace: str) -> str:
-    return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/gpuclaims"
-
-
-async def purge_claim(admin: Api, namespace: str, name: str) -> None:
-    """Delete a claim for good where no controller runs to release it: its finalizers go first."""
-    path = f"{claims_path(namespace)}/{name}"
-    for method, body in (("PATCH", {"metadata": {"finalizers": None}}), ("DELETE", None)):
-        try:  # a Terminating claim is gone once its finalizers are
-            await call(admin, method, path, body=body, content_type=MERGE if body else "application/json")
-        except errors.KubeError as exc:
-            if exc.status != 404:
-                raise
-
-
 def quota_body(name: str, gpus: int = 8, max_priority: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"gpus": gpus}
     if max_priority is not None:
         spec["maxPriority"] = max_priority
     return {"apiVersion": constants.API_VERSION, "kind": "GpuQuota", "metadata": {"name": name}, "spec": spec}
-
-
-def claim_body(name: str, priority: int | None = None) -> dict[str, Any]:
-    spec: dict[str, Any] = {"devices": {"count": 1}}
-    if priority is not None:
-        spec["priority"] = priority
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.CLAIM_KIND,
-        "metadata": {"name": name},
-        "spec": spec,
-    }
-
-
-async def refusal(attempt: Awaitable[Any]) -> str:
-    """The 403 message of ``attempt``; "" if it was accepted (for polling with ``eventually``)."""
-    try:
-        await attempt
-    except errors.KubeError as exc:
-        if exc.status == 403:
-            return exc.message
-        raise
-    return ""
 
 
 async def test_tenant_may_read_quotas_but_not_write_them_or_their_status(setup: Setup) -> None:
@@ -1199,25 +710,25 @@ async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup
     controller allocates what fits and keeps the rest Pending with the quota's message."""
     ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
     node = f"iso-gpu-{run}"
-    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
+    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
     quotas, tenant_claims = quotas_path(ns), resources.CustomResources(setup.tenant)
     await call(setup.admin, "POST", quotas, body=quota_body("gpus", gpus=4))
-    argv = integration_controller_argv(setup.system, run=run)
+    argv = support.controller_argv(setup.system, run=run)
     try:
-        async with running_controller(str(setup.control_plane.kubeconfig), argv):
-            await tenant_claims.create_claim(ns, integration_claim_body("first", 3, run=run))
-            await wait_phase(setup.admin, ns, "first", "Allocated", within=60)
-            await tenant_claims.create_claim(ns, integration_claim_body("second", 2, run=run))
+        async with support.running_controller(str(setup.control_plane.kubeconfig), argv):
+            await tenant_claims.create_claim(ns, support.claim_body("first", 3, run=run))
+            await support.wait_phase(setup.admin, ns, "first", "Allocated", within=60)
+            await tenant_claims.create_claim(ns, support.claim_body("second", 2, run=run))
 
             async def over_quota() -> dict[str, Any] | None:
-                got = await get_claim(setup.admin, ns, "second")
+                got = await support.get_claim(setup.admin, ns, "second")
                 return (
                     got
-                    if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
+                    if support.condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
                     else None
                 )
 
-            second = await wait_for(
+            second = await support.wait_for(
                 over_quota, within=60, what="the second claim to be held back by the quota"
             )
             assert second["status"]["phase"] == "Pending"
@@ -1238,13 +749,13 @@ async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup
         for name in ("first", "second"):
             await purge_claim(setup.admin, ns, name)
         await call(setup.admin, "DELETE", f"{quotas}/gpus")
-        await delete_gpu_node(setup.admin, node)
+        await support.delete_gpu_node(setup.admin, node)
 
 
 async def eventually_value(
     what: str, probe: Callable[[], Awaitable[dict[str, Any] | None]]
 ) -> dict[str, Any]:
-    return await wait_for(probe, within=60, what=what)
+    return await support.wait_for(probe, within=60, what=what)
 
 
 # ----------------------------------------------------------------------------- every variant compiles

@@ -2,7 +2,7 @@
 
 The release, the tenant (a ServiceAccount bound to ``edit``, with a TokenRequest token) and the
 chart's policies (the quota-priority ValidatingAdmissionPolicy among them) come from
-``test_tenant_isolation``'s fixtures, imported rather than copied. The controller runs with
+the e2e fixtures (``tests/e2e/conftest.py``, ``tests/e2e/tenants.py``). The controller runs with
 ``--preemption-scope Cluster``, so a tenant's claim may preempt lower-priority claims of any
 namespace; the tenant's GpuQuota allows no H100 (``*H100*: 0``).
 
@@ -20,32 +20,8 @@ from typing import Any
 
 from gpualloc.api import constants
 from gpualloc.kube import resources
-from tests.e2e.test_tenant_isolation import (  # noqa: F401 - namespaces, setup, tmp_module: fixtures
-    Setup,
-    call,
-    claims_path,
-    eventually,
-    namespaces,
-    purge_claim,
-    quotas_path,
-    refusal,
-    setup,
-    tmp_module,
-)
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    condition,
-    create_gpu_node,
-    delete_gpu_node,
-    device_leases,
-    get_claim,
-    running_controller,
-    status_uuids,
-    wait_for,
-    wait_phase,
-)
-from tests.integration.controller_support import claim_body as integration_claim_body
-from tests.integration.controller_support import controller_argv as integration_controller_argv
+from tests.e2e import tenants
+from tests.integration import controller_support as support
 
 
 def no_h100(max_priority: int) -> dict[str, Any]:
@@ -58,31 +34,29 @@ def no_h100(max_priority: int) -> dict[str, Any]:
 
 
 async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_namespace(
-    setup: Setup,  # noqa: F811 - the fixture imported above
+    setup: tenants.Setup,
 ) -> None:
     ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
     victims_ns = f"victims-{run}"
     node = f"iso-h100-{run}"
     setup.control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": victims_ns}})
-    await create_gpu_node(setup.admin, node, labels={RUN_LABEL: run})
-    await call(setup.admin, "POST", quotas_path(ns), body=no_h100(max_priority=10))
+    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
+    await tenants.call(setup.admin, "POST", tenants.quotas_path(ns), body=no_h100(max_priority=10))
     tenant_claims = resources.CustomResources(setup.tenant)
     admin_claims = resources.CustomResources(setup.admin)
-    argv = integration_controller_argv(setup.system, "--preemption-scope", "Cluster", run=run)
+    argv = support.controller_argv(setup.system, "--preemption-scope", "Cluster", run=run)
     try:
-        async with running_controller(str(setup.control_plane.kubeconfig), argv):
+        async with support.running_controller(str(setup.control_plane.kubeconfig), argv):
             for name in ("victim-1", "victim-2"):
-                await admin_claims.create_claim(
-                    victims_ns, integration_claim_body(name, 4, run=run, priority=0)
-                )
+                await admin_claims.create_claim(victims_ns, support.claim_body(name, 4, run=run, priority=0))
             before = {
-                n: await wait_phase(setup.admin, victims_ns, n, "Allocated", within=60)
+                n: await support.wait_phase(setup.admin, victims_ns, n, "Allocated", within=60)
                 for n in ("victim-1", "victim-2")
             }
 
             async def leases_of(claim: dict[str, Any]) -> set[str]:
                 selector = f"{constants.LABEL_CLAIM_UID}={claim['metadata']['uid']}"
-                held = await device_leases(setup.admin, setup.system, selector)
+                held = await support.device_leases(setup.admin, setup.system, selector)
                 return {lease["metadata"]["name"] for lease in held}
 
             leases_before = {n: await leases_of(c) for n, c in before.items()}
@@ -90,11 +64,13 @@ async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_na
 
             # The quota-priority policy is in force for this quota: the tenant cannot out-rank by a
             # big number (dry run), and asks the most its quota allows.
-            loud = integration_claim_body("loud", 4, run=run, priority=1000)
-            message = await eventually(
+            loud = support.claim_body("loud", 4, run=run, priority=1000)
+            message = await tenants.eventually(
                 "the quota-priority policy to see the GpuQuota",
-                lambda: refusal(
-                    call(setup.tenant, "POST", claims_path(ns), body=loud, query=[("dryRun", "All")])
+                lambda: tenants.refusal(
+                    tenants.call(
+                        setup.tenant, "POST", tenants.claims_path(ns), body=loud, query=[("dryRun", "All")]
+                    )
                 ),
             )
             assert (
@@ -102,19 +78,21 @@ async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_na
                 in message
             )
 
-            wanted = integration_claim_body("wants-h100", 4, run=run, priority=10)
+            wanted = support.claim_body("wants-h100", 4, run=run, priority=10)
             wanted["spec"]["devices"]["product"] = "*H100*"
             await tenant_claims.create_claim(ns, wanted)
 
             async def held_back() -> dict[str, Any] | None:
-                got = await get_claim(setup.tenant, ns, "wants-h100")
+                got = await support.get_claim(setup.tenant, ns, "wants-h100")
                 return (
                     got
-                    if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
+                    if support.condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
                     else None
                 )
 
-            got = await wait_for(held_back, within=60, what="the tenant's claim to be held back by its quota")
+            got = await support.wait_for(
+                held_back, within=60, what="the tenant's claim to be held back by its quota"
+            )
             assert got["status"]["phase"] == "Pending"
             assert (
                 got["status"]["message"]
@@ -122,22 +100,22 @@ async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_na
             )
             await asyncio.sleep(4)  # several retries (backoff 1 s): still nobody preempted
             for name, claim in before.items():
-                now = await get_claim(setup.admin, victims_ns, name)
+                now = await support.get_claim(setup.admin, victims_ns, name)
                 assert now is not None and now["status"]["phase"] == "Allocated", (
                     now["status"] if now else None
                 )
                 assert not now["status"].get("preemptedBy")
-                assert set(status_uuids(now)) == set(status_uuids(claim))
+                assert set(support.status_uuids(now)) == set(support.status_uuids(claim))
                 assert await leases_of(now) == leases_before[name]
-            still = await get_claim(setup.tenant, ns, "wants-h100")
+            still = await support.get_claim(setup.tenant, ns, "wants-h100")
             assert (
                 still is not None
-                and condition(still, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
+                and support.condition(still, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
             )
     finally:
-        await purge_claim(setup.admin, ns, "wants-h100")
+        await tenants.purge_claim(setup.admin, ns, "wants-h100")
         for name in ("victim-1", "victim-2"):
-            await purge_claim(setup.admin, victims_ns, name)
-        await call(setup.admin, "DELETE", f"{quotas_path(ns)}/no-h100")
-        await delete_gpu_node(setup.admin, node)
-        await call(setup.admin, "DELETE", f"/api/v1/namespaces/{victims_ns}")
+            await tenants.purge_claim(setup.admin, victims_ns, name)
+        await tenants.call(setup.admin, "DELETE", f"{tenants.quotas_path(ns)}/no-h100")
+        await support.delete_gpu_node(setup.admin, node)
+        await tenants.call(setup.admin, "DELETE", f"/api/v1/namespaces/{victims_ns}")
