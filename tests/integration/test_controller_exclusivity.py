@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-import pytest
 
 from gpualloc.api import constants
 from gpualloc.api import leases as lease_format
@@ -28,8 +25,6 @@ from tests.integration.controller_support import (
     claim_body,
     condition,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     device_leases,
     get_claim,
     running_controller,
@@ -39,16 +34,6 @@ from tests.integration.controller_support import (
 )
 
 GPUS = 8  # create_gpu_node's default board
-
-
-@pytest.fixture
-async def node(api: Api) -> AsyncIterator[tuple[str, str]]:
-    """One 8-GPU node labelled with a fresh run id: (node name, run id)."""
-    run = uuid.uuid4().hex[:8]
-    name = f"excl-{run}"
-    await create_gpu_node(api, name, labels={RUN_LABEL: run})
-    yield name, run
-    await delete_gpu_node(api, name)
 
 
 async def create_pod(api: Api, namespace: str, name: str, claim: str) -> None:
@@ -73,9 +58,9 @@ Probe = Callable[[], Awaitable[Any]]
 
 
 async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod_is_gone(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     argv = controller_argv(namespace, "--in-use-poll", "1", run=run)
     async with running_controller(kubeconfig, argv):
@@ -117,9 +102,9 @@ async def _explained(api: Api, namespace: str, name: str) -> dict[str, Any] | No
 
 
 async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
         created = await crs.create_claim(namespace, claim_body("owner", GPUS, run=run))
@@ -166,9 +151,9 @@ async def _force_finalizer_off(api: Api, namespace: str, name: str) -> None:
 
 
 async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
         await crs.create_claim(namespace, claim_body("owner", 2, run=run))

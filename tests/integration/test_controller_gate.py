@@ -85,11 +85,9 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
 
 
 async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_warning_saying_why(
-    api: Api, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    _, run = gpu_node
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
     pinned = gated_pod("pinned-elsewhere", "one")
     pinned["spec"]["affinity"] = reviews.name_affinity("In", "some-other-node")
@@ -100,35 +98,30 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
         "replica-typo": "annotation gpu.scheduling/replica must be a non-negative integer",
         "for-failed": "claim doomed is Failed",
     }
-    try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-            for body in (pinned, typo, gated_pod("for-failed", "doomed")):
-                await transport.request(api, "POST", pods_path, body=body)
-            crs = resources.CustomResources(api)
-            await crs.create_claim(namespace, claim_body("one", 1, run=run))
-            # 9 GPUs never fit on an 8-GPU node: Failed after one retry.
-            await crs.create_claim(namespace, claim_body("doomed", 9, run=run, max_retries=1))
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        for body in (pinned, typo, gated_pod("for-failed", "doomed")):
+            await transport.request(api, "POST", pods_path, body=body)
+        crs = resources.CustomResources(api)
+        await crs.create_claim(namespace, claim_body("one", 1, run=run))
+        # 9 GPUs never fit on an 8-GPU node: Failed after one retry.
+        await crs.create_claim(namespace, claim_body("doomed", 9, run=run, max_retries=1))
 
-            async def warnings() -> dict[str, str] | None:
-                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
-                found = {
-                    e["involvedObject"]["name"]: e["message"]
-                    for e in listing["items"]
-                    if e["reason"] == "StillGated" and e["type"] == "Warning"
-                }
-                return found if set(found) == set(expected) else None
+        async def warnings() -> dict[str, str] | None:
+            listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+            found = {
+                e["involvedObject"]["name"]: e["message"]
+                for e in listing["items"]
+                if e["reason"] == "StillGated" and e["type"] == "Warning"
+            }
+            return found if set(found) == set(expected) else None
 
-            found = await wait_for(
-                warnings, within=120, what="a StillGated warning on each of the three pods"
-            )
-            for name, words in expected.items():
-                assert words in found[name], (name, found[name])
-                stored = await transport.request(api, "GET", f"{pods_path}/{name}")
-                gates = {g["name"] for g in stored["spec"]["schedulingGates"]}
-                assert constants.SCHEDULING_GATE in gates, f"{name} was un-gated"
-                assert constants.ANNOTATION_DEVICES not in (stored["metadata"].get("annotations") or {})
-    finally:
-        await delete_gpu_node(api, node)
+        found = await wait_for(warnings, within=120, what="a StillGated warning on each of the three pods")
+        for name, words in expected.items():
+            assert words in found[name], (name, found[name])
+            stored = await transport.request(api, "GET", f"{pods_path}/{name}")
+            gates = {g["name"] for g in stored["spec"]["schedulingGates"]}
+            assert constants.SCHEDULING_GATE in gates, f"{name} was un-gated"
+            assert constants.ANNOTATION_DEVICES not in (stored["metadata"].get("annotations") or {})
 
 
 def admitted_pod(name: str, claim: str, node: str, uuids: str) -> dict[str, Any]:
@@ -145,14 +138,12 @@ def admitted_pod(name: str, claim: str, node: str, uuids: str) -> dict[str, Any]
 
 
 async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stays_gated(
-    api: Api, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
     """The webhook's watch may still show a deleted claim Allocated when a claim of the same name
     has been created again and holds other GPUs: a pod admitted from that view carries the old
     GPUs in its env. The controller lifts the gate only for the devices the claim holds now."""
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    node, run = gpu_node
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
     crs = resources.CustomResources(api)
 
@@ -165,44 +156,41 @@ async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stay
 
         return await wait_for(uuids, within=30, what=f"claim {name} Allocated")
 
-    try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-            await crs.create_claim(namespace, claim_body("train", 2, run=run))
-            old = await allocated("train")
-            await crs.delete_claim(namespace, "train")
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, claim_body("train", 2, run=run))
+        old = await allocated("train")
+        await crs.delete_claim(namespace, "train")
 
-            async def gone() -> bool | None:
-                claims = (await crs.list_claims(namespace))["items"]
-                return True if all(c["metadata"]["name"] != "train" for c in claims) else None
+        async def gone() -> bool | None:
+            claims = (await crs.list_claims(namespace))["items"]
+            return True if all(c["metadata"]["name"] != "train" for c in claims) else None
 
-            await wait_for(gone, within=30, what="claim train gone")
-            # Another claim takes the old GPUs (binpack: the first free ones), so the new "train"
-            # gets others.
-            await crs.create_claim(namespace, claim_body("filler", 2, run=run))
-            assert await allocated("filler") == old
-            await crs.create_claim(namespace, claim_body("train", 2, run=run))
-            new = await allocated("train")
-            assert new != old
-            await transport.request(api, "POST", pods_path, body=admitted_pod("stale", "train", node, old))
-            await transport.request(api, "POST", pods_path, body=admitted_pod("fresh", "train", node, new))
+        await wait_for(gone, within=30, what="claim train gone")
+        # Another claim takes the old GPUs (binpack: the first free ones), so the new "train"
+        # gets others.
+        await crs.create_claim(namespace, claim_body("filler", 2, run=run))
+        assert await allocated("filler") == old
+        await crs.create_claim(namespace, claim_body("train", 2, run=run))
+        new = await allocated("train")
+        assert new != old
+        await transport.request(api, "POST", pods_path, body=admitted_pod("stale", "train", node, old))
+        await transport.request(api, "POST", pods_path, body=admitted_pod("fresh", "train", node, new))
 
-            async def fresh_ungated() -> bool | None:
-                pod = await transport.request(api, "GET", f"{pods_path}/fresh")
-                return True if not pod["spec"].get("schedulingGates") else None
+        async def fresh_ungated() -> bool | None:
+            pod = await transport.request(api, "GET", f"{pods_path}/fresh")
+            return True if not pod["spec"].get("schedulingGates") else None
 
-            await wait_for(fresh_ungated, within=30, what="pod fresh un-gated")
+        await wait_for(fresh_ungated, within=30, what="pod fresh un-gated")
 
-            async def warning() -> str | None:
-                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
-                for event in listing["items"]:
-                    if event["reason"] == "StillGated" and event["involvedObject"]["name"] == "stale":
-                        return str(event["message"])
-                return None
+        async def warning() -> str | None:
+            listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+            for event in listing["items"]:
+                if event["reason"] == "StillGated" and event["involvedObject"]["name"] == "stale":
+                    return str(event["message"])
+            return None
 
-            message = await wait_for(warning, within=30, what="a StillGated warning on pod stale")
-            assert "out-of-date view of claim train" in message and old in message and new in message
-            stale = await transport.request(api, "GET", f"{pods_path}/stale")
-            assert stale["spec"]["schedulingGates"] == [{"name": constants.SCHEDULING_GATE}]
-            assert stale["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == old
-    finally:
-        await delete_gpu_node(api, node)
+        message = await wait_for(warning, within=30, what="a StillGated warning on pod stale")
+        assert "out-of-date view of claim train" in message and old in message and new in message
+        stale = await transport.request(api, "GET", f"{pods_path}/stale")
+        assert stale["spec"]["schedulingGates"] == [{"name": constants.SCHEDULING_GATE}]
+        assert stale["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == old

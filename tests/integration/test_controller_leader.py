@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,8 @@ from controller import leader
 from gpualloc.kube import errors, leases, resources
 from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
-    RUN_LABEL,
     claim_body,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     running_controller,
     wait_for,
 )
@@ -78,72 +74,67 @@ async def audited_writers(audit_log: Path, namespace: str, name: str) -> list[st
 
 
 async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_lease_duration(
-    api: Api, kubeconfig: str, namespace: str, control_plane: Any
+    api: Api, kubeconfig: str, namespace: str, control_plane: Any, gpu_node: tuple[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    _, run = gpu_node
     crs = resources.CustomResources(api)
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            tasks = {}
-            for identity in ("ctl-a", "ctl-b"):
-                tasks[identity] = await stack.enter_async_context(
-                    running_controller(kubeconfig, election_argv(namespace, identity, run))
-                )
-
-            async def holder() -> str:
-                try:
-                    lease = await leases.get_lease(api, namespace, ELECTION_ID)
-                except errors.NotFound:
-                    return ""
-                return str(lease["spec"].get("holderIdentity") or "")
-
-            leader = await wait_for(holder, within=20, what="a leader")
-            standby = "ctl-b" if leader == "ctl-a" else "ctl-a"
-
-            await crs.create_claim(namespace, claim_body("first", 2, run=run))
-
-            async def allocated(name: str) -> bool:
-                claim = await crs.get_claim(namespace, name)
-                return (claim.get("status") or {}).get("phase") == "Allocated"
-
-            await wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
-            # The API server logs a write's audit event after answering it: wait for the line.
-            writers = await audited_writers(control_plane.audit_log, namespace, "first")
-            assert all(agent.endswith(f"/{leader}") for agent in writers), writers
-
-            # Kill the leader: its Lease is not released, the standby must wait for it to expire.
-            killed_at = time.monotonic()
-            tasks[leader].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await tasks[leader]
-
-            async def standby_leads() -> bool:
-                return await holder() == standby
-
-            await wait_for(
-                standby_leads, within=LEASE_DURATION * 3, interval=0.1, what="the standby to take over"
+    async with contextlib.AsyncExitStack() as stack:
+        tasks = {}
+        for identity in ("ctl-a", "ctl-b"):
+            tasks[identity] = await stack.enter_async_context(
+                running_controller(kubeconfig, election_argv(namespace, identity, run))
             )
-            took = time.monotonic() - killed_at
-            print(f"\nstandby took over {took:.1f} s after the leader died (lease {LEASE_DURATION} s)")
-            # The standby sees the lease expire up to a retry period late and needs one more to take
-            # it; 2 s more for API round trips on a loaded 2-core machine (measured 4.2-4.4 s there).
-            assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 2.0, f"took over after {took:.1f} s"
 
-            await crs.create_claim(namespace, claim_body("second", 2, run=run))
-            await wait_for(
-                lambda: allocated("second"), within=30, what="second claim allocated by the new leader"
-            )
-            later = await audited_writers(control_plane.audit_log, namespace, "second")
-            assert all(agent.endswith(f"/{standby}") for agent in later), later
-            first = await crs.get_claim(namespace, "first")
-            second = await crs.get_claim(namespace, "second")
-            assert not {d["uuid"] for a in first["status"]["allocations"] for d in a["devices"]} & {
-                d["uuid"] for a in second["status"]["allocations"] for d in a["devices"]
-            }
-    finally:
-        await delete_gpu_node(api, node)
+        async def holder() -> str:
+            try:
+                lease = await leases.get_lease(api, namespace, ELECTION_ID)
+            except errors.NotFound:
+                return ""
+            return str(lease["spec"].get("holderIdentity") or "")
+
+        leader = await wait_for(holder, within=20, what="a leader")
+        standby = "ctl-b" if leader == "ctl-a" else "ctl-a"
+
+        await crs.create_claim(namespace, claim_body("first", 2, run=run))
+
+        async def allocated(name: str) -> bool:
+            claim = await crs.get_claim(namespace, name)
+            return (claim.get("status") or {}).get("phase") == "Allocated"
+
+        await wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
+        # The API server logs a write's audit event after answering it: wait for the line.
+        writers = await audited_writers(control_plane.audit_log, namespace, "first")
+        assert all(agent.endswith(f"/{leader}") for agent in writers), writers
+
+        # Kill the leader: its Lease is not released, the standby must wait for it to expire.
+        killed_at = time.monotonic()
+        tasks[leader].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tasks[leader]
+
+        async def standby_leads() -> bool:
+            return await holder() == standby
+
+        await wait_for(
+            standby_leads, within=LEASE_DURATION * 3, interval=0.1, what="the standby to take over"
+        )
+        took = time.monotonic() - killed_at
+        print(f"\nstandby took over {took:.1f} s after the leader died (lease {LEASE_DURATION} s)")
+        # The standby sees the lease expire up to a retry period late and needs one more to take
+        # it; 2 s more for API round trips on a loaded 2-core machine (measured 4.2-4.4 s there).
+        assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 2.0, f"took over after {took:.1f} s"
+
+        await crs.create_claim(namespace, claim_body("second", 2, run=run))
+        await wait_for(
+            lambda: allocated("second"), within=30, what="second claim allocated by the new leader"
+        )
+        later = await audited_writers(control_plane.audit_log, namespace, "second")
+        assert all(agent.endswith(f"/{standby}") for agent in later), later
+        first = await crs.get_claim(namespace, "first")
+        second = await crs.get_claim(namespace, "second")
+        assert not {d["uuid"] for a in first["status"]["allocations"] for d in a["devices"]} & {
+            d["uuid"] for a in second["status"]["allocations"] for d in a["devices"]
+        }
 
 
 async def test_a_candidate_whose_acquire_answer_was_lost_leads_only_once_it_reads_itself_the_holder(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,8 +17,6 @@ from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
-    create_gpu_node,
-    delete_gpu_node,
     device_leases,
     status_uuids,
     wait_for,
@@ -53,55 +50,48 @@ def sample(ctl: running.Controller, name: str, labels: dict[str, str] | None = N
 
 
 async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_live_claims(
-    api: Api, namespace: str
+    api: Api, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    node, run = gpu_node
     crs = resources.CustomResources(api)
-    try:
-        live = await crs.create_claim(namespace, claim_body("live", 1, run=run))
-        labels = {
-            constants.LABEL_NODE: node,
-            constants.LABEL_CLAIM_NAMESPACE: namespace,
-            constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
-        }
-        # A Lease left by a claim that no longer exists (a crash between its deletion and the release).
-        await leases.create_lease(
-            api,
-            namespace,
-            "gpu-orphan",
-            holder="uid-of-a-deleted-claim",
-            labels={
-                **labels,
-                constants.LABEL_CLAIM_NAME: "deleted",
-                constants.LABEL_CLAIM_UID: "uid-of-a-deleted-claim",
-            },
-        )
-        async with controller_in_process(api, namespace, run) as ctl:
-            got = await wait_phase(api, namespace, "live", constants.PHASE_ALLOCATED, within=30)
+    live = await crs.create_claim(namespace, claim_body("live", 1, run=run))
+    labels = {
+        constants.LABEL_NODE: node,
+        constants.LABEL_CLAIM_NAMESPACE: namespace,
+        constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
+    }
+    # A Lease left by a claim that no longer exists (a crash between its deletion and the release).
+    await leases.create_lease(
+        api,
+        namespace,
+        "gpu-orphan",
+        holder="uid-of-a-deleted-claim",
+        labels={
+            **labels,
+            constants.LABEL_CLAIM_NAME: "deleted",
+            constants.LABEL_CLAIM_UID: "uid-of-a-deleted-claim",
+        },
+    )
+    async with controller_in_process(api, namespace, run) as ctl:
+        got = await wait_phase(api, namespace, "live", constants.PHASE_ALLOCATED, within=30)
 
-            async def orphan_gone() -> bool:
-                names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
-                return "gpu-orphan" not in names
+        async def orphan_gone() -> bool:
+            names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
+            return "gpu-orphan" not in names
 
-            await wait_for(orphan_gone, within=15, what="the orphaned lease to be swept")
-            held = await device_leases(api, namespace)
-            assert [lease["spec"]["holderIdentity"] for lease in held] == [live["metadata"]["uid"]]
-            assert [lease["metadata"]["name"] for lease in held] == [
-                constants.lease_name(u) for u in status_uuids(got)
-            ]
-            assert ctl.sweeps >= 1
-    finally:
-        await delete_gpu_node(api, node)
+        await wait_for(orphan_gone, within=15, what="the orphaned lease to be swept")
+        held = await device_leases(api, namespace)
+        assert [lease["spec"]["holderIdentity"] for lease in held] == [live["metadata"]["uid"]]
+        assert [lease["metadata"]["name"] for lease in held] == [
+            constants.lease_name(u) for u in status_uuids(got)
+        ]
+        assert ctl.sweeps >= 1
 
 
 async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_reallocating_and_metrics_follow(
-    api: Api, namespace: str
+    api: Api, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
+    node, run = gpu_node
     crs = resources.CustomResources(api)
     try:
         async with controller_in_process(api, namespace, run) as ctl:
@@ -184,7 +174,6 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
     finally:
         with contextlib.suppress(errors.NotFound):
             await crs.delete_claim(namespace, "job")
-        await delete_gpu_node(api, node)
 
 
 def _async(check: Any) -> Any:

@@ -9,7 +9,6 @@ gate and the label. What the kubelet would read is then the claim's devices.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -18,11 +17,8 @@ from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
 from tests.integration.controller_support import (
-    RUN_LABEL,
     claim_body,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     running_controller,
     wait_for,
 )
@@ -39,40 +35,34 @@ def webhook_options() -> admission.Options:
 
 @pytest.mark.usefixtures("webhook")
 async def test_pod_created_before_its_claim_is_gated_then_ungated_with_the_claims_devices(
-    api: Api, kubeconfig: str, namespace: str
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    node = f"gpu-{run}-a"
-    await create_gpu_node(api, node, labels={RUN_LABEL: run})
-    try:
-        stored = await create_pod(api, namespace, pod("trainer", "train"))
-        assert constants.SCHEDULING_GATE in {g["name"] for g in stored["spec"]["schedulingGates"]}
-        assert stored["metadata"]["labels"][constants.LABEL_GATED] == "true"
-        for container in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]:
-            refs = {
-                e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-                for e in container["env"]
-            }
-            for name in DEVICE_ENV:
-                assert refs[name] == f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
+    node, run = gpu_node
+    stored = await create_pod(api, namespace, pod("trainer", "train"))
+    assert constants.SCHEDULING_GATE in {g["name"] for g in stored["spec"]["schedulingGates"]}
+    assert stored["metadata"]["labels"][constants.LABEL_GATED] == "true"
+    for container in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]:
+        refs = {
+            e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]
+        }
+        for name in DEVICE_ENV:
+            assert refs[name] == f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-            await resources.CustomResources(api).create_claim(namespace, claim_body("train", 4, run=run))
-            path = f"/api/v1/namespaces/{namespace}/pods/trainer"
+    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        await resources.CustomResources(api).create_claim(namespace, claim_body("train", 4, run=run))
+        path = f"/api/v1/namespaces/{namespace}/pods/trainer"
 
-            async def ungated() -> dict[str, Any] | None:
-                current: dict[str, Any] = await transport.request(api, "GET", path)
-                gates = {g["name"] for g in current["spec"].get("schedulingGates") or []}
-                return None if constants.SCHEDULING_GATE in gates else current
+        async def ungated() -> dict[str, Any] | None:
+            current: dict[str, Any] = await transport.request(api, "GET", path)
+            gates = {g["name"] for g in current["spec"].get("schedulingGates") or []}
+            return None if constants.SCHEDULING_GATE in gates else current
 
-            released = await wait_for(ungated, within=30, what="the pod to be ungated")
-            claim = await resources.CustomResources(api).get_claim(namespace, "train")
+        released = await wait_for(ungated, within=30, what="the pod to be ungated")
+        claim = await resources.CustomResources(api).get_claim(namespace, "train")
 
-        (allocation,) = claim["status"]["allocations"]
-        uuids = ",".join(d["uuid"] for d in allocation["devices"])
-        assert allocation["nodeName"] == node
-        assert released["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids
-        assert released["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: node}
-        assert constants.LABEL_GATED not in (released["metadata"].get("labels") or {})
-    finally:
-        await delete_gpu_node(api, node)
+    (allocation,) = claim["status"]["allocations"]
+    uuids = ",".join(d["uuid"] for d in allocation["devices"])
+    assert allocation["nodeName"] == node
+    assert released["metadata"]["annotations"][constants.ANNOTATION_DEVICES] == uuids
+    assert released["spec"]["nodeSelector"] == {constants.HOSTNAME_LABEL: node}
+    assert constants.LABEL_GATED not in (released["metadata"].get("labels") or {})
