@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from gpualloc.api import constants, models
+from gpualloc.api import constants, models, quantities
 
 T = TypeVar("T")
 
@@ -141,7 +141,7 @@ def _model_decoder_cached(cls: type) -> Decoder:
         (
             key,
             field.name,
-            _decoder(tp),
+            _FIELD_CODECS[field.metadata["codec"]][0] if "codec" in field.metadata else _decoder(tp),
             field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING,
         )
         for key, field, tp in model_fields(cls)
@@ -165,6 +165,36 @@ def _model_decoder_cached(cls: type) -> Decoder:
         return cls(**kwargs)
 
     return model
+
+
+def _resource_list(raw: Any) -> dict[str, int]:
+    """A map of resource name to quantity, in each resource's unit (``models.resource_list``)."""
+    if not isinstance(raw, dict):
+        raise _Bad(f"expected an object, got {type(raw).__name__}")
+    out, name = {}, ""
+    try:
+        for name, value in raw.items():
+            try:
+                units = quantities.parse_units(str(name), value)
+            except quantities.QuantityError as bad:
+                raise _Bad(str(bad)) from None
+            if units < 0:
+                raise _Bad(f"must not be negative, got {value!r}")
+            out[str(name)] = units
+    except _Bad as bad:
+        bad.where.insert(0, f".{name}")
+        raise
+    return out
+
+
+def _resource_list_json(value: Mapping[str, int]) -> dict[str, Any]:
+    return {name: quantities.unit_quantity(name, units) for name, units in value.items()}
+
+
+# Fields whose JSON is not their Python value (``models.resource_list``): (decoder, encoder).
+_FIELD_CODECS: dict[str, tuple[Decoder, Callable[[Any], Any]]] = {
+    "resource_list": (_resource_list, _resource_list_json),
+}
 
 
 def decode(cls: type[T], raw: Any, path: str = "") -> T:
@@ -195,7 +225,8 @@ def encode(obj: Any) -> dict[str, Any]:
         value = getattr(obj, field.name)
         if value is None:
             continue
-        out[key] = _encode_value(value)
+        codec = field.metadata.get("codec")
+        out[key] = _FIELD_CODECS[codec][1](value) if codec else _encode_value(value)
     return out
 
 

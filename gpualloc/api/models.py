@@ -20,6 +20,13 @@ def json_name(name: str) -> dict[str, Any]:
     return {"json": name}
 
 
+def resource_list() -> dict[str, Any]:
+    """Field metadata of a map of resource name to Kubernetes quantity (``cpu: 500m``), read as
+    integers in the unit kube-scheduler counts each resource in (``quantities.parse_units``:
+    millicores, bytes, a count) and written back as quantities (``codecs``)."""
+    return {"codec": "resource_list"}
+
+
 # ---------------------------------------------------------------- GpuClaim spec
 
 
@@ -118,6 +125,11 @@ class GpuClaimSpec:
     preemption_policy: str = constants.PREEMPT_LOWER_PRIORITY
     gang_ref: str = ""  # accepted for ziwon/gpu-scheduler's claims, and ignored
     node_loss_grace_period_seconds: int = constants.NODE_LOSS_GRACE_S
+    # What each replica's pods request (summed over the replica's pods), by resource: cpu in
+    # millicores, memory, ephemeral-storage and hugepages-<size> in bytes, pods as a count.
+    pod_resources: Mapping[str, int] = dataclasses.field(default_factory=dict, metadata=resource_list())
+    # How long a claim pod may stay Unschedulable on the claim's node before the claim moves.
+    unschedulable_grace_period_seconds: int = 60
 
 
 # -------------------------------------------------------------- GpuClaim status

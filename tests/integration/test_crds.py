@@ -188,6 +188,8 @@ async def test_minimal_claim_is_accepted_with_every_default_applied(
     assert spec["replicas"] == 1
     assert spec["priority"] == 0
     assert spec["retryPolicy"] == {"maxRetries": 0, "backoffSeconds": 5}
+    assert spec["unschedulableGracePeriodSeconds"] == 60
+    assert "podResources" not in spec
     parsed = codecs.parse_claim(created)
     assert parsed.spec.devices.count == 2
     assert parsed.spec.topology.mode == "Preferred"
@@ -230,6 +232,14 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
         "nodeLossGracePeriodSeconds": 60,
         "preemptionPolicy": "Never",
         "gangRef": "podgroup-a",
+        "podResources": {
+            "cpu": "1500m",
+            "memory": "16Gi",
+            "ephemeral-storage": "1e10",
+            "pods": 2,
+            "hugepages-2Mi": "1Gi",
+        },
+        "unschedulableGracePeriodSeconds": 120,
         "tolerations": [
             {
                 "key": "team",
@@ -257,6 +267,14 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
         parsed.spec.tolerations[0].toleration_seconds == 30
         and parsed.spec.tolerations[1].operator == "Exists"
     )
+    assert parsed.spec.pod_resources == {
+        "cpu": 1500,
+        "memory": 16 * 2**30,
+        "ephemeral-storage": 10**10,
+        "pods": 2,
+        "hugepages-2Mi": 2**30,
+    }
+    assert parsed.spec.unschedulable_grace_period_seconds == 120
 
 
 # ----------------------------------------------------------- invalid claims
@@ -328,6 +346,41 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "toleration-without-key-or-exists",
         {"devices": {"count": 1}, "tolerations": [{"value": "b"}]},
         "an empty key needs operator Exists",
+    ),
+    (
+        "pod-resources-unknown-key",
+        {"devices": {"count": 1}, "podResources": {"cpu": "1", "nvidia.com/gpu": "1"}},
+        "podResources takes only cpu, memory, ephemeral-storage, pods and hugepages-<size>",
+    ),
+    (
+        "pod-resources-bad-hugepages-key",
+        {"devices": {"count": 1}, "podResources": {"hugepages-": "1Gi"}},
+        "podResources takes only cpu, memory, ephemeral-storage, pods and hugepages-<size>",
+    ),
+    (
+        "pod-resources-malformed-quantity",
+        {"devices": {"count": 1}, "podResources": {"cpu": "two cores"}},
+        'spec.podResources[cpu]: Invalid value: "two cores": must be a non-negative Kubernetes quantity',
+    ),
+    (
+        "pod-resources-fractional-exponent",
+        {"devices": {"count": 1}, "podResources": {"memory": "1e1.5"}},
+        'spec.podResources[memory]: Invalid value: "1e1.5": must be a non-negative Kubernetes quantity',
+    ),
+    (
+        "pod-resources-negative",
+        {"devices": {"count": 1}, "podResources": {"memory": -5}},
+        "spec.podResources[memory]: Invalid value: -5: must be a non-negative Kubernetes quantity",
+    ),
+    (
+        "pod-resources-fraction-number",
+        {"devices": {"count": 1}, "podResources": {"cpu": 1.5}},
+        "spec.podResources.cpu",
+    ),
+    (
+        "unschedulable-grace-period-too-long",
+        {"devices": {"count": 1}, "unschedulableGracePeriodSeconds": 86401},
+        "spec.unschedulableGracePeriodSeconds",
     ),
     (
         "unknown-same-node-label-mode",

@@ -83,3 +83,43 @@ def test_a_quotas_claim_bound_and_allowed_tolerations_round_trip() -> None:
     assert codecs.decode(models.GpuQuotaSpec, codecs.encode(quota.spec)) == quota.spec
     bare = codecs.parse_quota({"metadata": {"name": "q"}, "spec": {"gpus": 1}})
     assert (bare.spec.max_claims, bare.spec.allowed_tolerations) == (None, ())
+
+
+def test_a_claims_pod_resources_are_read_in_millicores_bytes_and_a_count_and_written_back() -> None:
+    raw = {
+        "metadata": {"name": "c"},
+        "spec": {
+            "devices": {"count": 1},
+            "podResources": {"cpu": "1500m", "memory": "16Gi", "pods": 2, "hugepages-2Mi": "1000Ki"},
+            "unschedulableGracePeriodSeconds": 120,
+        },
+    }
+    spec = codecs.parse_claim(raw).spec
+    assert spec.pod_resources == {"cpu": 1500, "memory": 16 * 2**30, "pods": 2, "hugepages-2Mi": 1_024_000}
+    assert spec.unschedulable_grace_period_seconds == 120
+    written = codecs.encode(spec)["podResources"]
+    assert written == {"cpu": "1500m", "memory": 16 * 2**30, "pods": 2, "hugepages-2Mi": 1_024_000}
+    assert codecs.decode(models.GpuClaimSpec, codecs.encode(spec)) == spec
+
+
+def test_a_claim_without_pod_resources_asks_none_and_waits_60_s_on_an_unschedulable_pod() -> None:
+    spec = codecs.parse_claim({"metadata": {"name": "c"}, "spec": {"devices": {"count": 1}}}).spec
+    assert (spec.pod_resources, spec.unschedulable_grace_period_seconds) == ({}, 60)
+    assert "podResources" not in codecs.claim_body("c", spec)["spec"]
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"cpu": "lots"}, "spec.podResources.cpu: not a quantity: 'lots'"),
+        ({"memory": "1e1.5"}, "spec.podResources.memory: not a quantity: '1e1.5'"),
+        ({"cpu": 1.5}, "spec.podResources.cpu: not a quantity: 1.5"),
+        ({"pods": -1}, "spec.podResources.pods: must not be negative, got -1"),
+        (["cpu"], "spec.podResources: expected an object, got list"),
+    ],
+)
+def test_a_pod_resource_that_is_not_a_non_negative_quantity_is_named(resources: object, message: str) -> None:
+    raw = {"metadata": {"name": "c"}, "spec": {"devices": {"count": 1}, "podResources": resources}}
+    with pytest.raises(codecs.DecodeError) as info:
+        codecs.parse_claim(raw)
+    assert str(info.value) == message
