@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from controller import allocator
-from gpualloc.api import constants, models, taints, timestamps
+from gpualloc.api import constants, models, requests, taints, timestamps
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,20 +24,36 @@ class NodeFacts:
     labels: Mapping[str, str]
     unschedulable: bool
     taints: tuple[models.Taint, ...] = ()
+    # status.allocatable of the resources gpualloc counts (``requests.counted``), in each
+    # resource's unit (millicores, bytes, a count); empty when the Node reports none. Not
+    # screened on yet (issue 41).
+    allocatable: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def kept_of_node(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a core/v1 Node the controller caches: what ``node_facts`` reads. A kubelet's
     Node carries much more (its status lists every image on the node, its conditions, addresses
-    and capacity), which at thousands of nodes is most of the controller's memory."""
+    and capacity), which at thousands of nodes is most of the controller's memory; of the status
+    only the ``allocatable`` of the resources gpualloc counts is kept."""
     metadata = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
-    return {
+    kept = {
         "apiVersion": raw.get("apiVersion", "v1"),
         "kind": raw.get("kind", "Node"),
         "metadata": {k: metadata[k] for k in ("name", "uid", "resourceVersion", "labels") if k in metadata},
         "spec": {k: spec[k] for k in ("unschedulable", "taints") if k in spec},
     }
+    allocatable = _counted_allocatable(raw)
+    if allocatable:
+        kept["status"] = {"allocatable": allocatable}
+    return kept
+
+
+def _counted_allocatable(raw: Mapping[str, Any]) -> dict[str, Any]:
+    allocatable = (raw.get("status") or {}).get("allocatable")
+    if not isinstance(allocatable, Mapping):
+        return {}
+    return {str(k): v for k, v in allocatable.items() if requests.counted(str(k))}
 
 
 def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
@@ -48,6 +64,7 @@ def node_facts(raw: Mapping[str, Any]) -> NodeFacts:
         labels={str(k): str(v) for k, v in (metadata.get("labels") or {}).items()},
         unschedulable=bool(spec.get("unschedulable", False)),
         taints=taints.node_taints(raw),
+        allocatable=requests.parse_resource_list(_counted_allocatable(raw)),
     )
 
 
