@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -261,6 +263,42 @@ async def refusal(attempt: Awaitable[Any]) -> str:
             return exc.message
         raise
     return ""
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+class Program:
+    """``gpualloc <args>`` as a child process, its output in a log file; stopped with SIGTERM."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GPUALLOC_", "KUBECONFIG", "POD_", "NODE_"))
+        }
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gpualloc.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def alive(self) -> None:
+        assert self.process.poll() is None, f"{self.name} exited {self.process.returncode}:\n{self.tail()}"
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
 
 
 # ----------------------------------------------------------------------------- the webhook

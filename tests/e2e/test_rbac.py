@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import re
-import signal
 import ssl
 import subprocess
 import sys
@@ -499,41 +497,8 @@ async def test_certs_token_writes_only_its_secret_and_its_webhook_configuration(
 # ----------------------------------------------------------------------------- the programs
 
 
-class Program:
-    """``gpualloc <args>`` as a child process, its output in a log file; stopped with SIGTERM."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("GPUALLOC_", "KUBECONFIG", "POD_", "NODE_"))
-        }
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gpualloc.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
-            )
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    def alive(self) -> None:
-        assert self.process.poll() is None, f"{self.name} exited {self.process.returncode}:\n{self.tail()}"
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 async def _eventually(
-    what: str, check: Callable[[], Awaitable[Any]], programs: list[Program], within: float = 60.0
+    what: str, check: Callable[[], Awaitable[Any]], programs: list[tenants.Program], within: float = 60.0
 ) -> Any:
     deadline = time.monotonic() + within
     while True:
@@ -569,7 +534,7 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
     (mwc,) = [o for o in _render(installed.release, ns, "--set", "certManager.enabled=false")
               if o["kind"] == "MutatingWebhookConfiguration"]  # fmt: skip
     control_plane.request("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", mwc)
-    programs: list[Program] = []
+    programs: list[tenants.Program] = []
     try:
         # certs: the same arguments the hook Job gets.
         certs = await asyncio.create_subprocess_exec(
@@ -587,16 +552,16 @@ async def test_components_run_and_sync_with_only_their_own_tokens(
             (tmp_path / name).write_bytes(files[name])
 
         agent_port, controller_port, webhook_port = cluster.free_ports(3)
-        programs.append(Program("agent", [
+        programs.append(tenants.Program("agent", [
             "agent", f"--kubeconfig={kc['agent']}", f"--node-name={node}", "--source=simulated",
             "--profile=h100-sxm-8", f"--lease-namespace={ns}", "--heartbeat-interval=5",
             f"--health-port={agent_port}", "--metrics-port=0", "--log-format=text",
         ], tmp_path))  # fmt: skip
-        programs.append(Program("controller", [
+        programs.append(tenants.Program("controller", [
             "controller", f"--kubeconfig={kc['controller']}", f"--namespace={ns}", "--leader-elect=true",
             f"--health-port={controller_port}", "--metrics-port=0", "--log-format=text",
         ], tmp_path))  # fmt: skip
-        programs.append(Program("webhook", [
+        programs.append(tenants.Program("webhook", [
             "webhook", f"--kubeconfig={kc['webhook']}", f"--tls-cert-file={tmp_path / 'tls.crt'}",
             f"--tls-key-file={tmp_path / 'tls.key'}", f"--port={webhook_port}", "--pending=deny",
             "--metrics-port=0", "--health-port=0", "--log-format=text",

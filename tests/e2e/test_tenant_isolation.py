@@ -29,10 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import os
 import re
-import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -58,6 +55,7 @@ from tests.e2e.tenants import (
     NV,
     STRATEGIC,
     VOID,
+    Program,
     Setup,
     call,
     claim_body,
@@ -325,35 +323,6 @@ async def test_device_plugin_pod_may_not_override_the_plugins_choice(setup: Setu
 # ----------------------------------------------------------------------------- node identity
 
 
-class Agent:
-    """``gpualloc agent`` as a child process (simulated GPUs), its output in a log file."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("GPUALLOC_", "KUBECONFIG", "POD_", "NODE_"))
-        }
-        with log.open("w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gpualloc.cli", "agent", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 def heartbeat_lease(node: str, namespace: str) -> dict[str, Any]:
     return leases.heartbeat_lease(namespace, node=node, now=datetime.datetime.now(datetime.UTC))
 
@@ -446,13 +415,14 @@ async def test_agent_token_writes_only_its_own_nodes_status_and_heartbeat_lease(
 
         # The agent program, unchanged, with the token of its pod: publishes its node.
         await call(setup.admin, "DELETE", f"{NODE_STATUSES}/{mine}")
-        agent = Agent(
+        agent = Program(
+            "agent",
             [
-                f"--kubeconfig={kubeconfigs[mine]}", f"--node-name={mine}", "--source=simulated",
+                "agent", f"--kubeconfig={kubeconfigs[mine]}", f"--node-name={mine}", "--source=simulated",
                 "--profile=h100-sxm-8", f"--lease-namespace={setup.system}", "--heartbeat-interval=5",
                 "--health-port=0", "--metrics-port=0", "--log-format=text",
             ],
-            setup.kubeconfigs / "agent.log",
+            setup.kubeconfigs,
         )  # fmt: skip
         try:
 
@@ -720,16 +690,8 @@ async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup
             await support.wait_phase(setup.admin, ns, "first", "Allocated", within=60)
             await tenant_claims.create_claim(ns, support.claim_body("second", 2, run=run))
 
-            async def over_quota() -> dict[str, Any] | None:
-                got = await support.get_claim(setup.admin, ns, "second")
-                return (
-                    got
-                    if support.condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
-                    else None
-                )
-
-            second = await support.wait_for(
-                over_quota, within=60, what="the second claim to be held back by the quota"
+            second = await support.wait_allocated_reason(
+                setup.admin, ns, "second", "QuotaExceeded", within=60
             )
             assert second["status"]["phase"] == "Pending"
             assert second["status"]["message"] == f"namespace {ns} would use 5 of 4 GPUs (quota {ns}/gpus)"

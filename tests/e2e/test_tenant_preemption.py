@@ -82,16 +82,8 @@ async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_na
             wanted["spec"]["devices"]["product"] = "*H100*"
             await tenant_claims.create_claim(ns, wanted)
 
-            async def held_back() -> dict[str, Any] | None:
-                got = await support.get_claim(setup.tenant, ns, "wants-h100")
-                return (
-                    got
-                    if support.condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
-                    else None
-                )
-
-            got = await support.wait_for(
-                held_back, within=60, what="the tenant's claim to be held back by its quota"
+            got = await support.wait_allocated_reason(
+                setup.tenant, ns, "wants-h100", "QuotaExceeded", within=60
             )
             assert got["status"]["phase"] == "Pending"
             assert (

@@ -278,6 +278,18 @@ async def wait_phase(api: Api, namespace: str, name: str, phase: str, within: fl
     return await wait_for(probe, within=within, what=f"{namespace}/{name} {phase}")
 
 
+async def wait_allocated_reason(
+    api: Api, namespace: str, name: str, reason: str, *, within: float = 30, what: str = ""
+) -> dict[str, Any]:
+    """Wait until the claim's Allocated condition gives ``reason`` (``QuotaExceeded``...); the claim."""
+
+    async def probe() -> dict[str, Any] | None:
+        got = await get_claim(api, namespace, name)
+        return got if condition(got, constants.CONDITION_ALLOCATED).get("reason") == reason else None
+
+    return await wait_for(probe, within=within, what=what or f"{namespace}/{name} {reason}")
+
+
 async def device_leases(api: Api, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
     selector = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
     if label_selector:

@@ -18,6 +18,7 @@ import pytest
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
+from tests.conftest import fresh_namespace
 from tests.integration.chaos_support import Mirror, Timeline
 from tests.integration.controller_support import (
     RUN_LABEL,
@@ -30,6 +31,7 @@ from tests.integration.controller_support import (
     publish_simulated_node,
     running_controller,
     status_uuids,
+    wait_allocated_reason,
     wait_for,
     wait_phase,
 )
@@ -144,20 +146,7 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
 @pytest.fixture
 def other_namespace(control_plane: Any) -> Iterator[str]:
     """A second fresh namespace: the victims' (their claims deleted first, as ``namespace`` does)."""
-    from gpualloc.devcluster import cluster
-
-    name = f"t-victims-{uuid.uuid4().hex[:8]}"
-    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-    control_plane.ensure_service_account(name)
-    try:
-        yield name
-    finally:
-        for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
-            try:
-                control_plane.request("DELETE", path)
-            except cluster.RequestError as exc:
-                if exc.status != 404:
-                    raise
+    yield from fresh_namespace(control_plane, f"t-victims-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture
@@ -217,15 +206,9 @@ async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits
         wanted["spec"]["devices"]["product"] = "*H100*"
         await crs.create_claim(namespace, wanted)
 
-        async def over_quota() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "wants-h100")
-            return (
-                got
-                if condition(got, constants.CONDITION_ALLOCATED).get("reason") == "QuotaExceeded"
-                else None
-            )
-
-        held_back = await wait_for(over_quota, within=30, what="the preemptor to be held back by its quota")
+        held_back = await wait_allocated_reason(
+            api, namespace, "wants-h100", "QuotaExceeded", what="the preemptor to be held back by its quota"
+        )
         assert held_back["status"]["phase"] == "Pending"
         assert held_back["status"]["message"] == (
             f"namespace {namespace} would use 4 of 0 *H100* GPUs (quota {namespace}/no-h100)"
