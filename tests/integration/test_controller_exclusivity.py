@@ -20,18 +20,7 @@ from gpualloc.api import constants
 from gpualloc.api import leases as lease_format
 from gpualloc.kube import errors, leases, resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    condition,
-    controller_argv,
-    device_leases,
-    get_claim,
-    running_controller,
-    status_uuids,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 GPUS = 8  # create_gpu_node's default board
 
@@ -50,7 +39,7 @@ async def held(api: Api, namespace: str) -> dict[str, str]:
     """Lease name -> holder of every device Lease in ``namespace``."""
     return {
         lease["metadata"]["name"]: lease["spec"].get("holderIdentity", "")
-        for lease in await device_leases(api, namespace)
+        for lease in await support.device_leases(api, namespace)
     }
 
 
@@ -62,42 +51,42 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
 ) -> None:
     _, run = gpu_node
     crs = resources.CustomResources(api)
-    argv = controller_argv(namespace, "--in-use-poll", "1", run=run)
-    async with running_controller(kubeconfig, argv):
-        created = await crs.create_claim(namespace, claim_body("first", GPUS, run=run))
-        first = await wait_phase(api, namespace, "first", "Allocated")
+    argv = support.controller_argv(namespace, "--in-use-poll", "1", run=run)
+    async with support.running_controller(kubeconfig, argv):
+        created = await crs.create_claim(namespace, support.claim_body("first", GPUS, run=run))
+        first = await support.wait_phase(api, namespace, "first", "Allocated")
         uid = created["metadata"]["uid"]
         await create_pod(api, namespace, "worker", "first")  # Pending: not finished, so in use
         await crs.delete_claim(namespace, "first")
 
         async def blocked() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "first")
-            return got if condition(got, "InUse").get("status") == "True" else None
+            got = await support.get_claim(api, namespace, "first")
+            return got if support.condition(got, "InUse").get("status") == "True" else None
 
-        kept = await wait_for(blocked, within=60, what="the deleted claim to say it is in use")
+        kept = await support.wait_for(blocked, within=60, what="the deleted claim to say it is in use")
         assert kept["metadata"].get("deletionTimestamp")
-        assert "worker" in condition(kept, "InUse")["message"]
-        await crs.create_claim(namespace, claim_body("second", 1, run=run, priority=1000))
-        second = await wait_for(
+        assert "worker" in support.condition(kept, "InUse")["message"]
+        await crs.create_claim(namespace, support.claim_body("second", 1, run=run, priority=1000))
+        second = await support.wait_for(
             lambda: _explained(api, namespace, "second"), within=60, what="the second claim to be explained"
         )
         assert second["status"]["phase"] == "Pending", second["status"]
         holders = await held(api, namespace)
         assert {name: h for name, h in holders.items() if h == uid} == {
-            constants.lease_name(u): uid for u in status_uuids(first)
+            constants.lease_name(u): uid for u in support.status_uuids(first)
         }
 
         await transport.request(
             api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker", body={"gracePeriodSeconds": 0}
         )
-        got = await wait_phase(api, namespace, "second", "Allocated", within=60)
-        assert await get_claim(api, namespace, "first") is None
-        assert set(status_uuids(got)) <= set(status_uuids(first))
+        got = await support.wait_phase(api, namespace, "second", "Allocated", within=60)
+        assert await support.get_claim(api, namespace, "first") is None
+        assert set(support.status_uuids(got)) <= set(support.status_uuids(first))
         assert set((await held(api, namespace)).values()) == {got["metadata"]["uid"]}
 
 
 async def _explained(api: Api, namespace: str, name: str) -> dict[str, Any] | None:
-    got = await get_claim(api, namespace, name)
+    got = await support.get_claim(api, namespace, name)
     return got if ((got or {}).get("status") or {}).get("message") else None
 
 
@@ -106,21 +95,23 @@ async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
 ) -> None:
     _, run = gpu_node
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-        created = await crs.create_claim(namespace, claim_body("owner", GPUS, run=run))
-        owner = await wait_phase(api, namespace, "owner", "Allocated")
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+        created = await crs.create_claim(namespace, support.claim_body("owner", GPUS, run=run))
+        owner = await support.wait_phase(api, namespace, "owner", "Allocated")
         uid = created["metadata"]["uid"]
-        victim = constants.lease_name(status_uuids(owner)[0])
+        victim = constants.lease_name(support.status_uuids(owner)[0])
 
         # As kubectl delete would: the finalizer keeps the Lease, and the lock with it.
         await leases.delete_lease(api, namespace, victim)
         lease = await leases.get_lease(api, namespace, victim)
         assert lease["metadata"].get("deletionTimestamp") and lease["spec"]["holderIdentity"] == uid
         # Priority 1000 would preempt the owner, which is fair: this test is about the lost Lease.
-        thief_body = claim_body("thief", 1, run=run, priority=1000)
+        thief_body = support.claim_body("thief", 1, run=run, priority=1000)
         thief_body["spec"]["preemptionPolicy"] = "Never"
         await crs.create_claim(namespace, thief_body)
-        thief = await wait_for(lambda: _explained(api, namespace, "thief"), what="the thief to be explained")
+        thief = await support.wait_for(
+            lambda: _explained(api, namespace, "thief"), what="the thief to be explained"
+        )
         assert thief["status"]["phase"] == "Pending", thief["status"]
 
         # Forced: the finalizer removed by hand, the Lease gone. The owner's status still counts,
@@ -134,10 +125,10 @@ async def test_a_lease_deleted_by_hand_does_not_give_its_gpu_to_another_claim(
                 return None
             return again if again["metadata"]["uid"] != lease["metadata"]["uid"] else None
 
-        again = await wait_for(recreated, what="the owner to re-create its Lease")
+        again = await support.wait_for(recreated, what="the owner to re-create its Lease")
         assert again["spec"]["holderIdentity"] == uid
         assert again["metadata"]["finalizers"] == [lease_format.FINALIZER]
-        thief = await get_claim(api, namespace, "thief")
+        thief = await support.get_claim(api, namespace, "thief")
         assert thief is not None and thief["status"]["phase"] == "Pending"
         assert set((await held(api, namespace)).values()) == {uid}
 
@@ -155,16 +146,16 @@ async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
 ) -> None:
     _, run = gpu_node
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-        await crs.create_claim(namespace, claim_body("owner", 2, run=run))
-        owner = await wait_phase(api, namespace, "owner", "Allocated")
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, support.claim_body("owner", 2, run=run))
+        owner = await support.wait_phase(api, namespace, "owner", "Allocated")
     # With no controller running, someone replaces one of its Leases by another claim's. (That
     # claim has no run label, so no controller of this test handles it; it exists, so the sweep
     # leaves its Lease alone.)
-    body = claim_body("intruder", 1, run=run)
+    body = support.claim_body("intruder", 1, run=run)
     del body["metadata"]["labels"]
     intruder = await crs.create_claim(namespace, body)
-    uuid_ = status_uuids(owner)[0]
+    uuid_ = support.status_uuids(owner)[0]
     victim = constants.lease_name(uuid_)
     await leases.delete_lease(api, namespace, victim)
     await _force_finalizer_off(api, namespace, victim)
@@ -173,17 +164,21 @@ async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
         namespace,
         victim,
         holder=intruder["metadata"]["uid"],
-        labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY, RUN_LABEL: run},
+        labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY, support.RUN_LABEL: run},
         annotations={constants.LABEL_CLAIM_NAMESPACE: namespace, constants.LABEL_CLAIM_NAME: "intruder"},
     )
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
 
         async def marked() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "owner")
-            return got if condition(got, constants.CONDITION_DEVICES_LOST).get("status") == "True" else None
+            got = await support.get_claim(api, namespace, "owner")
+            return (
+                got
+                if support.condition(got, constants.CONDITION_DEVICES_LOST).get("status") == "True"
+                else None
+            )
 
-        got = await wait_for(marked, what="DevicesLost on the owner")
-    lost = condition(got, constants.CONDITION_DEVICES_LOST)
+        got = await support.wait_for(marked, what="DevicesLost on the owner")
+    lost = support.condition(got, constants.CONDITION_DEVICES_LOST)
     assert lost["reason"] == constants.REASON_DEVICES_TAKEN
     assert f"{uuid_} is held by claim {namespace}/intruder" in lost["message"]
     assert got["status"]["phase"] == "Allocated"

@@ -9,16 +9,7 @@ from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
 from tests import reviews
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
-    running_controller,
-    status_uuids,
-    wait_for,
-)
+from tests.integration import controller_support as support
 
 
 def gated_pod(name: str, claim: str, replica: int | None = None) -> dict[str, Any]:
@@ -43,17 +34,17 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
     run = uuid.uuid4().hex[:8]
     nodes = [f"gpu-{run}-a", f"gpu-{run}-b"]
     for node in nodes:
-        await create_gpu_node(api, node, labels={RUN_LABEL: run})
+        await support.create_gpu_node(api, node, labels={support.RUN_LABEL: run})
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
             # Pods first: they wait behind the gate for a claim that does not exist yet.
             for replica in (0, 1):
                 await transport.request(
                     api, "POST", pods_path, body=gated_pod(f"worker-{replica}", "gang", replica)
                 )
             await resources.CustomResources(api).create_claim(
-                namespace, claim_body("gang", 8, replicas=2, run=run)
+                namespace, support.claim_body("gang", 8, replicas=2, run=run)
             )
 
             async def released() -> list[dict[str, Any]] | None:
@@ -65,10 +56,10 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
                 )
                 return pods if ungated else None
 
-            pods = await wait_for(released, within=30, what="both pods un-gated")
+            pods = await support.wait_for(released, within=30, what="both pods un-gated")
             claim = await resources.CustomResources(api).get_claim(namespace, "gang")
             by_replica = {a["replica"]: a for a in claim["status"]["allocations"]}
-            assert sorted(status_uuids(claim)) == sorted(
+            assert sorted(support.status_uuids(claim)) == sorted(
                 d["uuid"] for a in by_replica.values() for d in a["devices"]
             )
             for replica, pod in enumerate(pods):
@@ -81,7 +72,7 @@ async def test_a_gated_pod_created_before_allocation_gets_devices_node_and_loses
                 assert constants.LABEL_GATED not in (pod["metadata"].get("labels") or {})
     finally:
         for node in nodes:
-            await delete_gpu_node(api, node)
+            await support.delete_gpu_node(api, node)
 
 
 async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_warning_saying_why(
@@ -98,13 +89,13 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
         "replica-typo": "annotation gpu.scheduling/replica must be a non-negative integer",
         "for-failed": "claim doomed is Failed",
     }
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
         for body in (pinned, typo, gated_pod("for-failed", "doomed")):
             await transport.request(api, "POST", pods_path, body=body)
         crs = resources.CustomResources(api)
-        await crs.create_claim(namespace, claim_body("one", 1, run=run))
+        await crs.create_claim(namespace, support.claim_body("one", 1, run=run))
         # 9 GPUs never fit on an 8-GPU node: Failed after one retry.
-        await crs.create_claim(namespace, claim_body("doomed", 9, run=run, max_retries=1))
+        await crs.create_claim(namespace, support.claim_body("doomed", 9, run=run, max_retries=1))
 
         async def warnings() -> dict[str, str] | None:
             listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
@@ -115,7 +106,9 @@ async def test_pods_the_controller_cannot_release_stay_gated_with_a_still_gated_
             }
             return found if set(found) == set(expected) else None
 
-        found = await wait_for(warnings, within=120, what="a StillGated warning on each of the three pods")
+        found = await support.wait_for(
+            warnings, within=120, what="a StillGated warning on each of the three pods"
+        )
         for name, words in expected.items():
             assert words in found[name], (name, found[name])
             stored = await transport.request(api, "GET", f"{pods_path}/{name}")
@@ -154,10 +147,10 @@ async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stay
                 return None
             return ",".join(d["uuid"] for d in claim["status"]["allocations"][0]["devices"])
 
-        return await wait_for(uuids, within=30, what=f"claim {name} Allocated")
+        return await support.wait_for(uuids, within=30, what=f"claim {name} Allocated")
 
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-        await crs.create_claim(namespace, claim_body("train", 2, run=run))
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, support.claim_body("train", 2, run=run))
         old = await allocated("train")
         await crs.delete_claim(namespace, "train")
 
@@ -165,12 +158,12 @@ async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stay
             claims = (await crs.list_claims(namespace))["items"]
             return True if all(c["metadata"]["name"] != "train" for c in claims) else None
 
-        await wait_for(gone, within=30, what="claim train gone")
+        await support.wait_for(gone, within=30, what="claim train gone")
         # Another claim takes the old GPUs (binpack: the first free ones), so the new "train"
         # gets others.
-        await crs.create_claim(namespace, claim_body("filler", 2, run=run))
+        await crs.create_claim(namespace, support.claim_body("filler", 2, run=run))
         assert await allocated("filler") == old
-        await crs.create_claim(namespace, claim_body("train", 2, run=run))
+        await crs.create_claim(namespace, support.claim_body("train", 2, run=run))
         new = await allocated("train")
         assert new != old
         await transport.request(api, "POST", pods_path, body=admitted_pod("stale", "train", node, old))
@@ -180,7 +173,7 @@ async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stay
             pod = await transport.request(api, "GET", f"{pods_path}/fresh")
             return True if not pod["spec"].get("schedulingGates") else None
 
-        await wait_for(fresh_ungated, within=30, what="pod fresh un-gated")
+        await support.wait_for(fresh_ungated, within=30, what="pod fresh un-gated")
 
         async def warning() -> str | None:
             listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
@@ -189,7 +182,7 @@ async def test_a_pod_admitted_from_an_out_of_date_view_of_a_recreated_claim_stay
                     return str(event["message"])
             return None
 
-        message = await wait_for(warning, within=30, what="a StillGated warning on pod stale")
+        message = await support.wait_for(warning, within=30, what="a StillGated warning on pod stale")
         assert "out-of-date view of claim train" in message and old in message and new in message
         stale = await transport.request(api, "GET", f"{pods_path}/stale")
         assert stale["spec"]["schedulingGates"] == [{"name": constants.SCHEDULING_GATE}]

@@ -12,12 +12,7 @@ from typing import Any
 from controller import leader
 from gpualloc.kube import errors, leases, resources
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    claim_body,
-    controller_argv,
-    running_controller,
-    wait_for,
-)
+from tests.integration import controller_support as support
 
 LEASE_DURATION = 4.0
 RETRY_PERIOD = 0.5
@@ -25,7 +20,7 @@ ELECTION_ID = "gpualloc-controller"
 
 
 def election_argv(namespace: str, identity: str, run: str) -> list[str]:
-    argv = [a for a in controller_argv(namespace, run=run) if a != "--leader-elect=false"]
+    argv = [a for a in support.controller_argv(namespace, run=run) if a != "--leader-elect=false"]
     return [
         *argv,
         "--leader-elect=true",
@@ -70,7 +65,7 @@ async def audited_writers(audit_log: Path, namespace: str, name: str) -> list[st
     async def logged() -> list[str]:
         return status_writers(audit_log, namespace, name)
 
-    return await wait_for(logged, within=10, what=f"the audit log to show {name}'s status write")
+    return await support.wait_for(logged, within=10, what=f"the audit log to show {name}'s status write")
 
 
 async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_lease_duration(
@@ -82,7 +77,7 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
         tasks = {}
         for identity in ("ctl-a", "ctl-b"):
             tasks[identity] = await stack.enter_async_context(
-                running_controller(kubeconfig, election_argv(namespace, identity, run))
+                support.running_controller(kubeconfig, election_argv(namespace, identity, run))
             )
 
         async def holder() -> str:
@@ -92,16 +87,16 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
                 return ""
             return str(lease["spec"].get("holderIdentity") or "")
 
-        leader = await wait_for(holder, within=20, what="a leader")
+        leader = await support.wait_for(holder, within=20, what="a leader")
         standby = "ctl-b" if leader == "ctl-a" else "ctl-a"
 
-        await crs.create_claim(namespace, claim_body("first", 2, run=run))
+        await crs.create_claim(namespace, support.claim_body("first", 2, run=run))
 
         async def allocated(name: str) -> bool:
             claim = await crs.get_claim(namespace, name)
             return (claim.get("status") or {}).get("phase") == "Allocated"
 
-        await wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
+        await support.wait_for(lambda: allocated("first"), within=30, what="first claim allocated")
         # The API server logs a write's audit event after answering it: wait for the line.
         writers = await audited_writers(control_plane.audit_log, namespace, "first")
         assert all(agent.endswith(f"/{leader}") for agent in writers), writers
@@ -115,7 +110,7 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
         async def standby_leads() -> bool:
             return await holder() == standby
 
-        await wait_for(
+        await support.wait_for(
             standby_leads, within=LEASE_DURATION * 3, interval=0.1, what="the standby to take over"
         )
         took = time.monotonic() - killed_at
@@ -124,8 +119,8 @@ async def test_only_the_leader_allocates_and_the_standby_takes_over_within_the_l
         # it; 2 s more for API round trips on a loaded 2-core machine (measured 4.2-4.4 s there).
         assert took <= LEASE_DURATION + 2 * RETRY_PERIOD + 2.0, f"took over after {took:.1f} s"
 
-        await crs.create_claim(namespace, claim_body("second", 2, run=run))
-        await wait_for(
+        await crs.create_claim(namespace, support.claim_body("second", 2, run=run))
+        await support.wait_for(
             lambda: allocated("second"), within=30, what="second claim allocated by the new leader"
         )
         later = await audited_writers(control_plane.audit_log, namespace, "second")

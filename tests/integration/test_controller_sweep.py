@@ -14,20 +14,13 @@ from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import errors, leases, resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    device_leases,
-    status_uuids,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 
 @contextlib.asynccontextmanager
 async def controller_in_process(api: Api, namespace: str, run: str) -> AsyncIterator[running.Controller]:
     settings = reconciling.Settings(
-        namespace=namespace, sweep_interval=1.0, claim_selector=f"{RUN_LABEL}={run}"
+        namespace=namespace, sweep_interval=1.0, claim_selector=f"{support.RUN_LABEL}={run}"
     )
     ctl = running.Controller(
         cluster.KubeCluster(api, settings.namespace), settings, controller_metrics.Metrics()
@@ -54,7 +47,7 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
 ) -> None:
     node, run = gpu_node
     crs = resources.CustomResources(api)
-    live = await crs.create_claim(namespace, claim_body("live", 1, run=run))
+    live = await crs.create_claim(namespace, support.claim_body("live", 1, run=run))
     labels = {
         constants.LABEL_NODE: node,
         constants.LABEL_CLAIM_NAMESPACE: namespace,
@@ -73,17 +66,17 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
         },
     )
     async with controller_in_process(api, namespace, run) as ctl:
-        got = await wait_phase(api, namespace, "live", constants.PHASE_ALLOCATED, within=30)
+        got = await support.wait_phase(api, namespace, "live", constants.PHASE_ALLOCATED, within=30)
 
         async def orphan_gone() -> bool:
-            names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
+            names = {lease["metadata"]["name"] for lease in await support.device_leases(api, namespace)}
             return "gpu-orphan" not in names
 
-        await wait_for(orphan_gone, within=15, what="the orphaned lease to be swept")
-        held = await device_leases(api, namespace)
+        await support.wait_for(orphan_gone, within=15, what="the orphaned lease to be swept")
+        held = await support.device_leases(api, namespace)
         assert [lease["spec"]["holderIdentity"] for lease in held] == [live["metadata"]["uid"]]
         assert [lease["metadata"]["name"] for lease in held] == [
-            constants.lease_name(u) for u in status_uuids(got)
+            constants.lease_name(u) for u in support.status_uuids(got)
         ]
         assert ctl.sweeps >= 1
 
@@ -95,11 +88,11 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
     crs = resources.CustomResources(api)
     try:
         async with controller_in_process(api, namespace, run) as ctl:
-            await crs.create_claim(namespace, claim_body("job", 2, run=run))
-            before = await wait_phase(api, namespace, "job", constants.PHASE_ALLOCATED, within=30)
+            await crs.create_claim(namespace, support.claim_body("job", 2, run=run))
+            before = await support.wait_phase(api, namespace, "job", constants.PHASE_ALLOCATED, within=30)
             # The counters go up once the controller has read its status write's answer, which
             # may be just after this test's own read saw the status.
-            await wait_for(
+            await support.wait_for(
                 _async(
                     lambda: (
                         sample(ctl, "gpualloc_claims_allocated_total", {"strategy": "binpack"}) == 1.0
@@ -109,7 +102,7 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
                 within=10,
                 what="one allocation counted",
             )
-            await wait_for(
+            await support.wait_for(
                 _async(lambda: sample(ctl, "gpualloc_devices", {"node": node, "state": "allocated"}) == 2.0),
                 within=10,
                 what="device gauge to count 2 allocated",
@@ -131,18 +124,20 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
                 cond = conditions.get("DevicesLost")
                 return claim if cond and cond["status"] == "True" else None
 
-            after = await wait_for(lost, within=20, what="DevicesLost condition")
+            after = await support.wait_for(lost, within=20, what="DevicesLost condition")
             cond = {c["type"]: c for c in after["status"]["conditions"]}["DevicesLost"]
             assert cond["reason"] == "DeviceUnhealthy" and "XID 79" in cond["message"]
             assert after["status"]["phase"] == "Allocated"
-            assert status_uuids(after) == status_uuids(before), "a running claim is never moved"
-            assert len(await device_leases(api, namespace)) == 2
+            assert support.status_uuids(after) == support.status_uuids(before), (
+                "a running claim is never moved"
+            )
+            assert len(await support.device_leases(api, namespace)) == 2
 
             async def warned() -> bool:
                 listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
                 return any(e["reason"] == "DeviceUnhealthy" for e in listing["items"])
 
-            await wait_for(warned, within=10, what="a DeviceUnhealthy event")
+            await support.wait_for(warned, within=10, what="a DeviceUnhealthy event")
             reasons = {
                 e["reason"]
                 for e in (await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events"))[
@@ -162,7 +157,7 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
                 conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
                 return bool(conditions["DevicesLost"]["status"] == "False")
 
-            await wait_for(healed, within=20, what="DevicesLost to turn False")
+            await support.wait_for(healed, within=20, what="DevicesLost to turn False")
             text = prometheus_client.generate_latest(ctl.metrics.registry).decode()
             for name in (
                 "gpualloc_allocation_failures_total",

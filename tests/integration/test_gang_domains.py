@@ -12,17 +12,7 @@ import pytest
 
 from gpualloc.kube import resources
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
-    get_claim,
-    running_controller,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 CLIQUE = "nvidia.com/gpu.clique"
 
@@ -33,14 +23,14 @@ async def pools(api: Api) -> AsyncIterator[tuple[str, dict[str, str]]]:
     run = uuid.uuid4().hex[:8]
     layout = {f"a{i}-{run}": "a" for i in range(3)} | {f"b{i}-{run}": "b" for i in range(2)}
     for name, clique in layout.items():
-        await create_gpu_node(api, name, labels={RUN_LABEL: run, CLIQUE: clique})
+        await support.create_gpu_node(api, name, labels={support.RUN_LABEL: run, CLIQUE: clique})
     yield run, layout
     for name in layout:
-        await delete_gpu_node(api, name)
+        await support.delete_gpu_node(api, name)
 
 
 def gang(name: str, run: str, replicas: int, count: int) -> dict[str, Any]:
-    body = claim_body(name, count, run=run, replicas=replicas)
+    body = support.claim_body(name, count, run=run, replicas=replicas)
     body["spec"]["topology"] = {"sameNodeLabel": CLIQUE, "sameNodeLabelMode": "Required"}
     return body
 
@@ -50,16 +40,18 @@ async def test_a_required_gang_lands_in_one_clique_or_waits_with_a_reason_per_cl
 ) -> None:
     run, layout = pools
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
         # 4 x 4 GPUs: both cliques could hold it; b, the fuller after a first claim there, is chosen.
-        await crs.create_claim(namespace, claim_body("filler", 8, run=run, match_labels={CLIQUE: "b"}))
-        await wait_phase(api, namespace, "filler", "Allocated")
+        await crs.create_claim(
+            namespace, support.claim_body("filler", 8, run=run, match_labels={CLIQUE: "b"})
+        )
+        await support.wait_phase(api, namespace, "filler", "Allocated")
         await crs.create_claim(namespace, gang("small", run, 2, 4))
-        small = await wait_phase(api, namespace, "small", "Allocated")
+        small = await support.wait_phase(api, namespace, "small", "Allocated")
         assert {layout[a["nodeName"]] for a in small["status"]["allocations"]} == {"b"}
 
         await crs.create_claim(namespace, gang("big", run, 4, 4))
-        big = await wait_phase(api, namespace, "big", "Allocated")
+        big = await support.wait_phase(api, namespace, "big", "Allocated")
         nodes = [a["nodeName"] for a in big["status"]["allocations"]]
         assert len(nodes) == 4 and {layout[n] for n in nodes} == {"a"}
 
@@ -67,10 +59,10 @@ async def test_a_required_gang_lands_in_one_clique_or_waits_with_a_reason_per_cl
         await crs.create_claim(namespace, gang("huge", run, 3, 8))
 
         async def explained() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "huge")
+            got = await support.get_claim(api, namespace, "huge")
             return got if ((got or {}).get("status") or {}).get("message") else None
 
-        huge = await wait_for(explained, what="the third gang to be explained")
+        huge = await support.wait_for(explained, what="the third gang to be explained")
         message = huge["status"]["message"]
         assert huge["status"]["phase"] == "Pending"
         assert message.startswith(f"no {CLIQUE} domain takes all 3 replicas ("), message

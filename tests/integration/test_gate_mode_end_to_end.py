@@ -16,12 +16,7 @@ import pytest
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    claim_body,
-    controller_argv,
-    running_controller,
-    wait_for,
-)
+from tests.integration import controller_support as support
 from tests.integration.test_webhook_cluster import create_pod, pod, webhook  # noqa: F401 - fixture
 from webhook import admission
 
@@ -48,8 +43,8 @@ async def test_pod_created_before_its_claim_is_gated_then_ungated_with_the_claim
         for name in DEVICE_ENV:
             assert refs[name] == f"metadata.annotations['{constants.ANNOTATION_DEVICES}']"
 
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-        await resources.CustomResources(api).create_claim(namespace, claim_body("train", 4, run=run))
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+        await resources.CustomResources(api).create_claim(namespace, support.claim_body("train", 4, run=run))
         path = f"/api/v1/namespaces/{namespace}/pods/trainer"
 
         async def ungated() -> dict[str, Any] | None:
@@ -57,7 +52,7 @@ async def test_pod_created_before_its_claim_is_gated_then_ungated_with_the_claim
             gates = {g["name"] for g in current["spec"].get("schedulingGates") or []}
             return None if constants.SCHEDULING_GATE in gates else current
 
-        released = await wait_for(ungated, within=30, what="the pod to be ungated")
+        released = await support.wait_for(ungated, within=30, what="the pod to be ungated")
         claim = await resources.CustomResources(api).get_claim(namespace, "train")
 
     (allocation,) = claim["status"]["allocations"]

@@ -11,20 +11,7 @@ from typing import Any
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    condition,
-    controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
-    device_leases,
-    get_claim,
-    running_controller,
-    status_uuids,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 GRACE = 3
 
@@ -44,53 +31,55 @@ async def test_a_reallocate_claim_moves_off_a_deleted_node_after_its_grace_once_
     run = uuid.uuid4().hex[:8]
     first, second = f"lost-{run}-a", f"lost-{run}-b"
     crs = resources.CustomResources(api)
-    await create_gpu_node(api, first, labels={RUN_LABEL: run})
+    await support.create_gpu_node(api, first, labels={support.RUN_LABEL: run})
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-            moving = claim_body("moving", 8, run=run)
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+            moving = support.claim_body("moving", 8, run=run)
             moving["spec"].update(onNodeLoss="Reallocate", nodeLossGracePeriodSeconds=GRACE)
             await crs.create_claim(namespace, moving)
-            before = await wait_phase(api, namespace, "moving", "Allocated")
+            before = await support.wait_phase(api, namespace, "moving", "Allocated")
             assert {a["nodeName"] for a in before["status"]["allocations"]} == {first}
             pod = claim_pod("worker", "moving")
             await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
 
-            await create_gpu_node(api, second, labels={RUN_LABEL: run})
-            await delete_gpu_node(api, first)
+            await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
+            await support.delete_gpu_node(api, first)
 
             async def lost() -> dict[str, Any] | None:
-                got = await get_claim(api, namespace, "moving")
-                return got if condition(got, "NodeLost").get("status") == "True" else None
+                got = await support.get_claim(api, namespace, "moving")
+                return got if support.condition(got, "NodeLost").get("status") == "True" else None
 
-            noticed = await wait_for(lost, within=20, what="the NodeLost condition")
-            assert f"{first} is deleted or not ready" in condition(noticed, "NodeLost")["message"]
+            noticed = await support.wait_for(lost, within=20, what="the NodeLost condition")
+            assert f"{first} is deleted or not ready" in support.condition(noticed, "NodeLost")["message"]
             # Past the grace period, the pod still uses the claim: it stays where it was.
             await asyncio.sleep(GRACE + 3)
-            kept = await get_claim(api, namespace, "moving")
+            kept = await support.get_claim(api, namespace, "moving")
             assert kept is not None and kept["status"]["phase"] == "Allocated"
-            assert set(status_uuids(kept)) == set(status_uuids(before))
+            assert set(support.status_uuids(kept)) == set(support.status_uuids(before))
 
             await transport.request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker")
 
             async def moved() -> dict[str, Any] | None:
-                got = await get_claim(api, namespace, "moving")
+                got = await support.get_claim(api, namespace, "moving")
                 allocs = (got or {}).get("status", {}).get("allocations") or []
                 return got if allocs and {a["nodeName"] for a in allocs} == {second} else None
 
-            after = await wait_for(moved, within=30, what="the claim to be allocated on the other node")
+            after = await support.wait_for(
+                moved, within=30, what="the claim to be allocated on the other node"
+            )
             assert after["status"]["phase"] == "Allocated"
-            assert condition(after, "NodeLost")["reason"] == "Reallocated"
-            assert condition(after, "Releasing")["status"] == "False"
-            old = set(status_uuids(before))
+            assert support.condition(after, "NodeLost")["reason"] == "Reallocated"
+            assert support.condition(after, "Releasing")["status"] == "False"
+            old = set(support.status_uuids(before))
 
             async def let_go() -> bool:
-                names = {lease["metadata"]["name"] for lease in await device_leases(api, namespace)}
+                names = {lease["metadata"]["name"] for lease in await support.device_leases(api, namespace)}
                 return not any(f"gpu-{u.lower()}" in names for u in old)
 
-            await wait_for(let_go, within=10, what="the lost node's Leases to be released")
+            await support.wait_for(let_go, within=10, what="the lost node's Leases to be released")
     finally:
-        await delete_gpu_node(api, first)
-        await delete_gpu_node(api, second)
+        await support.delete_gpu_node(api, first)
+        await support.delete_gpu_node(api, second)
 
 
 async def test_a_keep_claim_stays_on_a_deleted_node_with_devices_lost(
@@ -99,24 +88,24 @@ async def test_a_keep_claim_stays_on_a_deleted_node_with_devices_lost(
     run = uuid.uuid4().hex[:8]
     first, second = f"kept-{run}-a", f"kept-{run}-b"
     crs = resources.CustomResources(api)
-    await create_gpu_node(api, first, labels={RUN_LABEL: run})
+    await support.create_gpu_node(api, first, labels={support.RUN_LABEL: run})
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-            await crs.create_claim(namespace, claim_body("keep", 8, run=run))
-            before = await wait_phase(api, namespace, "keep", "Allocated")
-            await create_gpu_node(api, second, labels={RUN_LABEL: run})
-            await delete_gpu_node(api, first)
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+            await crs.create_claim(namespace, support.claim_body("keep", 8, run=run))
+            before = await support.wait_phase(api, namespace, "keep", "Allocated")
+            await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
+            await support.delete_gpu_node(api, first)
 
             async def devices_lost() -> dict[str, Any] | None:
-                got = await get_claim(api, namespace, "keep")
-                return got if condition(got, "DevicesLost").get("status") == "True" else None
+                got = await support.get_claim(api, namespace, "keep")
+                return got if support.condition(got, "DevicesLost").get("status") == "True" else None
 
-            got = await wait_for(devices_lost, within=20, what="DevicesLost")
+            got = await support.wait_for(devices_lost, within=20, what="DevicesLost")
             await asyncio.sleep(3)
-            got = await get_claim(api, namespace, "keep")
+            got = await support.get_claim(api, namespace, "keep")
             assert got is not None and got["status"]["phase"] == "Allocated"
-            assert set(status_uuids(got)) == set(status_uuids(before))
-            assert not condition(got, "NodeLost")
+            assert set(support.status_uuids(got)) == set(support.status_uuids(before))
+            assert not support.condition(got, "NodeLost")
     finally:
-        await delete_gpu_node(api, first)
-        await delete_gpu_node(api, second)
+        await support.delete_gpu_node(api, first)
+        await support.delete_gpu_node(api, second)

@@ -19,22 +19,8 @@ from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
 from tests.conftest import fresh_namespace
+from tests.integration import controller_support as support
 from tests.integration.chaos_support import Mirror, Timeline
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    condition,
-    controller_argv,
-    delete_gpu_node,
-    device_leases,
-    get_claim,
-    publish_simulated_node,
-    running_controller,
-    status_uuids,
-    wait_allocated_reason,
-    wait_for,
-    wait_phase,
-)
 
 
 def pod(name: str, claim: str) -> dict[str, Any]:
@@ -57,14 +43,14 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
     crs = resources.CustomResources(api)
     pods = f"/api/v1/namespaces/{namespace}/pods"
     pdbs = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets"
-    mirror = Mirror(api, namespace, label=RUN_LABEL, value=run, timeline=Timeline())
+    mirror = Mirror(api, namespace, label=support.RUN_LABEL, value=run, timeline=Timeline())
     watching = asyncio.create_task(mirror.run())
     await asyncio.wait_for(mirror.synced.wait(), 30)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
         for name, count, priority in (("low-a", 4, 1), ("low-b", 2, 2), ("low-c", 2, 1)):
-            await crs.create_claim(namespace, claim_body(name, count, run=run, priority=priority))
-            await wait_phase(api, namespace, name, "Allocated")
-        before = {n: await get_claim(api, namespace, n) for n in ("low-a", "low-b", "low-c")}
+            await crs.create_claim(namespace, support.claim_body(name, count, run=run, priority=priority))
+            await support.wait_phase(api, namespace, name, "Allocated")
+        before = {n: await support.get_claim(api, namespace, n) for n in ("low-a", "low-b", "low-c")}
         await transport.request(api, "POST", pods, body=pod("worker-a", "low-a"))
         # Running, as its kubelet would say (there is none): the Eviction API ignores budgets for
         # pods that are still Pending.
@@ -88,48 +74,52 @@ async def test_a_higher_priority_claim_preempts_the_minimal_set_through_eviction
         )
 
         try:
-            polite = claim_body("polite", 2, run=run, priority=9)
+            polite = support.claim_body("polite", 2, run=run, priority=9)
             polite["spec"]["preemptionPolicy"] = "Never"
             await crs.create_claim(namespace, polite)
             await asyncio.sleep(3)
-            assert (await get_claim(api, namespace, "polite") or {})["status"]["phase"] == "Pending"
+            assert (await support.get_claim(api, namespace, "polite") or {})["status"]["phase"] == "Pending"
             for name in before:
-                assert (await get_claim(api, namespace, name) or {})["status"]["phase"] == "Allocated"
+                assert (await support.get_claim(api, namespace, name) or {})["status"]["phase"] == "Allocated"
             await crs.delete_claim(namespace, "polite")
 
-            await crs.create_claim(namespace, claim_body("high", 4, run=run, priority=5))
-            preempted = await wait_phase(api, namespace, "low-a", "Preempted")
+            await crs.create_claim(namespace, support.claim_body("high", 4, run=run, priority=5))
+            preempted = await support.wait_phase(api, namespace, "low-a", "Preempted")
             assert preempted["status"]["preemptedBy"] == f"{namespace}/high"
             # The minimal set: 4 GPUs either way, and low-a's top priority (1) is below b+c's (2).
             for other in ("low-b", "low-c"):
-                assert (await get_claim(api, namespace, other) or {})["status"]["phase"] == "Allocated"
+                assert (await support.get_claim(api, namespace, other) or {})["status"][
+                    "phase"
+                ] == "Allocated"
 
             async def preempting() -> dict[str, Any] | None:
-                got = await get_claim(api, namespace, "high")
+                got = await support.get_claim(api, namespace, "high")
                 return got if "preempting" in (got or {}).get("status", {}).get("message", "") else None
 
-            high = await wait_for(preempting, within=20, what="the preemptor to say whom it preempts")
+            high = await support.wait_for(preempting, within=20, what="the preemptor to say whom it preempts")
             assert f"{namespace}/low-a (4 GPUs, priority 1)" in high["status"]["message"]
             # The PDB holds the eviction back: the pod stays, and so do low-a's GPUs.
             await asyncio.sleep(4)
             listing = await transport.request(api, "GET", pods)
             assert "worker-a" in {p["metadata"]["name"] for p in listing["items"]}
-            held = await get_claim(api, namespace, "low-a")
-            assert held is not None and set(status_uuids(held)) == set(status_uuids(before["low-a"]))
-            assert (await get_claim(api, namespace, "high") or {})["status"]["phase"] == "Pending"
+            held = await support.get_claim(api, namespace, "low-a")
+            assert held is not None and set(support.status_uuids(held)) == set(
+                support.status_uuids(before["low-a"])
+            )
+            assert (await support.get_claim(api, namespace, "high") or {})["status"]["phase"] == "Pending"
 
             await transport.request(api, "DELETE", f"{pdbs}/keep-a")
-            allocated = await wait_phase(api, namespace, "high", "Allocated", within=40)
-            assert set(status_uuids(allocated)) == set(status_uuids(before["low-a"]))
+            allocated = await support.wait_phase(api, namespace, "high", "Allocated", within=40)
+            assert set(support.status_uuids(allocated)) == set(support.status_uuids(before["low-a"]))
             listing = await transport.request(api, "GET", pods)
             assert "worker-a" not in {p["metadata"]["name"] for p in listing["items"]}
-            done = await get_claim(api, namespace, "low-a")
+            done = await support.get_claim(api, namespace, "low-a")
             assert done is not None and done["status"]["phase"] == "Preempted"
             assert not done["status"].get("allocations")
             for other in ("low-b", "low-c"):  # nobody else was preempted on the way
-                got = await get_claim(api, namespace, other)
+                got = await support.get_claim(api, namespace, other)
                 assert got is not None and got["status"]["phase"] == "Allocated"
-                assert set(status_uuids(got)) == set(status_uuids(before[other]))
+                assert set(support.status_uuids(got)) == set(support.status_uuids(before[other]))
             await asyncio.sleep(1)  # the watch delivers the last events
             assert not mirror.check_now()
         finally:
@@ -155,11 +145,11 @@ async def h100_and_a100(api: Api) -> AsyncIterator[tuple[str, str, str]]:
     (H100 node, A100 node, run)."""
     run = uuid.uuid4().hex[:8]
     h100, a100 = f"h100-{run}", f"a100-{run}"
-    await publish_simulated_node(api, h100, run, "h100-sxm-8")
-    await publish_simulated_node(api, a100, run, "a100-sxm-8")
+    await support.publish_simulated_node(api, h100, run, "h100-sxm-8")
+    await support.publish_simulated_node(api, a100, run, "a100-sxm-8")
     yield h100, a100, run
     for name in (h100, a100):
-        await delete_gpu_node(api, name)
+        await support.delete_gpu_node(api, name)
 
 
 QUOTAS = f"/apis/{constants.API_VERSION}/namespaces/{{namespace}}/{constants.QUOTA_PLURAL}"
@@ -182,7 +172,9 @@ def on(node: str, body: dict[str, Any]) -> dict[str, Any]:
 
 async def held_leases(api: Api, lease_namespace: str, claim: dict[str, Any]) -> set[str]:
     selector = f"{constants.LABEL_CLAIM_UID}={claim['metadata']['uid']}"
-    return {lease["metadata"]["name"] for lease in await device_leases(api, lease_namespace, selector)}
+    return {
+        lease["metadata"]["name"] for lease in await support.device_leases(api, lease_namespace, selector)
+    }
 
 
 async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits_with_the_quota_message(
@@ -194,19 +186,24 @@ async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits
     h100, _, run = h100_and_a100
     crs = resources.CustomResources(api)
     await no_h100_quota(api, namespace)
-    argv = controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
-    async with running_controller(kubeconfig, argv):
+    argv = support.controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
+    async with support.running_controller(kubeconfig, argv):
         for name in ("victim-1", "victim-2"):
-            await crs.create_claim(other_namespace, on(h100, claim_body(name, 4, run=run, priority=0)))
-        before = {n: await wait_phase(api, other_namespace, n, "Allocated") for n in ("victim-1", "victim-2")}
+            await crs.create_claim(
+                other_namespace, on(h100, support.claim_body(name, 4, run=run, priority=0))
+            )
+        before = {
+            n: await support.wait_phase(api, other_namespace, n, "Allocated")
+            for n in ("victim-1", "victim-2")
+        }
         leases_before = {n: await held_leases(api, namespace, c) for n, c in before.items()}
         assert all(len(held) == 4 for held in leases_before.values()), leases_before
 
-        wanted = claim_body("wants-h100", 4, run=run, priority=5)
+        wanted = support.claim_body("wants-h100", 4, run=run, priority=5)
         wanted["spec"]["devices"]["product"] = "*H100*"
         await crs.create_claim(namespace, wanted)
 
-        held_back = await wait_allocated_reason(
+        held_back = await support.wait_allocated_reason(
             api, namespace, "wants-h100", "QuotaExceeded", what="the preemptor to be held back by its quota"
         )
         assert held_back["status"]["phase"] == "Pending"
@@ -214,13 +211,16 @@ async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits
             f"namespace {namespace} would use 4 of 0 *H100* GPUs (quota {namespace}/no-h100)"
         )
         await asyncio.sleep(4)  # several retries (backoff 1 s): still nobody preempted
-        got = await get_claim(api, namespace, "wants-h100")
-        assert got is not None and condition(got, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
+        got = await support.get_claim(api, namespace, "wants-h100")
+        assert (
+            got is not None
+            and support.condition(got, constants.CONDITION_ALLOCATED)["reason"] == "QuotaExceeded"
+        )
         for name, claim in before.items():
-            now = await get_claim(api, other_namespace, name)
+            now = await support.get_claim(api, other_namespace, name)
             assert now is not None and now["status"]["phase"] == "Allocated", now
             assert not now["status"].get("preemptedBy")
-            assert set(status_uuids(now)) == set(status_uuids(claim))
+            assert set(support.status_uuids(now)) == set(support.status_uuids(claim))
             assert await held_leases(api, namespace, now) == leases_before[name]
 
 
@@ -232,19 +232,23 @@ async def test_with_an_admissible_a100_plan_the_a100_holder_is_preempted_instead
     h100, a100, run = h100_and_a100
     crs = resources.CustomResources(api)
     await no_h100_quota(api, namespace)
-    argv = controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
-    async with running_controller(kubeconfig, argv):
+    argv = support.controller_argv(namespace, "--preemption-scope", "Cluster", run=run)
+    async with support.running_controller(kubeconfig, argv):
         for name, node, count in (("h-1", h100, 4), ("h-2", h100, 4), ("a-all", a100, 8)):
-            await crs.create_claim(other_namespace, on(node, claim_body(name, count, run=run, priority=0)))
-        before = {n: await wait_phase(api, other_namespace, n, "Allocated") for n in ("h-1", "h-2", "a-all")}
+            await crs.create_claim(
+                other_namespace, on(node, support.claim_body(name, count, run=run, priority=0))
+            )
+        before = {
+            n: await support.wait_phase(api, other_namespace, n, "Allocated") for n in ("h-1", "h-2", "a-all")
+        }
 
-        await crs.create_claim(namespace, claim_body("high", 4, run=run, priority=5))
-        preempted = await wait_phase(api, other_namespace, "a-all", "Preempted")
+        await crs.create_claim(namespace, support.claim_body("high", 4, run=run, priority=5))
+        preempted = await support.wait_phase(api, other_namespace, "a-all", "Preempted")
         assert preempted["status"]["preemptedBy"] == f"{namespace}/high"
-        allocated = await wait_phase(api, namespace, "high", "Allocated", within=40)
+        allocated = await support.wait_phase(api, namespace, "high", "Allocated", within=40)
         assert allocated["status"]["allocations"][0]["nodeName"] == a100
-        assert set(status_uuids(allocated)) <= set(status_uuids(before["a-all"]))
+        assert set(support.status_uuids(allocated)) <= set(support.status_uuids(before["a-all"]))
         for name in ("h-1", "h-2"):
-            got = await get_claim(api, other_namespace, name)
+            got = await support.get_claim(api, other_namespace, name)
             assert got is not None and got["status"]["phase"] == "Allocated"
-            assert set(status_uuids(got)) == set(status_uuids(before[name]))
+            assert set(support.status_uuids(got)) == set(support.status_uuids(before[name]))

@@ -15,17 +15,7 @@ from typing import Any
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    claim_body,
-    condition,
-    controller_argv,
-    device_leases,
-    get_claim,
-    running_controller,
-    status_uuids,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 SWEEP = 2.0  # the controller's --sweep-interval in these tests
 
@@ -91,46 +81,48 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)
-    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
-    async with running_controller(kubeconfig, argv):
+    argv = support.controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with support.running_controller(kubeconfig, argv):
         job = await transport.request(
             api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("train", "train")
         )
-        body = claim_body("train", 4, run=run, replicas=2)
+        body = support.claim_body("train", 4, run=run, replicas=2)
         body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
         body["metadata"]["ownerReferences"] = [
             {"apiVersion": "batch/v1", "kind": "Job", "name": "train", "uid": job["metadata"]["uid"]}
         ]
         claim = await crs.create_claim(namespace, body)
-        allocated = await wait_phase(api, namespace, "train", "Allocated")
-        pods = await wait_for(
+        allocated = await support.wait_phase(api, namespace, "train", "Allocated")
+        pods = await support.wait_for(
             lambda: _two(job_pods(api, namespace, "train")), what="the Job's two pods", within=60
         )
 
         # The Job's pods are created one after the other, so a sweep may record one pod before the
         # next sweep records both: wait for the condition to name both.
         async def recorded() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "train")
-            in_use = condition(got, "InUse")
+            got = await support.get_claim(api, namespace, "train")
+            in_use = support.condition(got, "InUse")
             return got if in_use.get("status") == "True" and "used by 2 pods" in in_use["message"] else None
 
-        used = await wait_for(recorded, within=4 * SWEEP + 10, what="the claim to record both of its pods")
-        assert all(pod["metadata"]["name"] in condition(used, "InUse")["message"] for pod in pods)
+        used = await support.wait_for(
+            recorded, within=4 * SWEEP + 10, what="the claim to record both of its pods"
+        )
+        assert all(pod["metadata"]["name"] in support.condition(used, "InUse")["message"] for pod in pods)
         assert used["status"]["phase"] == "Allocated"
 
         # Another claim waits for the same GPUs.
-        await crs.create_claim(namespace, claim_body("next", 8, run=run))
+        await crs.create_claim(namespace, support.claim_body("next", 8, run=run))
         for pod in pods:
             await succeed(api, pod)
 
-        released = await wait_phase(api, namespace, "train", "Released", within=4 * SWEEP + 15)
+        released = await support.wait_phase(api, namespace, "train", "Released", within=4 * SWEEP + 15)
         status = released["status"]
         assert status.get("allocations") is None and status["releasedTime"]
-        assert condition(released, "InUse")["reason"] == "PodsCompleted"
+        assert support.condition(released, "InUse")["reason"] == "PodsCompleted"
         assert status["message"].startswith("released 8 GPUs: every pod that used the claim has completed")
-        following = await wait_phase(api, namespace, "next", "Allocated", within=30)
-        assert set(status_uuids(following)) == set(status_uuids(allocated))
-        holders = {lease["spec"]["holderIdentity"] for lease in await device_leases(api, namespace)}
+        following = await support.wait_phase(api, namespace, "next", "Allocated", within=30)
+        assert set(support.status_uuids(following)) == set(support.status_uuids(allocated))
+        holders = {lease["spec"]["holderIdentity"] for lease in await support.device_leases(api, namespace)}
         assert claim["metadata"]["uid"] not in holders
 
         # The Job completes; deleting it takes the claim with it (ownerReferences, garbage collector).
@@ -142,9 +134,9 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
         )
 
         async def gone() -> bool:
-            return await get_claim(api, namespace, "train") is None
+            return await support.get_claim(api, namespace, "train") is None
 
-        await wait_for(gone, within=60, what="the claim to go with its Job")
+        await support.wait_for(gone, within=60, what="the claim to go with its Job")
 
 
 async def test_an_owner_completed_claim_follows_its_job(
@@ -152,12 +144,12 @@ async def test_an_owner_completed_claim_follows_its_job(
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)
-    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
-    async with running_controller(kubeconfig, argv):
+    argv = support.controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with support.running_controller(kubeconfig, argv):
         job = await transport.request(
             api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("owner", "owned")
         )
-        body = claim_body("owned", 2, run=run)
+        body = support.claim_body("owned", 2, run=run)
         body["spec"]["release"] = constants.RELEASE_ON_OWNER_COMPLETED
         body["metadata"]["ownerReferences"] = [
             {
@@ -169,26 +161,26 @@ async def test_an_owner_completed_claim_follows_its_job(
             }
         ]
         await crs.create_claim(namespace, body)
-        await wait_phase(api, namespace, "owned", "Allocated")
-        pods = await wait_for(
+        await support.wait_phase(api, namespace, "owned", "Allocated")
+        pods = await support.wait_for(
             lambda: _two(job_pods(api, namespace, "owner")), what="the Job's two pods", within=60
         )
         await asyncio.sleep(2 * SWEEP)  # two sweeps while the Job runs
-        got = await get_claim(api, namespace, "owned")
+        got = await support.get_claim(api, namespace, "owned")
         assert got is not None and got["status"]["phase"] == "Allocated"
 
         for pod in pods:
             await succeed(api, pod)
-        released = await wait_phase(api, namespace, "owned", "Released", within=4 * SWEEP + 30)
+        released = await support.wait_phase(api, namespace, "owned", "Released", within=4 * SWEEP + 30)
         assert released["status"]["message"] == (
             "released 2 GPUs: its Job owner is Complete; create a new claim for more work"
         )
 
         async def let_go() -> bool:
-            leases = await device_leases(api, namespace)
+            leases = await support.device_leases(api, namespace)
             return released["metadata"]["uid"] not in {lease["spec"]["holderIdentity"] for lease in leases}
 
-        await wait_for(let_go, within=10, what="its Leases to be released (after the status write)")
+        await support.wait_for(let_go, within=10, what="its Leases to be released (after the status write)")
 
 
 async def test_a_claim_whose_pods_never_ran_is_kept(
@@ -196,14 +188,14 @@ async def test_a_claim_whose_pods_never_ran_is_kept(
 ) -> None:
     _, run = kcm_node
     crs = resources.CustomResources(api)
-    argv = controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
-    async with running_controller(kubeconfig, argv):
-        body = claim_body("idle", 2, run=run)
+    argv = support.controller_argv(namespace, "--sweep-interval", str(SWEEP), run=run)
+    async with support.running_controller(kubeconfig, argv):
+        body = support.claim_body("idle", 2, run=run)
         body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
         await crs.create_claim(namespace, body)
-        await wait_phase(api, namespace, "idle", "Allocated")
+        await support.wait_phase(api, namespace, "idle", "Allocated")
         await asyncio.sleep(3 * SWEEP)  # three sweeps with no pod at all
-        got = await get_claim(api, namespace, "idle")
+        got = await support.get_claim(api, namespace, "idle")
         assert got is not None and got["status"]["phase"] == "Allocated"
 
 

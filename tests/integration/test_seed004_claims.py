@@ -12,15 +12,7 @@ from typing import Any
 from gpualloc.api import models
 from gpualloc.kube import transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
-    publish_simulated_node,
-    running_controller,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 SEED_CLAIMS: list[dict[str, Any]] = [
     {"metadata": {"name": "single-gpu"}, "spec": {"devices": {"count": 1, "exclusivity": "Exclusive"}}},
@@ -68,27 +60,29 @@ async def test_seed_004_claims_apply_strictly_and_are_allocated(
         f"s4-{run}-c": {},
     }
     for name, labels in nodes.items():
-        await create_gpu_node(api, name, labels={RUN_LABEL: run, **labels})
+        await support.create_gpu_node(api, name, labels={support.RUN_LABEL: run, **labels})
     # A node whose agent shares its GPUs by time-slicing, and one with a GPU in MIG mode.
     shared, mig = f"s4-{run}-shared", f"s4-{run}-mig"
-    await publish_simulated_node(
+    await support.publish_simulated_node(
         api, shared, run, "a100-pcie-4-nvlink", models.DeviceSharing(strategy="TimeSlicing", replicas=2)
     )
-    await publish_simulated_node(api, mig, run, "a100-mig")
+    await support.publish_simulated_node(api, mig, run, "a100-mig")
     nodes.update({shared: {}, mig: {}})
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
             path = f"/apis/gpu.scheduling/v1/namespaces/{namespace}/gpuclaims"
             # The 8-GPU claim first, allocated before the others: the queue orders claims created in
             # the same second by name, and binpack would start filling its only node.
             for claim in sorted(SEED_CLAIMS, key=lambda c: c["metadata"]["name"] != "specific-node"):
                 body = {"apiVersion": "gpu.scheduling/v1", "kind": "GpuClaim", **claim}
-                body["metadata"] = {**claim["metadata"], "labels": {RUN_LABEL: run}}
+                body["metadata"] = {**claim["metadata"], "labels": {support.RUN_LABEL: run}}
                 await transport.request(api, "POST", path, body=body, query=[("fieldValidation", "Strict")])
                 if claim["metadata"]["name"] == "specific-node":
-                    await wait_phase(api, namespace, "specific-node", "Allocated")
+                    await support.wait_phase(api, namespace, "specific-node", "Allocated")
             got = {
-                c["metadata"]["name"]: await wait_phase(api, namespace, c["metadata"]["name"], "Allocated")
+                c["metadata"]["name"]: await support.wait_phase(
+                    api, namespace, c["metadata"]["name"], "Allocated"
+                )
                 for c in SEED_CLAIMS
             }
         placed = {name: c["status"]["allocations"][0] for name, c in got.items()}
@@ -101,4 +95,4 @@ async def test_seed_004_claims_apply_strictly_and_are_allocated(
         assert placed["mig-slice"]["devices"][0]["uuid"].startswith("MIG-")
     finally:
         for name in nodes:
-            await delete_gpu_node(api, name)
+            await support.delete_gpu_node(api, name)

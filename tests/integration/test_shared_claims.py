@@ -14,17 +14,7 @@ import pytest
 from gpualloc.api import constants, leases, models
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    claim_body,
-    controller_argv,
-    delete_gpu_node,
-    device_leases,
-    get_claim,
-    publish_simulated_node,
-    running_controller,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 from tests.integration.test_webhook_cluster import (  # noqa: F401 - webhook and its options: fixtures
     create_pod,
     env,
@@ -37,17 +27,17 @@ MPS_4 = models.DeviceSharing(strategy="MPS", replicas=4)
 
 
 def shared_claim(name: str, run: str, **sharing: Any) -> dict[str, Any]:
-    body = claim_body(name, 1, run=run)
+    body = support.claim_body(name, 1, run=run)
     body["spec"]["devices"].update(exclusivity="Shared", sharing=sharing)
     return body
 
 
 async def message_of(api: Api, namespace: str, name: str, text: str) -> dict[str, Any]:
     async def says() -> dict[str, Any] | None:
-        found = await get_claim(api, namespace, name)
+        found = await support.get_claim(api, namespace, name)
         return found if text in (found or {}).get("status", {}).get("message", "") else None
 
-    found: dict[str, Any] = await wait_for(says, within=30, what=f"claim {name} to say {text!r}")
+    found: dict[str, Any] = await support.wait_for(says, within=30, what=f"claim {name} to say {text!r}")
     return found
 
 
@@ -57,16 +47,16 @@ async def test_four_mps_claims_share_one_gpu_by_slot_leases_a_fifth_goes_elsewhe
 ) -> None:
     run = uuid.uuid4().hex[:8]
     node = f"shared-{run}"
-    inv = await publish_simulated_node(api, node, run, "a100-pcie-4-nvlink", sharing=MPS_4)
+    inv = await support.publish_simulated_node(api, node, run, "a100-pcie-4-nvlink", sharing=MPS_4)
     first, second = inv.devices[0], inv.devices[1]
     crs = resources.CustomResources(api)
     limits = {"strategy": "MPS", "maxClaimsPerGPU": 4, "computePercent": 25, "memoryMiB": 10240}
     try:
-        async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
             got: dict[str, dict[str, Any]] = {}
             for i in range(5):  # one at a time, so that each sees the slots the others took
                 await crs.create_claim(namespace, shared_claim(f"s{i}", run, **limits))
-                got[f"s{i}"] = await wait_phase(api, namespace, f"s{i}", "Allocated", within=30)
+                got[f"s{i}"] = await support.wait_phase(api, namespace, f"s{i}", "Allocated", within=30)
             placed = {
                 name: [(d["uuid"], d["slot"]) for d in claim["status"]["allocations"][0]["devices"]]
                 for name, claim in got.items()
@@ -81,7 +71,7 @@ async def test_four_mps_claims_share_one_gpu_by_slot_leases_a_fifth_goes_elsewhe
             }
             held = {
                 leases.parse(raw).name: leases.parse(raw).holder
-                for raw in await device_leases(api, namespace)
+                for raw in await support.device_leases(api, namespace)
             }
             for name, [(gpu, slot)] in placed.items():
                 lease = constants.lease_name(constants.slot_id(gpu, slot))
@@ -89,7 +79,7 @@ async def test_four_mps_claims_share_one_gpu_by_slot_leases_a_fifth_goes_elsewhe
             assert constants.lease_name(first.uuid) not in held  # no claim holds the GPU whole
 
             # A whole-GPU claim never gets a shared GPU; a claim that wants fewer sharers finds none.
-            await crs.create_claim(namespace, claim_body("whole", 1, run=run))
+            await crs.create_claim(namespace, support.claim_body("whole", 1, run=run))
             whole = await message_of(api, namespace, "whole", "1 free healthy GPU")
             assert whole["status"]["phase"] == "Pending"
             await crs.create_claim(namespace, shared_claim("pair", run, strategy="MPS", maxClaimsPerGPU=2))
@@ -112,12 +102,12 @@ async def test_four_mps_claims_share_one_gpu_by_slot_leases_a_fifth_goes_elsewhe
             )
 
             async def gone() -> bool:
-                return await get_claim(api, namespace, "s2") is None
+                return await support.get_claim(api, namespace, "s2") is None
 
-            await wait_for(gone, within=30, what="claim s2 to give its slot back and go")
+            await support.wait_for(gone, within=30, what="claim s2 to give its slot back and go")
             await crs.create_claim(namespace, shared_claim("s5", run, **limits))
-            again = await wait_phase(api, namespace, "s5", "Allocated", within=30)
+            again = await support.wait_phase(api, namespace, "s5", "Allocated", within=30)
             (device,) = again["status"]["allocations"][0]["devices"]
             assert (device["uuid"], device["slot"]) == (first.uuid, 2)
     finally:
-        await delete_gpu_node(api, node)
+        await support.delete_gpu_node(api, node)

@@ -13,17 +13,7 @@ import pytest
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import (
-    RUN_LABEL,
-    claim_body,
-    controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
-    get_claim,
-    running_controller,
-    wait_for,
-    wait_phase,
-)
+from tests.integration import controller_support as support
 
 GPU_POOL = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 TEAM = {"key": "team", "value": "ml", "effect": "NoExecute"}
@@ -36,7 +26,7 @@ async def nodes(api: Api) -> AsyncIterator[tuple[str, str, str]]:
     run = uuid.uuid4().hex[:8]
     pool, team = f"pool-{run}", f"team-{run}"
     for name, taint in ((pool, GPU_POOL), (team, TEAM)):
-        await create_gpu_node(api, name, labels={RUN_LABEL: run})
+        await support.create_gpu_node(api, name, labels={support.RUN_LABEL: run})
         await transport.request(
             api,
             "PATCH",
@@ -46,7 +36,7 @@ async def nodes(api: Api) -> AsyncIterator[tuple[str, str, str]]:
         )
     yield pool, team, run
     for name in (pool, team):
-        await delete_gpu_node(api, name)
+        await support.delete_gpu_node(api, name)
 
 
 async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
@@ -54,18 +44,18 @@ async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
 ) -> None:
     pool, team, run = nodes
     crs = resources.CustomResources(api)
-    async with running_controller(kubeconfig, controller_argv(namespace, run=run)):
-        await crs.create_claim(namespace, claim_body("first", 8, run=run))
-        first = await wait_phase(api, namespace, "first", "Allocated")
+    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+        await crs.create_claim(namespace, support.claim_body("first", 8, run=run))
+        first = await support.wait_phase(api, namespace, "first", "Allocated")
         assert first["status"]["nodes"] == pool  # the GPU-pool taint is tolerated by default
 
-        await crs.create_claim(namespace, claim_body("second", 8, run=run))
+        await crs.create_claim(namespace, support.claim_body("second", 8, run=run))
 
         async def explained() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "second")
+            got = await support.get_claim(api, namespace, "second")
             return got if "tainted" in ((got or {}).get("status") or {}).get("message", "") else None
 
-        second = await wait_for(explained, what="the second claim to name the taint")
+        second = await support.wait_for(explained, what="the second claim to name the taint")
         assert second["status"]["phase"] == "Pending"
         assert "1 is tainted team=ml:NoExecute" in second["status"]["message"], second["status"]["message"]
 
@@ -79,10 +69,10 @@ async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
         )
 
         async def refused_named() -> dict[str, Any] | None:
-            got = await get_claim(api, namespace, "second")
+            got = await support.get_claim(api, namespace, "second")
             return got if refused in ((got or {}).get("status") or {}).get("message", "") else None
 
-        second = await wait_for(refused_named, what="the second claim to name the refused toleration")
+        second = await support.wait_for(refused_named, what="the second claim to name the refused toleration")
         assert second["status"]["phase"] == "Pending"
         assert "1 is tainted team=ml:NoExecute" in second["status"]["message"], second["status"]["message"]
 
@@ -94,7 +84,7 @@ async def test_a_tainted_node_is_skipped_without_a_toleration_and_used_with_one(
             "spec": {"gpus": 64, "allowedTolerations": [{"key": "team", "operator": "Exists"}]},
         }
         await transport.request(api, "POST", f"{QUOTAS}/namespaces/{namespace}/gpuquotas", body=quota)
-        second = await wait_phase(api, namespace, "second", "Allocated")
+        second = await support.wait_phase(api, namespace, "second", "Allocated")
         assert second["status"]["nodes"] == team
 
 
@@ -105,12 +95,12 @@ async def test_every_claim_toleration_counts_with_claim_tolerations_any(
     team's node without any GpuQuota, as before issue 37."""
     _, team, run = nodes
     crs = resources.CustomResources(api)
-    body = claim_body("tolerating", 8, run=run)
+    body = support.claim_body("tolerating", 8, run=run)
     body["spec"]["nodeName"] = team
     body["spec"]["tolerations"] = [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
-    async with running_controller(
-        kubeconfig, controller_argv(namespace, "--claim-tolerations", "Any", run=run)
+    async with support.running_controller(
+        kubeconfig, support.controller_argv(namespace, "--claim-tolerations", "Any", run=run)
     ):
         await crs.create_claim(namespace, body)
-        got = await wait_phase(api, namespace, "tolerating", "Allocated")
+        got = await support.wait_phase(api, namespace, "tolerating", "Allocated")
         assert got["status"]["nodes"] == team
