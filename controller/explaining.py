@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
 
-from controller import allocator, preemption, quotas, state
+from controller import allocator, asks, preemption, quotas, state
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
-from gpualloc.api import codecs, constants, models
+from gpualloc.api import codecs, constants, models, taints
 
 
 def describe_request(claim: models.GpuClaim) -> str:
@@ -74,6 +75,11 @@ def explain(
         return "\n".join(lines)
     if claim.status.message:
         lines.append(f"  status:  {claim.status.message}")
+    # As the controller plans it (--claim-tolerations Allowed, the default): only the tolerations
+    # its namespace's GpuQuotas allow.
+    kept, refused = asks.allowed_tolerations(claim, namespace_quotas)
+    if refused:
+        claim = dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=kept))
     taken = {
         uuid
         for other in claims
@@ -101,6 +107,12 @@ def explain(
         held_back = next((why for why in over if why), "")
         fits = f"would fit ({decision.note})" if decision.note else "would fit"
         verdict = f"{fits}, but is held back by its quota: {held_back}" if held_back else fits
+    else:
+        node_taints = (view.taints for view in node_views)
+        note = asks.refused_note(
+            refused, taints.claim_tolerations(claim.spec), node_taints, claim.metadata.namespace
+        )
+        verdict = f"{verdict}; {note}" if note else verdict
     lines.append(f"  now:     {verdict}")
     if not decision.ok and claim.spec.preemption_policy != constants.PREEMPT_NEVER:
         cap = quotas.max_priority(namespace_quotas)
@@ -108,9 +120,13 @@ def explain(
         def priority(c: models.GpuClaim) -> int:
             return c.spec.priority if cap is None else min(c.spec.priority, cap)
 
+        def admit(decision: allocator.Decision, victims: Sequence[models.GpuClaim]) -> str:
+            product = quotas.products_of(decision.allocations, statuses)
+            return quotas.admissible(namespace_quotas, claim, product, [v.metadata.uid for v in victims])
+
         pool = preemption.candidates(claim, claims, priority=priority, cluster_scope=False)
         plan = preemption.choose(
-            claim, pool, node_views, lambda v: allocator.allocate(claim, v), priority=priority
+            claim, pool, node_views, lambda v: allocator.allocate(claim, v), priority=priority, admit=admit
         )
         could = (
             f"would be {plan.describe()}"

@@ -221,3 +221,74 @@ def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_and_the_n
     assert explaining.main(["claim", "a100-quad"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu-node-a"))
     assert "heartbeat stale" in row, row
+
+
+def _quota(**spec: Any) -> models.GpuQuota:
+    return models.GpuQuota(
+        metadata=models.ObjectMeta(name="q", namespace="default"), spec=models.GpuQuotaSpec(**spec)
+    )
+
+
+def test_explain_plans_with_only_the_tolerations_the_namespace_allows_and_names_the_refused_one() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    reserved = models.Taint(key="team", value="reserved", effect="NoSchedule")
+    nodes = {
+        "gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False, taints=(reserved,))
+    }
+    toleration = models.Toleration(key="team", value="reserved", effect="NoSchedule")
+    claim = _claim("c", "u1")
+    claim = dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=(toleration,)))
+
+    refused = explaining.explain(claim, claims=[claim], statuses=statuses, nodes=nodes, now=NOW)
+    now_line = next(line for line in refused.splitlines() if line.startswith("  now:"))
+    assert "would fit" not in now_line
+    assert "team=reserved:NoSchedule" in now_line and "not allowed in namespace default" in now_line
+
+    allowed = explaining.explain(
+        claim,
+        claims=[claim],
+        statuses=statuses,
+        nodes=nodes,
+        now=NOW,
+        namespace_quotas=[_quota(gpus=8, allowed_tolerations=(toleration,))],
+    )
+    assert "  now:     would fit" in allowed
+
+
+def test_explain_shows_no_preemption_for_a_plan_the_quota_would_refuse() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    holder = _claim("low", "u-low")
+    holder = dataclasses.replace(
+        holder,
+        status=models.GpuClaimStatus(
+            phase="Allocated",
+            allocations=(
+                models.Allocation(
+                    replica=0,
+                    node_name="gpu-node-a",
+                    devices=tuple(
+                        models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid)
+                        for d in statuses["gpu-node-a"].status.devices
+                    ),
+                ),
+            ),
+        ),
+    )
+    wanting = _claim("high", "u-high")
+    wanting = dataclasses.replace(wanting, spec=dataclasses.replace(wanting.spec, priority=5))
+
+    def report(*quotas: models.GpuQuota) -> str:
+        out = explaining.explain(
+            wanting,
+            claims=[holder, wanting],
+            statuses=statuses,
+            nodes=nodes,
+            now=NOW,
+            namespace_quotas=quotas,
+        )
+        return next(line for line in out.splitlines() if line.startswith("  preempt:"))
+
+    assert "would be preempting default/low" in report(_quota(gpus=8))
+    no_h100 = _quota(gpus=8, products=(models.ProductLimit(pattern="*H100*", gpus=0),))
+    assert "would be preempting" not in report(no_h100), "its quota would refuse it on the H100s"
