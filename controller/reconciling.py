@@ -514,9 +514,8 @@ class Reconciler:
             info = leases.parse(raw)
             if info.holder != claim.metadata.uid:
                 holder = f"{info.claim_namespace}/{info.claim_name}" if info.claim_name else info.holder
-                taken[item.lease] = (
-                    f"gpu-{self._minor(claim, item.lock_id)}/{item.lock_id} is held by claim {holder}"
-                )
+                device = constants.device_display(self._minor(claim, item.lock_id), item.lock_id)
+                taken[item.lease] = f"{device} is held by claim {holder}"
         return taken
 
     @staticmethod
