@@ -65,6 +65,14 @@ def _claim(name: str, uid: str, **devices: object) -> models.GpuClaim:
     return models.GpuClaim(metadata=models.ObjectMeta(name=name, namespace="default", uid=uid), spec=spec)
 
 
+def _allocated(devices: tuple[models.Device, ...]) -> models.GpuClaimStatus:
+    """Allocated on gpu-node-a, holding ``devices``."""
+    refs = tuple(models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in devices)
+    return models.GpuClaimStatus(
+        phase="Allocated", allocations=(models.Allocation(replica=0, node_name="gpu-node-a", devices=refs),)
+    )
+
+
 def test_explain_gives_each_node_its_own_reason() -> None:
     statuses = {
         "gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None),
@@ -88,18 +96,7 @@ def test_explain_counts_devices_other_claims_hold() -> None:
     holder = models.GpuClaim(
         metadata=models.ObjectMeta(name="holder", namespace="default", uid="u0"),
         spec=models.GpuClaimSpec(devices=models.DeviceRequest(count=1)),
-        status=models.GpuClaimStatus(
-            phase="Allocated",
-            allocations=(
-                models.Allocation(
-                    replica=0,
-                    node_name="gpu-node-a",
-                    devices=tuple(
-                        models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in holder_devices
-                    ),
-                ),
-            ),
-        ),
+        status=_allocated(holder_devices),
     )
     claim = _claim("quad", "u1")
     out = explaining.explain(claim, claims=[holder, claim], statuses=statuses, nodes=nodes, now=NOW)
@@ -156,18 +153,7 @@ def test_explain_names_whom_a_claim_that_does_not_fit_would_preempt() -> None:
     holder = dataclasses.replace(
         _claim("low", "u-low"),
         spec=dataclasses.replace(_claim("low", "u-low").spec, priority=1),
-        status=models.GpuClaimStatus(
-            phase="Allocated",
-            allocations=(
-                models.Allocation(
-                    replica=0,
-                    node_name="gpu-node-a",
-                    devices=tuple(
-                        models.DeviceRef(index=d.index, minor=d.minor, uuid=d.uuid) for d in devices
-                    ),
-                ),
-            ),
-        ),
+        status=_allocated(devices),
     )
     high = _claim("high", "u-high")
     high = dataclasses.replace(high, spec=dataclasses.replace(high.spec, priority=5))
