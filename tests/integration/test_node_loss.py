@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
+
+import pytest
 
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
@@ -14,6 +17,21 @@ from gpualloc.kube.client import Api
 from tests.integration import controller_support as support
 
 GRACE = 3
+
+
+@pytest.fixture
+async def node_pair(api: Api, kubeconfig: str, namespace: str) -> AsyncIterator[tuple[str, str, str]]:
+    """A fresh run with its controller running: (run tag, first node, second node). The first is an
+    8-GPU node already; the second is the test's to create. Both are deleted after the test."""
+    run = uuid.uuid4().hex[:8]
+    first, second = f"lost-{run}-a", f"lost-{run}-b"
+    await support.create_gpu_node(api, first, labels={support.RUN_LABEL: run})
+    try:
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+            yield run, first, second
+    finally:
+        await support.delete_gpu_node(api, first)
+        await support.delete_gpu_node(api, second)
 
 
 def claim_pod(name: str, claim: str) -> dict[str, Any]:
@@ -26,86 +44,70 @@ def claim_pod(name: str, claim: str) -> dict[str, Any]:
 
 
 async def test_a_reallocate_claim_moves_off_a_deleted_node_after_its_grace_once_its_pod_is_gone(
-    api: Api, kubeconfig: str, namespace: str
+    api: Api, namespace: str, node_pair: tuple[str, str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    first, second = f"lost-{run}-a", f"lost-{run}-b"
+    run, first, second = node_pair
     crs = resources.CustomResources(api)
-    await support.create_gpu_node(api, first, labels={support.RUN_LABEL: run})
-    try:
-        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
-            moving = support.claim_body("moving", 8, run=run)
-            moving["spec"].update(onNodeLoss="Reallocate", nodeLossGracePeriodSeconds=GRACE)
-            await crs.create_claim(namespace, moving)
-            before = await support.wait_phase(api, namespace, "moving", "Allocated")
-            assert {a["nodeName"] for a in before["status"]["allocations"]} == {first}
-            pod = claim_pod("worker", "moving")
-            await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
+    moving = support.claim_body("moving", 8, run=run)
+    moving["spec"].update(onNodeLoss="Reallocate", nodeLossGracePeriodSeconds=GRACE)
+    await crs.create_claim(namespace, moving)
+    before = await support.wait_phase(api, namespace, "moving", "Allocated")
+    assert {a["nodeName"] for a in before["status"]["allocations"]} == {first}
+    pod = claim_pod("worker", "moving")
+    await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
 
-            await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
-            await support.delete_gpu_node(api, first)
+    await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
+    await support.delete_gpu_node(api, first)
 
-            async def lost() -> dict[str, Any] | None:
-                got = await support.get_claim(api, namespace, "moving")
-                return got if support.condition(got, "NodeLost").get("status") == "True" else None
+    async def lost() -> dict[str, Any] | None:
+        got = await support.get_claim(api, namespace, "moving")
+        return got if support.condition(got, "NodeLost").get("status") == "True" else None
 
-            noticed = await support.wait_for(lost, within=20, what="the NodeLost condition")
-            assert f"{first} is deleted or not ready" in support.condition(noticed, "NodeLost")["message"]
-            # Past the grace period, the pod still uses the claim: it stays where it was.
-            await asyncio.sleep(GRACE + 3)
-            kept = await support.get_claim(api, namespace, "moving")
-            assert kept is not None and kept["status"]["phase"] == "Allocated"
-            assert set(support.status_uuids(kept)) == set(support.status_uuids(before))
+    noticed = await support.wait_for(lost, within=20, what="the NodeLost condition")
+    assert f"{first} is deleted or not ready" in support.condition(noticed, "NodeLost")["message"]
+    # Past the grace period, the pod still uses the claim: it stays where it was.
+    await asyncio.sleep(GRACE + 3)
+    kept = await support.get_claim(api, namespace, "moving")
+    assert kept is not None and kept["status"]["phase"] == "Allocated"
+    assert set(support.status_uuids(kept)) == set(support.status_uuids(before))
 
-            await transport.request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker")
+    await transport.request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/worker")
 
-            async def moved() -> dict[str, Any] | None:
-                got = await support.get_claim(api, namespace, "moving")
-                allocs = (got or {}).get("status", {}).get("allocations") or []
-                return got if allocs and {a["nodeName"] for a in allocs} == {second} else None
+    async def moved() -> dict[str, Any] | None:
+        got = await support.get_claim(api, namespace, "moving")
+        allocs = (got or {}).get("status", {}).get("allocations") or []
+        return got if allocs and {a["nodeName"] for a in allocs} == {second} else None
 
-            after = await support.wait_for(
-                moved, within=30, what="the claim to be allocated on the other node"
-            )
-            assert after["status"]["phase"] == "Allocated"
-            assert support.condition(after, "NodeLost")["reason"] == "Reallocated"
-            assert support.condition(after, "Releasing")["status"] == "False"
-            old = set(support.status_uuids(before))
+    after = await support.wait_for(moved, within=30, what="the claim to be allocated on the other node")
+    assert after["status"]["phase"] == "Allocated"
+    assert support.condition(after, "NodeLost")["reason"] == "Reallocated"
+    assert support.condition(after, "Releasing")["status"] == "False"
+    old = set(support.status_uuids(before))
 
-            async def let_go() -> bool:
-                names = {lease["metadata"]["name"] for lease in await support.device_leases(api, namespace)}
-                return not any(f"gpu-{u.lower()}" in names for u in old)
+    async def let_go() -> bool:
+        names = {lease["metadata"]["name"] for lease in await support.device_leases(api, namespace)}
+        return not any(f"gpu-{u.lower()}" in names for u in old)
 
-            await support.wait_for(let_go, within=10, what="the lost node's Leases to be released")
-    finally:
-        await support.delete_gpu_node(api, first)
-        await support.delete_gpu_node(api, second)
+    await support.wait_for(let_go, within=10, what="the lost node's Leases to be released")
 
 
 async def test_a_keep_claim_stays_on_a_deleted_node_with_devices_lost(
-    api: Api, kubeconfig: str, namespace: str
+    api: Api, namespace: str, node_pair: tuple[str, str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    first, second = f"kept-{run}-a", f"kept-{run}-b"
+    run, first, second = node_pair
     crs = resources.CustomResources(api)
-    await support.create_gpu_node(api, first, labels={support.RUN_LABEL: run})
-    try:
-        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
-            await crs.create_claim(namespace, support.claim_body("keep", 8, run=run))
-            before = await support.wait_phase(api, namespace, "keep", "Allocated")
-            await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
-            await support.delete_gpu_node(api, first)
+    await crs.create_claim(namespace, support.claim_body("keep", 8, run=run))
+    before = await support.wait_phase(api, namespace, "keep", "Allocated")
+    await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
+    await support.delete_gpu_node(api, first)
 
-            async def devices_lost() -> dict[str, Any] | None:
-                got = await support.get_claim(api, namespace, "keep")
-                return got if support.condition(got, "DevicesLost").get("status") == "True" else None
+    async def devices_lost() -> dict[str, Any] | None:
+        got = await support.get_claim(api, namespace, "keep")
+        return got if support.condition(got, "DevicesLost").get("status") == "True" else None
 
-            got = await support.wait_for(devices_lost, within=20, what="DevicesLost")
-            await asyncio.sleep(3)
-            got = await support.get_claim(api, namespace, "keep")
-            assert got is not None and got["status"]["phase"] == "Allocated"
-            assert set(support.status_uuids(got)) == set(support.status_uuids(before))
-            assert not support.condition(got, "NodeLost")
-    finally:
-        await support.delete_gpu_node(api, first)
-        await support.delete_gpu_node(api, second)
+    got = await support.wait_for(devices_lost, within=20, what="DevicesLost")
+    await asyncio.sleep(3)
+    got = await support.get_claim(api, namespace, "keep")
+    assert got is not None and got["status"]["phase"] == "Allocated"
+    assert set(support.status_uuids(got)) == set(support.status_uuids(before))
+    assert not support.condition(got, "NodeLost")
