@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -111,17 +111,37 @@ def objects(api: client.ApiClient) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api)
 
 
+NewNodeStatus = Callable[[str], Awaitable[str]]
+
+
 @pytest.fixture
-async def node_status_names(objects: client.CustomObjectsApi) -> AsyncIterator[list[str]]:
-    """Names of cluster-scoped GpuNodeStatuses a test creates; deleted after it."""
+async def new_node_status(objects: client.CustomObjectsApi) -> AsyncIterator[NewNodeStatus]:
+    """``await new_node_status("prefix")``: a cluster-scoped GpuNodeStatus of a unique name (its
+    spec only), created; its name. Each is deleted after the test."""
     names: list[str] = []
-    yield names
+
+    async def create(prefix: str) -> str:
+        name = unique(prefix)
+        names.append(name)
+        await objects.create_cluster_custom_object(
+            GROUP, VERSION, constants.NODE_STATUS_PLURAL, node_status_body(name)
+        )
+        return name
+
+    yield create
     for name in names:
         try:
             await objects.delete_cluster_custom_object(GROUP, VERSION, constants.NODE_STATUS_PLURAL, name)
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def patch_node_status(objects: client.CustomObjectsApi, name: str, status: dict[str, Any]) -> Awaitable[Any]:
+    """A merge patch of the GpuNodeStatus's status subresource."""
+    return objects.patch_cluster_custom_object_status(
+        GROUP, VERSION, constants.NODE_STATUS_PLURAL, name, {"status": status}, _content_type=MERGE_PATCH
+    )
 
 
 async def create_claim(objects: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> Any:
@@ -551,21 +571,10 @@ async def test_claim_table_has_count_replicas_phase_node_devices_age(
 
 
 async def test_node_status_table_has_total_healthy_allocated_product_age(
-    api: client.ApiClient, objects: client.CustomObjectsApi, node_status_names: list[str]
+    api: client.ApiClient, objects: client.CustomObjectsApi, new_node_status: NewNodeStatus
 ) -> None:
-    name = unique("table-node")
-    node_status_names.append(name)
-    await objects.create_cluster_custom_object(
-        GROUP, VERSION, constants.NODE_STATUS_PLURAL, node_status_body(name)
-    )
-    await objects.patch_cluster_custom_object_status(
-        GROUP,
-        VERSION,
-        constants.NODE_STATUS_PLURAL,
-        name,
-        {"status": valid_inventory()},
-        _content_type=MERGE_PATCH,
-    )
+    name = await new_node_status("table-node")
+    await patch_node_status(objects, name, valid_inventory())
 
     table = await api.call_api(
         f"/apis/{GROUP}/{VERSION}/{constants.NODE_STATUS_PLURAL}/{name}",
@@ -584,22 +593,11 @@ async def test_node_status_table_has_total_healthy_allocated_product_age(
 
 
 async def test_schema_valid_node_status_is_accepted_and_decodes(
-    objects: client.CustomObjectsApi, node_status_names: list[str]
+    objects: client.CustomObjectsApi, new_node_status: NewNodeStatus
 ) -> None:
-    name = unique("good-node")
-    node_status_names.append(name)
-    await objects.create_cluster_custom_object(
-        GROUP, VERSION, constants.NODE_STATUS_PLURAL, node_status_body(name)
-    )
+    name = await new_node_status("good-node")
 
-    updated = await objects.patch_cluster_custom_object_status(
-        GROUP,
-        VERSION,
-        constants.NODE_STATUS_PLURAL,
-        name,
-        {"status": valid_inventory()},
-        _content_type=MERGE_PATCH,
-    )
+    updated = await patch_node_status(objects, name, valid_inventory())
 
     assert updated["status"] == valid_inventory()
     parsed = codecs.parse_node_status(updated)
@@ -630,39 +628,25 @@ async def test_schema_valid_node_status_is_accepted_and_decodes(
     ],
 )
 async def test_invalid_node_status_is_rejected_with_422_naming_the_field(
-    objects: client.CustomObjectsApi, node_status_names: list[str], mutate: Any, field: str
+    objects: client.CustomObjectsApi,
+    new_node_status: NewNodeStatus,
+    mutate: Any,
+    field: str,
 ) -> None:
-    name = unique("bad-node")
-    node_status_names.append(name)
-    await objects.create_cluster_custom_object(
-        GROUP, VERSION, constants.NODE_STATUS_PLURAL, node_status_body(name)
-    )
+    name = await new_node_status("bad-node")
     inventory = valid_inventory()
     mutate(inventory)
 
-    status, message = await rejected(
-        objects.patch_cluster_custom_object_status(
-            GROUP,
-            VERSION,
-            constants.NODE_STATUS_PLURAL,
-            name,
-            {"status": inventory},
-            _content_type=MERGE_PATCH,
-        )
-    )
+    status, message = await rejected(patch_node_status(objects, name, inventory))
 
     assert status == 422, message
     assert field in message
 
 
 async def test_node_status_node_name_is_immutable(
-    objects: client.CustomObjectsApi, node_status_names: list[str]
+    objects: client.CustomObjectsApi, new_node_status: NewNodeStatus
 ) -> None:
-    name = unique("pinned-node")
-    node_status_names.append(name)
-    await objects.create_cluster_custom_object(
-        GROUP, VERSION, constants.NODE_STATUS_PLURAL, node_status_body(name)
-    )
+    name = await new_node_status("pinned-node")
 
     status, message = await rejected(
         objects.patch_cluster_custom_object(
