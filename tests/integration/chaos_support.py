@@ -76,9 +76,12 @@ class Timeline:
         return "\n".join(f"{at:8.2f} s  {what}" for at, what in self.entries)
 
 
-async def until_available(call: Callable[[], Awaitable[T]], *, within: float = 90.0) -> T:
-    """Retry ``call`` while the API server is away (restarting: no answer, 5xx, 429, or the
-    404 of a custom resource whose routes the restarted server has not set up yet)."""
+async def until_available(
+    call: Callable[[], Awaitable[T]], *, within: float = 90.0, interval: float = 0.2
+) -> T:
+    """Retry ``call`` every ``interval`` seconds while the API server is away (restarting: no
+    answer, 5xx, 429, or the 404 of a custom resource whose routes the restarted server has not set
+    up yet)."""
     deadline = time.monotonic() + within
     while True:
         try:
@@ -91,7 +94,7 @@ async def until_available(call: Callable[[], Awaitable[T]], *, within: float = 9
                 raise
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(interval)
 
 
 async def all_of(*awaitables: Awaitable[Any]) -> list[Any]:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from gpualloc.kube import errors, resources, watching
 from gpualloc.kube.client import Api
+from tests.integration.chaos_support import until_available
 
 
 def claim(name: str) -> dict[str, Any]:
@@ -31,24 +31,6 @@ def claim(name: str) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {"devices": {"count": 1}},
     }
-
-
-async def until_done(step: Callable[[], Awaitable[Any]], *, deadline: float) -> None:
-    """Run one write, retrying while the API server is away."""
-    while True:
-        try:
-            await step()
-            return
-        except (errors.Unavailable, errors.NotFound) as exc:
-            # 404 for the whole resource (not the object) while the restarted server sets up the CRD routes.
-            if (
-                isinstance(exc, errors.NotFound)
-                and "could not find the requested resource" not in exc.message
-            ):
-                raise
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
 
 
 async def test_reflector_cache_matches_a_fresh_list_after_an_apiserver_restart(
@@ -107,7 +89,7 @@ async def test_reflector_cache_matches_a_fresh_list_after_an_apiserver_restart(
             lambda: set_phase("c11", "during"),
             lambda: set_phase("c0", "during"),
         ):
-            await until_done(step, deadline=deadline)
+            await until_available(step, within=deadline - time.monotonic(), interval=0.05)
         await restart
         restarted_in = time.monotonic() - started
 
