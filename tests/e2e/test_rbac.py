@@ -183,6 +183,20 @@ def _claim(name: str) -> dict[str, Any]:
     }
 
 
+async def _lists_a_claim_the_admin_made(
+    api: k8s.ApiClient, custom: k8s.CustomObjectsApi, namespace: str, name: str
+) -> Any:
+    """The admin (``api``) creates claim ``name``; a cluster-wide list with ``custom`` must show it.
+    The listing."""
+    admin = k8s.CustomObjectsApi(api)
+    await allowed(
+        lambda: admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "gpuclaims", _claim(name))
+    )
+    claims = await allowed(lambda: custom.list_cluster_custom_object(GROUP, VERSION, "gpuclaims"))
+    assert name in {c["metadata"]["name"] for c in claims["items"]}
+    return claims
+
+
 def _lease(name: str) -> k8s.V1Lease:
     return k8s.V1Lease(
         metadata=k8s.V1ObjectMeta(name=name), spec=k8s.V1LeaseSpec(holder_identity="rbac-test")
@@ -196,15 +210,9 @@ async def test_controller_token_lists_claims_everywhere_locks_leases_and_writes_
     installed: Installed, api: k8s.ApiClient, as_component: Callable[[str], Awaitable[k8s.ApiClient]]
 ) -> None:
     ns = installed.namespace
-    admin = k8s.CustomObjectsApi(api)
-    await allowed(
-        lambda: admin.create_namespaced_custom_object(GROUP, VERSION, ns, "gpuclaims", _claim("c1"))
-    )
     controller = await as_component("controller")
     custom = k8s.CustomObjectsApi(controller)
-
-    claims = await allowed(lambda: custom.list_cluster_custom_object(GROUP, VERSION, "gpuclaims"))
-    assert "c1" in {c["metadata"]["name"] for c in claims["items"]}
+    await _lists_a_claim_the_admin_made(api, custom, ns, "c1")
     await allowed(lambda: custom.list_cluster_custom_object(GROUP, VERSION, "gpunodestatuses"))
     await allowed(lambda: k8s.CoreV1Api(controller).list_node())
     await allowed(lambda: k8s.CoreV1Api(controller).list_pod_for_all_namespaces(limit=1))
@@ -327,14 +335,8 @@ async def test_webhook_token_lists_and_watches_claims(
     installed: Installed, api: k8s.ApiClient, as_component: Callable[[str], Awaitable[k8s.ApiClient]]
 ) -> None:
     ns = installed.namespace
-    admin = k8s.CustomObjectsApi(api)
-    await allowed(
-        lambda: admin.create_namespaced_custom_object(GROUP, VERSION, ns, "gpuclaims", _claim("w1"))
-    )
-    webhook = await as_component("webhook")
-    custom = k8s.CustomObjectsApi(webhook)
-    claims = await allowed(lambda: custom.list_cluster_custom_object(GROUP, VERSION, "gpuclaims"))
-    assert "w1" in {c["metadata"]["name"] for c in claims["items"]}
+    custom = k8s.CustomObjectsApi(await as_component("webhook"))
+    claims = await _lists_a_claim_the_admin_made(api, custom, ns, "w1")
     got = await allowed(lambda: custom.get_namespaced_custom_object(GROUP, VERSION, ns, "gpuclaims", "w1"))
     assert got["metadata"]["name"] == "w1"
     response = await custom.list_cluster_custom_object(
