@@ -546,6 +546,17 @@ async def test_claim_status_schema_is_enforced_on_the_status_subresource(
 # ------------------------------------------------------------------ tables
 
 
+async def get_table(api: client.ApiClient, path: str) -> Any:
+    """GET ``path`` as a server-side Table: the columns ``kubectl get`` prints."""
+    return await api.call_api(
+        path,
+        "GET",
+        header_params={"Accept": TABLE},
+        response_types_map={200: "object"},
+        _return_http_data_only=True,
+    )
+
+
 def _column_names(table: dict[str, Any]) -> list[str]:
     return [c["name"] for c in table["columnDefinitions"] if c.get("priority", 0) == 0]
 
@@ -556,13 +567,7 @@ async def test_claim_table_has_count_replicas_phase_node_devices_age(
     await create_claim(objects, namespace, claim_body("shown", {"devices": {"count": 1}, "replicas": 1}))
     await patch_claim_status(objects, namespace, "shown", ALLOCATED_STATUS)
 
-    table = await api.call_api(
-        f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{constants.CLAIM_PLURAL}",
-        "GET",
-        header_params={"Accept": TABLE},
-        response_types_map={200: "object"},
-        _return_http_data_only=True,
-    )
+    table = await get_table(api, f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{constants.CLAIM_PLURAL}")
 
     assert table["kind"] == "Table"
     assert _column_names(table) == ["Name", "Count", "Replicas", "Phase", "Node", "Devices", "Age"]
@@ -576,13 +581,7 @@ async def test_node_status_table_has_total_healthy_allocated_product_age(
     name = await new_node_status("table-node")
     await patch_node_status(objects, name, valid_inventory())
 
-    table = await api.call_api(
-        f"/apis/{GROUP}/{VERSION}/{constants.NODE_STATUS_PLURAL}/{name}",
-        "GET",
-        header_params={"Accept": TABLE},
-        response_types_map={200: "object"},
-        _return_http_data_only=True,
-    )
+    table = await get_table(api, f"/apis/{GROUP}/{VERSION}/{constants.NODE_STATUS_PLURAL}/{name}")
 
     assert _column_names(table) == ["Name", "Total", "Healthy", "Allocated", "Product", "Age"]
     (row,) = table["rows"]
