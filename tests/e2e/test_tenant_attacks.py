@@ -117,11 +117,7 @@ async def test_a_tenant_cannot_strip_the_finalizer_of_its_deleted_claim_while_it
             )
             await tenant_claims.delete_claim(ns, "held")
 
-            async def in_use() -> dict[str, Any] | None:
-                got = await support.get_claim(setup.admin, ns, "held")
-                return got if support.condition(got, "InUse").get("status") == "True" else None
-
-            kept = await support.wait_for(in_use, within=60, what="the deleted claim to say its pod uses it")
+            kept = await support.wait_condition(setup.admin, ns, "held", "InUse", status="True", within=60)
             assert kept["metadata"]["deletionTimestamp"]
 
             await try_every_strip(setup.tenant, ns, "held")

@@ -690,8 +690,8 @@ async def test_a_tenants_claims_past_its_quota_wait_with_the_quota_message(setup
             await support.wait_phase(setup.admin, ns, "first", "Allocated", within=60)
             await tenant_claims.create_claim(ns, support.claim_body("second", 2, run=run))
 
-            second = await support.wait_allocated_reason(
-                setup.admin, ns, "second", "QuotaExceeded", within=60
+            second = await support.wait_condition(
+                setup.admin, ns, "second", constants.CONDITION_ALLOCATED, reason="QuotaExceeded", within=60
             )
             assert second["status"]["phase"] == "Pending"
             assert second["status"]["message"] == f"namespace {ns} would use 5 of 4 GPUs (quota {ns}/gpus)"

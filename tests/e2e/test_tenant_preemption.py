@@ -82,8 +82,13 @@ async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_na
             wanted["spec"]["devices"]["product"] = "*H100*"
             await tenant_claims.create_claim(ns, wanted)
 
-            got = await support.wait_allocated_reason(
-                setup.tenant, ns, "wants-h100", "QuotaExceeded", within=60
+            got = await support.wait_condition(
+                setup.tenant,
+                ns,
+                "wants-h100",
+                constants.CONDITION_ALLOCATED,
+                reason="QuotaExceeded",
+                within=60,
             )
             assert got["status"]["phase"] == "Pending"
             assert (

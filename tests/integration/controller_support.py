@@ -278,16 +278,19 @@ async def wait_phase(api: Api, namespace: str, name: str, phase: str, within: fl
     return await wait_for(probe, within=within, what=f"{namespace}/{name} {phase}")
 
 
-async def wait_allocated_reason(
-    api: Api, namespace: str, name: str, reason: str, *, within: float = 30, what: str = ""
+async def wait_condition(
+    api: Api, namespace: str, name: str, type_: str, *, within: float = 30, what: str = "", **fields: str
 ) -> dict[str, Any]:
-    """Wait until the claim's Allocated condition gives ``reason`` (``QuotaExceeded``...); the claim."""
+    """Wait until the claim's condition of type ``type_`` has ``fields`` (``status="True"``,
+    ``reason="QuotaExceeded"``...); the claim."""
+    assert fields, "a condition to wait for"
 
     async def probe() -> dict[str, Any] | None:
         got = await get_claim(api, namespace, name)
-        return got if condition(got, constants.CONDITION_ALLOCATED).get("reason") == reason else None
+        found = condition(got, type_)
+        return got if all(found.get(key) == value for key, value in fields.items()) else None
 
-    return await wait_for(probe, within=within, what=what or f"{namespace}/{name} {reason}")
+    return await wait_for(probe, within=within, what=what or f"{namespace}/{name} {type_} {fields}")
 
 
 async def device_leases(api: Api, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:

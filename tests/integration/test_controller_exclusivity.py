@@ -59,11 +59,7 @@ async def test_a_claim_deleted_while_its_pod_runs_keeps_its_leases_until_the_pod
         await create_pod(api, namespace, "worker", "first")  # Pending: not finished, so in use
         await crs.delete_claim(namespace, "first")
 
-        async def blocked() -> dict[str, Any] | None:
-            got = await support.get_claim(api, namespace, "first")
-            return got if support.condition(got, "InUse").get("status") == "True" else None
-
-        kept = await support.wait_for(blocked, within=60, what="the deleted claim to say it is in use")
+        kept = await support.wait_condition(api, namespace, "first", "InUse", status="True", within=60)
         assert kept["metadata"].get("deletionTimestamp")
         assert "worker" in support.condition(kept, "InUse")["message"]
         await crs.create_claim(namespace, support.claim_body("second", 1, run=run, priority=1000))
@@ -168,16 +164,9 @@ async def test_a_claim_whose_lease_another_claim_holds_is_marked_devices_taken(
         annotations={constants.LABEL_CLAIM_NAMESPACE: namespace, constants.LABEL_CLAIM_NAME: "intruder"},
     )
     async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
-
-        async def marked() -> dict[str, Any] | None:
-            got = await support.get_claim(api, namespace, "owner")
-            return (
-                got
-                if support.condition(got, constants.CONDITION_DEVICES_LOST).get("status") == "True"
-                else None
-            )
-
-        got = await support.wait_for(marked, what="DevicesLost on the owner")
+        got = await support.wait_condition(
+            api, namespace, "owner", constants.CONDITION_DEVICES_LOST, status="True"
+        )
     lost = support.condition(got, constants.CONDITION_DEVICES_LOST)
     assert lost["reason"] == constants.REASON_DEVICES_TAKEN
     assert f"{uuid_} is held by claim {namespace}/intruder" in lost["message"]

@@ -59,11 +59,7 @@ async def test_a_reallocate_claim_moves_off_a_deleted_node_after_its_grace_once_
     await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
     await support.delete_gpu_node(api, first)
 
-    async def lost() -> dict[str, Any] | None:
-        got = await support.get_claim(api, namespace, "moving")
-        return got if support.condition(got, "NodeLost").get("status") == "True" else None
-
-    noticed = await support.wait_for(lost, within=20, what="the NodeLost condition")
+    noticed = await support.wait_condition(api, namespace, "moving", "NodeLost", status="True", within=20)
     assert f"{first} is deleted or not ready" in support.condition(noticed, "NodeLost")["message"]
     # Past the grace period, the pod still uses the claim: it stays where it was.
     await asyncio.sleep(GRACE + 3)
@@ -101,11 +97,7 @@ async def test_a_keep_claim_stays_on_a_deleted_node_with_devices_lost(
     await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run})
     await support.delete_gpu_node(api, first)
 
-    async def devices_lost() -> dict[str, Any] | None:
-        got = await support.get_claim(api, namespace, "keep")
-        return got if support.condition(got, "DevicesLost").get("status") == "True" else None
-
-    got = await support.wait_for(devices_lost, within=20, what="DevicesLost")
+    got = await support.wait_condition(api, namespace, "keep", "DevicesLost", status="True", within=20)
     await asyncio.sleep(3)
     got = await support.get_claim(api, namespace, "keep")
     assert got is not None and got["status"]["phase"] == "Allocated"

@@ -203,8 +203,13 @@ async def test_a_claim_its_quota_refuses_on_every_plan_preempts_nobody_and_waits
         wanted["spec"]["devices"]["product"] = "*H100*"
         await crs.create_claim(namespace, wanted)
 
-        held_back = await support.wait_allocated_reason(
-            api, namespace, "wants-h100", "QuotaExceeded", what="the preemptor to be held back by its quota"
+        held_back = await support.wait_condition(
+            api,
+            namespace,
+            "wants-h100",
+            constants.CONDITION_ALLOCATED,
+            reason="QuotaExceeded",
+            what="the preemptor to be held back by its quota",
         )
         assert held_back["status"]["phase"] == "Pending"
         assert held_back["status"]["message"] == (
