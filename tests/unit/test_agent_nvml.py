@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -223,13 +225,21 @@ def test_device_count_failure_resets_so_the_next_scan_initialises_again() -> Non
 # ------------------------------------------------------------------- events
 
 
-async def _collect(
-    lib: fake.FakeNvml, source: nvml.NvmlSource, tracker: health.HealthTracker
-) -> health.EventThread:
+@contextlib.asynccontextmanager
+async def _collecting(
+    machine: fake.FakeMachine, tracker: health.HealthTracker
+) -> AsyncIterator[tuple[fake.FakeNvml, health.EventThread]]:
+    """``machine``'s NVML events applied to ``tracker`` by an EventThread, stopped afterwards."""
+    source, lib = _source(machine)
+    source.scan()
     loop = asyncio.get_running_loop()
     thread = health.EventThread(source.open_events(), loop, tracker.apply, timeout_ms=50)
     thread.start()
-    return thread
+    try:
+        yield lib, thread
+    finally:
+        thread.stop()
+        await asyncio.to_thread(thread.join, 2.0)
 
 
 async def _wait_for(condition: object, seconds: float = 2.0) -> None:
@@ -243,11 +253,8 @@ async def _wait_for(condition: object, seconds: float = 2.0) -> None:
 
 async def test_xid_and_ecc_events_mark_devices_unhealthy_and_application_xids_are_ignored() -> None:
     machine = fake.h100_nvswitch_box()
-    source, lib = _source(machine)
-    source.scan()
     tracker = health.HealthTracker()
-    thread = await _collect(lib, source, tracker)
-    try:
+    async with _collecting(machine, tracker) as (lib, thread):
         uuids = [g.uuid for g in machine.gpus]
         lib.inject_xid(2, 13)  # application XID: ignored
         lib.inject_xid(3, 79)  # fell off the bus
@@ -255,9 +262,6 @@ async def test_xid_and_ecc_events_mark_devices_unhealthy_and_application_xids_ar
         await _wait_for(lambda: len(tracker.marks(uuids)) == 2)
         await asyncio.sleep(0.2)
         assert tracker.marks(uuids) == {uuids[3]: "XID 79", uuids[5]: "double-bit ECC error"}
-    finally:
-        thread.stop()
-        await asyncio.to_thread(thread.join, 2.0)
     assert not thread.alive
     assert lib.event_sets[0].freed
     assert sorted(lib.event_sets[0].registered) == list(range(8))
@@ -269,35 +273,23 @@ async def test_xid_and_ecc_events_mark_devices_unhealthy_and_application_xids_ar
 
 async def test_xid_from_a_device_nvml_cannot_name_marks_every_device() -> None:
     machine = fake.pcie_bridged_box()
-    source, lib = _source(machine)
-    source.scan()
     tracker = health.HealthTracker()
-    thread = await _collect(lib, source, tracker)
-    try:
+    async with _collecting(machine, tracker) as (lib, _):
         lib.inject_xid(None, 48)
         uuids = [g.uuid for g in machine.gpus]
         await _wait_for(lambda: len(tracker.marks(uuids)) == 4)
         assert set(tracker.marks(uuids).values()) == {"XID 48"}
-    finally:
-        thread.stop()
-        await asyncio.to_thread(thread.join, 2.0)
 
 
 async def test_configured_ignored_xids_replace_the_default_list() -> None:
     machine = fake.pcie_bridged_box()
-    source, lib = _source(machine)
-    source.scan()
     tracker = health.HealthTracker(health.parse_xids("79"))
-    thread = await _collect(lib, source, tracker)
-    try:
+    async with _collecting(machine, tracker) as (lib, _):
         lib.inject_xid(0, 79)
         lib.inject_xid(1, 13)
         await _wait_for(lambda: bool(tracker.marks([machine.gpus[1].uuid])))
         await asyncio.sleep(0.2)
         assert tracker.marks([g.uuid for g in machine.gpus]) == {machine.gpus[1].uuid: "XID 13"}
-    finally:
-        thread.stop()
-        await asyncio.to_thread(thread.join, 2.0)
 
 
 def test_devices_without_event_support_are_listed_not_fatal() -> None:
