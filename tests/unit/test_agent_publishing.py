@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import datetime as dt
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -128,6 +129,30 @@ def _inventory(unhealthy: dict[str, str] | None = None) -> models.NodeInventory:
     return dataclasses.replace(inv, conditions=conds)
 
 
+async def _published() -> tuple[StubResources, Clock, publishing.Publisher, models.NodeInventory]:
+    """A publisher on a stub after its first step: (stub, clock, publisher, the inventory it published)."""
+    stub, clock = StubResources(), Clock()
+    pub = _publisher(stub, clock)
+    inv = _inventory()
+    await pub.step(inv)
+    return stub, clock, pub, inv
+
+
+async def _run_until(
+    pub: publishing.Publisher, current: Callable[[], models.NodeInventory], done: Callable[[], bool]
+) -> None:
+    """``pub.run`` until ``done()`` (2 s at most), then cancelled."""
+    task = asyncio.create_task(pub.run(current, asyncio.Event()))
+    try:
+        for _ in range(100):
+            if done():
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_first_round_creates_with_owner_reference_then_writes_the_status() -> None:
     stub, clock = StubResources(), Clock()
     pub = _publisher(stub, clock)
@@ -178,10 +203,7 @@ async def test_without_change_the_lease_is_renewed_each_interval_and_the_status_
 
 
 async def test_without_a_heartbeat_namespace_the_status_carries_every_heartbeat() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    inv = _inventory()
-    await pub.step(inv)
+    stub, clock, pub, inv = await _published()
     results = []
     for _ in range(30):  # 30 s in 1 s rounds
         clock.t += 1.0
@@ -195,9 +217,7 @@ async def test_without_a_heartbeat_namespace_the_status_carries_every_heartbeat(
 
 
 async def test_a_change_is_written_at_once_conditionally_on_the_resource_version() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    await pub.step(_inventory())
+    stub, clock, pub, _ = await _published()
     clock.t += 1.0
     uuid = _inventory().devices[2].uuid
     assert await pub.step(_inventory({uuid: "XID 79"})) == "status"
@@ -209,9 +229,7 @@ async def test_a_change_is_written_at_once_conditionally_on_the_resource_version
 
 
 async def test_condition_transition_time_holds_while_its_status_holds() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    await pub.step(_inventory())
+    stub, clock, pub, _ = await _published()
     clock.t += 100.0
     await pub.step(_inventory({_inventory().devices[0].uuid: "XID 79"}))  # Ready message changes, not status
     assert stub.obj is not None
@@ -229,10 +247,7 @@ async def test_condition_transition_time_holds_while_its_status_holds() -> None:
 
 
 async def test_someone_elses_status_change_is_undone_at_the_next_round() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    inv = _inventory()
-    await pub.step(inv)
+    stub, clock, pub, inv = await _published()
     clock.t += 10.0
     assert stub.obj is not None
     stub.obj["status"]["total"] = 99  # a heartbeat response shows the foreign write
@@ -243,9 +258,7 @@ async def test_someone_elses_status_change_is_undone_at_the_next_round() -> None
 
 
 async def test_keys_the_new_status_lacks_are_nulled_in_the_patch() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    await pub.step(_inventory())
+    stub, _, pub, _ = await _published()
     assert stub.obj is not None
     stub.obj["status"]["legacyField"] = "x"
     pub.server = copy.deepcopy(stub.obj)
@@ -265,26 +278,14 @@ async def test_existing_object_gets_its_missing_owner_reference() -> None:
 
 
 async def test_run_rereads_after_a_conflict_and_retries_after_unavailable() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    inv = _inventory()
-    await pub.step(inv)
+    stub, clock, pub, inv = await _published()
     clock.t += 1.0
     stub.fail_next = [
         errors.Unavailable(503, "ServiceUnavailable", "restarting"),
         errors.Conflict(409, "Conflict", "x"),
     ]
     changed = _inventory({inv.devices[1].uuid: "XID 79"})
-    wake = asyncio.Event()
-    task = asyncio.create_task(pub.run(lambda: changed, wake))
-    try:
-        for _ in range(100):
-            if stub.obj and stub.obj["status"]["healthy"] == 3:
-                break
-            await asyncio.sleep(0.02)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await _run_until(pub, lambda: changed, lambda: bool(stub.obj and stub.obj["status"]["healthy"] == 3))
     assert stub.obj is not None and stub.obj["status"]["healthy"] == 3
     assert pub.errors == 2
     gets_after_conflict = [k for k, _ in stub.calls[3:] if k == "get"]
@@ -292,22 +293,10 @@ async def test_run_rereads_after_a_conflict_and_retries_after_unavailable() -> N
 
 
 async def test_run_recreates_the_object_when_it_was_deleted() -> None:
-    stub, clock = StubResources(), Clock()
-    pub = _publisher(stub, clock)
-    inv = _inventory()
-    await pub.step(inv)
+    stub, clock, pub, inv = await _published()
     stub.obj = None  # deleted behind the agent's back
     clock.t += 10.0
-    wake = asyncio.Event()
-    task = asyncio.create_task(pub.run(lambda: inv, wake))
-    try:
-        for _ in range(100):
-            if stub.obj is not None and "status" in stub.obj:
-                break
-            await asyncio.sleep(0.02)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await _run_until(pub, lambda: inv, lambda: stub.obj is not None and "status" in stub.obj)
     assert stub.writes().count("create") == 2
     assert stub.obj is not None and stub.obj["status"]["total"] == 4
 
