@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,25 +18,30 @@ import yaml
 from gpualloc.devcluster import cli, cluster
 
 
-def _sleeper(*extra: str) -> subprocess.Popen[bytes]:
+@contextlib.contextmanager
+def _running(argv: list[str], started: Callable[[int], bool]) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` in a session of its own, once ``started(pid)`` (or after 10 s); killed afterwards."""
+    process = subprocess.Popen(argv, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not started(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # /proc/<pid>/cmdline is empty until exec has finished
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _sleeper() -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     sleep = shutil.which("sleep")
     assert sleep is not None
-    process = subprocess.Popen([sleep, "60", *extra], start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not cluster.process_matches(process.pid, sleep) and time.monotonic() < deadline:
-        time.sleep(0.01)  # /proc/<pid>/cmdline is empty until exec has finished
-    return process
+    return _running([sleep, "60"], lambda pid: cluster.process_matches(pid, sleep))
 
 
-def _fake_dev_up() -> subprocess.Popen[bytes]:
+def _fake_dev_up() -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """A process whose command line looks like `gpualloc dev up`."""
-    owner = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "gpualloc", "dev", "up"], start_new_session=True
-    )
-    deadline = time.monotonic() + 10
-    while "gpualloc" not in cli._cmdline(owner.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)  # /proc/<pid>/cmdline is empty until exec has finished
-    return owner
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", "gpualloc", "dev", "up"]
+    return _running(argv, lambda pid: "gpualloc" in cli._cmdline(pid))
 
 
 def _record(state_dir: Path, processes: dict[str, dict[str, object]]) -> None:
@@ -72,59 +79,43 @@ def test_down_reads_the_state_dir_from_the_environment(
 
 
 def test_down_stops_the_recorded_processes_that_still_run(tmp_path: Path) -> None:
-    process = _sleeper()
-    try:
+    with _sleeper() as process:
         _record(tmp_path, {"etcd": {"pid": process.pid, "executable": process.args[0]}})  # type: ignore[index]
 
         assert cli.main(["down", "--state-dir", str(tmp_path), "--timeout", "5"]) == 0
 
         assert process.wait(timeout=5) is not None
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_down_leaves_alone_a_pid_now_running_something_else(tmp_path: Path) -> None:
-    process = _sleeper()
-    try:
+    with _sleeper() as process:
         _record(tmp_path, {"etcd": {"pid": process.pid, "executable": "/nonexistent/etcd"}})
 
         cli.main(["down", "--state-dir", str(tmp_path), "--timeout", "1"])
 
         assert process.poll() is None  # a reused pid is not ours to kill
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_down_sends_sigterm_to_the_dev_up_process_in_the_pid_file(tmp_path: Path) -> None:
-    owner = _fake_dev_up()
-    try:
+    with _fake_dev_up() as owner:
         (tmp_path / cli.PID_FILE).write_text(f"{owner.pid}\n")
 
         assert cli.main(["down", "--state-dir", str(tmp_path), "--timeout", "5"]) == 0
 
         assert owner.wait(timeout=5) == -15
         assert not (tmp_path / cli.PID_FILE).exists()
-    finally:
-        owner.kill()
-        owner.wait()
 
 
 def test_up_refuses_a_state_dir_another_dev_up_is_using(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    owner = _fake_dev_up()
-    try:
+    with _fake_dev_up() as owner:
         (tmp_path / cli.PID_FILE).write_text(f"{owner.pid}\n")
 
         assert cli.main(["up", "--state-dir", str(tmp_path)]) == 1
 
         assert "in use" in capsys.readouterr().err
         assert (tmp_path / cli.PID_FILE).read_text().strip() == str(owner.pid)
-    finally:
-        owner.kill()
-        owner.wait()
 
 
 def test_kwok_stages_make_nodes_ready_and_pods_run() -> None:
