@@ -80,15 +80,26 @@ def test_kubernetes_binaries_carry_the_version_in_ldflags() -> None:
     }
 
 
-def test_toxiproxy_server_is_built_from_its_pinned_module_with_its_version() -> None:
-    (module,) = [m for m in binaries.MODULES if m.name == "toxiproxy"]
+def _assert_pinned(name: str, packages: dict[str, str], ldflag: str, requirement: str) -> None:
+    """Module ``name`` builds ``packages`` (binary -> Go package) with ``ldflag``, and its go.mod
+    (with a go.sum) requires ``requirement``."""
+    (module,) = [m for m in binaries.MODULES if m.name == name]
 
-    assert dict(module.packages) == {"toxiproxy-server": "github.com/Shopify/toxiproxy/v2/cmd/server"}
-    assert f"-X github.com/Shopify/toxiproxy/v2.Version={binaries.TOXIPROXY_VERSION}" in module.ldflags
+    assert dict(module.packages) == packages
+    assert ldflag in module.ldflags
     go_mod = (binaries.HACK_DIR / module.directory / "go.mod").read_text()
-    assert f"github.com/Shopify/toxiproxy/v2 {binaries.TOXIPROXY_VERSION}" in go_mod
+    assert requirement in go_mod
     assert (binaries.HACK_DIR / module.directory / "go.sum").is_file()
-    assert "toxiproxy-server" in binaries.NAMES
+    assert set(packages) <= set(binaries.NAMES)
+
+
+def test_toxiproxy_server_is_built_from_its_pinned_module_with_its_version() -> None:
+    _assert_pinned(
+        "toxiproxy",
+        {"toxiproxy-server": "github.com/Shopify/toxiproxy/v2/cmd/server"},
+        f"-X github.com/Shopify/toxiproxy/v2.Version={binaries.TOXIPROXY_VERSION}",
+        f"github.com/Shopify/toxiproxy/v2 {binaries.TOXIPROXY_VERSION}",
+    )
 
 
 def test_ensure_builds_what_is_missing_then_reuses_the_cache(fake_go: Path) -> None:
@@ -148,11 +159,9 @@ def test_unknown_binary_name_is_refused() -> None:
 
 
 def test_vegeta_is_built_from_its_pinned_module_with_its_version() -> None:
-    (module,) = [m for m in binaries.MODULES if m.name == "vegeta"]
-
-    assert dict(module.packages) == {"vegeta": "github.com/tsenart/vegeta/v12"}
-    assert f"-X main.Version={binaries.VEGETA_VERSION}" in module.ldflags
-    go_mod = (binaries.HACK_DIR / module.directory / "go.mod").read_text()
-    assert f"github.com/tsenart/vegeta/v12 {binaries.VEGETA_VERSION}" in go_mod
-    assert (binaries.HACK_DIR / module.directory / "go.sum").is_file()
-    assert "vegeta" in binaries.NAMES
+    _assert_pinned(
+        "vegeta",
+        {"vegeta": "github.com/tsenart/vegeta/v12"},
+        f"-X main.Version={binaries.VEGETA_VERSION}",
+        f"github.com/tsenart/vegeta/v12 {binaries.VEGETA_VERSION}",
+    )
