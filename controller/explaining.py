@@ -120,9 +120,10 @@ def explain(
         def priority(c: models.GpuClaim) -> int:
             return c.spec.priority if cap is None else min(c.spec.priority, cap)
 
-        def admit(decision: allocator.Decision, victims: Sequence[models.GpuClaim]) -> str:
-            product = quotas.products_of(decision.allocations, statuses)
-            return quotas.admissible(namespace_quotas, claim, product, [v.metadata.uid for v in victims])
+        def admit(decision: allocator.Decision) -> str:
+            return quotas.admissible(
+                namespace_quotas, claim, quotas.products_of(decision.allocations, statuses)
+            )
 
         pool = preemption.candidates(claim, claims, priority=priority, cluster_scope=False)
         plan = preemption.choose(

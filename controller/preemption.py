@@ -9,11 +9,13 @@ queue orders them, so a tenant cannot out-rank another by writing a big number.
 
 **Admission before preemption.** A plan counts only if the claim would then be
 admitted: ``choose`` takes an ``admit`` check (the caller's: every quota of the
-preemptor's namespace, total and per product, on the ledger with the victims'
-entries taken out, ``quotas.admissible``) and treats a placement it refuses as
-not fitting. So the search finds an admissible plan (A100 holders rather than
-H100 holders, when the namespace may have no H100) or none, and no victim is
-chosen for a claim its quotas would hold back.
+preemptor's namespace, total and per product, ``quotas.admissible``) and treats
+a placement it refuses as not fitting. So the search finds an admissible plan
+(A100 holders rather than H100 holders, when the namespace may have no H100) or
+none, and no victim is chosen for a claim its quotas would hold back.
+Preemption frees GPUs, never quota: the victims' entries still count, as they
+do until their GPUs are free, so the controller can enter the preemptor in its
+ledgers before it marks any victim (``reconciling``).
 
 ``choose`` finds the victims, minimal in this order: fewest GPUs displaced,
 then the lowest top priority among them, then the fewest claims, then names.
@@ -54,8 +56,8 @@ MAX_NODES = 64  # nodes a one-replica claim's search tries at most
 MAX_GANG_CANDIDATES = 256  # candidates a gang's search considers at most (lowest priority first)
 
 Place = Callable[[Sequence[allocator.NodeView]], allocator.Decision]
-# Why the claim placed so, with these victims gone, would not be admitted ("" when it would).
-Admit = Callable[[allocator.Decision, Sequence[models.GpuClaim]], str]
+# Why the claim placed so would not be admitted ("" when it would).
+Admit = Callable[[allocator.Decision], str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,7 +189,7 @@ def _fits(
 ) -> allocator.Decision | None:
     """Where the claim goes with ``victims`` gone, if it fits there and would be admitted."""
     decision = place(_freed(views, victims))
-    if not decision.ok or (admit is not None and admit(decision, victims)):
+    if not decision.ok or (admit is not None and admit(decision)):
         return None
     return decision
 

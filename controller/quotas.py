@@ -30,9 +30,8 @@ and nothing more is admitted until it falls back).
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpualloc.api import codecs, models
@@ -102,19 +101,12 @@ def verdict(quota: models.GpuQuota, uid: str, entry: models.QuotaEntry) -> str:
     return ""
 
 
-def admissible(
-    quotas: Iterable[models.GpuQuota], claim: models.GpuClaim, product: str, leaving: Collection[str] = ()
-) -> str:
-    """Why one of the namespace's ``quotas`` would not admit ``claim`` counted for ``product`` once
-    the claims ``leaving`` (uids: the victims of a preemption) are out of its ledger; "" when
-    every one would. The check ``Ledger.admit`` makes, on the ledgers as they would then be: a
-    quota that holds the claim for this already admits it."""
+def admissible(quotas: Iterable[models.GpuQuota], claim: models.GpuClaim, product: str) -> str:
+    """Why one of the namespace's ``quotas`` would not admit ``claim`` counted for ``product``; ""
+    when every one would. The check ``Ledger.admit`` makes: a quota that holds the claim for this
+    already admits it."""
     gpus, uid = claim_gpus(claim), claim.metadata.uid
-    gone = set(leaving)
     for quota in quotas:
-        if gone & quota.status.claims.keys():
-            kept = {u: e for u, e in quota.status.claims.items() if u not in gone}
-            quota = dataclasses.replace(quota, status=dataclasses.replace(quota.status, claims=kept))
         if covers(quota, uid, gpus, product):
             continue
         why = verdict(quota, uid, merged(quota, uid, gpus, product))

@@ -612,10 +612,10 @@ class Reconciler:
         found (nobody is preempted then); None when it may preempt nobody.
 
         Admission before preemption: a plan counts only if every quota of the claim's namespace
-        would admit the claim on the devices it names, with the victims out of the ledgers
-        (``quotas.admissible``), so no claim is preempted for a preemptor held back by its quota.
-        When no victim is of its own namespace, the claim is then entered in its ledgers (a write
-        conditional on each quota's version) before any victim is marked.
+        would admit the claim on the devices it names (``quotas.admissible``; preemption frees
+        GPUs, never quota: the victims still count), and the claim is entered in its ledgers (a
+        write conditional on each quota's version) before any victim is marked, so no claim is
+        preempted for a preemptor held back by its quota.
         A claim that asks more GPUs per replica than any node has never searches.
 
         A victim is marked with a write conditional on its resourceVersion, so a victim that moved on
@@ -656,11 +656,11 @@ class Reconciler:
         def place(candidate_views: Sequence[allocator.NodeView]) -> allocator.Decision:
             return allocator.allocate(claim, candidate_views, seed=seed, cost_label=self.settings.cost_label)
 
-        def admit(decision: allocator.Decision, victims: Sequence[models.GpuClaim]) -> str:
+        def admit(decision: allocator.Decision) -> str:
             if not namespace_quotas:
                 return ""
             product = quotas.products_of(decision.allocations, self.state.statuses)
-            why = quotas.admissible(namespace_quotas, claim, product, [v.metadata.uid for v in victims])
+            why = quotas.admissible(namespace_quotas, claim, product)
             if why and not refused:
                 refused.append(why)
             return why
@@ -668,23 +668,19 @@ class Reconciler:
         plan = preemption.choose(claim, pool, node_views, place, priority=self._priority, admit=admit)
         if plan is None:
             return (refused[0], quotas.REASON) if refused else None
-        mine = [v for v in plan.victims if v.metadata.namespace == claim.metadata.namespace]
-        if not mine:
-            # Admitted by the API server before any victim is marked: the ledgers are written at the
-            # version they were read at, so a cache that missed another controller's admission can
-            # never preempt for a claim its quota then refuses. (Victims of its own namespace leave
-            # its ledgers only once their GPUs are free, so with those the check above decides.)
-            product = quotas.products_of(plan.decision.allocations, self.state.statuses)
-            if not self.ledger.holds(claim, product):
-                why = await self.ledger.admit(claim, product)
-                if why is None:
-                    return None  # a ledger changed meanwhile: looked at again shortly
-                if why:
-                    return why, quotas.REASON
+        # Admitted by the API server before any victim is marked: the ledgers are written at the
+        # version they were read at, so a cache that missed another controller's admission can never
+        # preempt for a claim its quota then refuses (the deterministic simulation found one, seed
+        # 7012999). Its room is then held for it while the victims let go.
+        product = quotas.products_of(plan.decision.allocations, self.state.statuses)
+        if not self.ledger.holds(claim, product):
+            why = await self.ledger.admit(claim, product)
+            if why is None:
+                return None  # a ledger changed meanwhile: looked at again shortly
+            if why:
+                return why, quotas.REASON
         now = self._now()
-        # Its own namespace's victims first, and no more once one write fails (it moved on: the next
-        # try plans again), so the victims marked so far always free what the check counted freed.
-        for victim in [*mine, *(v for v in plan.victims if v not in mine)]:
+        for victim in plan.victims:
             written = await self._write_status(victim, statuses.preempted_status(victim, by=claim, now=now))
             if written is None:
                 break

@@ -30,9 +30,9 @@
    the pod is bound to, in whole or in part (a MIG instance, a slot, or the GPU
    of either), whatever happened to the pod's own claim.
 7. No claim is preempted for a claim that its quota could not admit: when a claim
-   is written Preempted, its preemptor fits every stored quota ledger of its
-   namespace, counted with its whole ask and without the claims of its own
-   namespace it preempted (``model.ApiServer.inadmissible_preemptions``).
+   is written Preempted, every stored quota ledger of its preemptor's namespace
+   holds the preemptor for its whole ask already (``model.ApiServer.
+   inadmissible_preemptions``); with invariant 5, its room is there.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still

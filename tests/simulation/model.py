@@ -43,7 +43,6 @@ import asyncio
 import collections
 import dataclasses
 import datetime
-import fnmatch
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -240,8 +239,8 @@ class ApiServer:
         # Uids of claims whose finalizers a tenant stripped while they were being deleted (the
         # "strip-finalizer" action): they vanish at once, and their pods are the ground truth of use.
         self.stripped: set[str] = set()
-        # Invariant 7: each claim written Preempted for a preemptor that its namespace's stored
-        # quota ledgers could not admit, even with every claim it preempted there gone.
+        # Invariant 7: each claim written Preempted for a preemptor that a stored quota ledger of
+        # its namespace did not hold then.
         self.inadmissible_preemptions: list[str] = []
         self.events_emitted = 0
         # Every version of each claim key ever stored, oldest first: what a webhook whose watch is
@@ -458,8 +457,10 @@ class ApiServer:
         return written
 
     def _inadmissible(self, victim: Mapping[str, Any]) -> str:
-        """Why the preemptor of ``victim`` (just written Preempted) cannot be admitted by its
-        namespace's stored quota ledgers with every claim of its namespace it preempted gone; ""."""
+        """Why the preemptor of ``victim`` (just written Preempted) is not admitted yet: a quota of
+        its namespace whose stored ledger does not hold it for its whole ask; "" when every one does
+        (or it is gone). A ledger grows only by writes conditional on its version and within its
+        limits, with the victims still counted: so the preemptor's room is the API server's word."""
         by = str((victim.get("status") or {}).get("preemptedBy") or "")
         namespace, _, name = by.partition("/")
         preemptor = self.claim(namespace, name)
@@ -468,40 +469,13 @@ class ApiServer:
         spec = preemptor.get("spec") or {}
         ask = int((spec.get("devices") or {}).get("count", 1)) * max(1, int(spec.get("replicas", 1)))
         uid = str(meta(preemptor).get("uid"))
-        leaving = {
-            str(meta(c).get("uid"))
-            for c in self.objects["claims"].values()
-            if meta(c).get("namespace") == namespace
-            and (c.get("status") or {}).get("phase") == constants.PHASE_PREEMPTED
-            and (c.get("status") or {}).get("preemptedBy") == by
-        }
         for quota in self.objects["quotas"].values():
             if meta(quota).get("namespace") != namespace:
                 continue
-            q = quota.get("spec") or {}
-            entries = [
-                e
-                for u, e in ((quota.get("status") or {}).get("claims") or {}).items()
-                if u != uid and u not in leaving
-            ]
-            limits = [("", int(q["gpus"]))] + [
-                (p["pattern"], int(p["gpus"])) for p in q.get("products") or []
-            ]
-            for pattern, hard in limits:
-                if pattern and not fnmatch.fnmatchcase(PRODUCT, pattern):
-                    continue
-                counted = [
-                    e
-                    for e in entries
-                    if not pattern
-                    or any(fnmatch.fnmatchcase(n, pattern) for n in str(e.get("product", "")).split(","))
-                ]
-                used = sum(int(e.get("gpus", 0)) for e in counted) + ask
-                if used > hard:
-                    what = pattern or "GPUs"
-                    return (
-                        f"{by}, which quota {meta(quota).get('name')} would count as {used} of {hard} {what}"
-                    )
+            entry = ((quota.get("status") or {}).get("claims") or {}).get(uid) or {}
+            if int(entry.get("gpus", 0)) < ask:
+                held = int(entry.get("gpus", 0))
+                return f"{by}, which quota {meta(quota).get('name')} holds for {held} of its {ask} GPUs"
         return ""
 
     def patch_claim_metadata(

@@ -562,3 +562,14 @@ def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds
     assert result.violation is not None and result.violation.number == 3, result.violation
     monkeypatch.undo()
     assert runner.run(101, without=_BEFORE_STRIPS).violation is None, _failure(runner, 101, _BEFORE_STRIPS)
+
+
+# Found by the long run at 5e73342 (seed 7,012,999, after 12,999 schedules without a violation):
+# c1.2 judged ns-a/c3's plan (3 H100s, under a *H100* limit of 3) on a cached ledger that missed
+# c0.2's admission of ns-a/c1, counted its own victim ns-a/c2 as leaving, and preempted it for a
+# claim the stored ledger then refused (invariant 7). Fixed: preemption frees GPUs, not quota, and
+# the preemptor is entered in its ledgers, by writes conditional on their versions, before any
+# victim is marked.
+def test_a_stale_ledger_does_not_preempt_for_a_claim_its_quota_then_refuses(runner: scheduler.Runner) -> None:
+    result = runner.run(7012999)
+    assert result.violation is None, _failure(runner, 7012999)

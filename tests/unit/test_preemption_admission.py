@@ -54,7 +54,7 @@ def plan_with_quotas(
     """The plan and the refusals met on the way, checked as the reconciler checks them."""
     refused: list[str] = []
 
-    def admit(decision: allocator.Decision, victims: Sequence[models.GpuClaim]) -> str:
+    def admit(decision: allocator.Decision) -> str:
         product = ",".join(
             sorted(
                 {
@@ -65,7 +65,7 @@ def plan_with_quotas(
                 }
             )
         )
-        why = quotas.admissible(namespace_quotas, wanted, product, [v.metadata.uid for v in victims])
+        why = quotas.admissible(namespace_quotas, wanted, product)
         if why:
             refused.append(why)
         return why
@@ -120,15 +120,19 @@ def test_no_plan_when_every_placement_is_refused_by_the_quota_and_the_refusal_is
     assert plan is None and refused[0] == "namespace ns would use 4 of 2 GPUs (quota ns/q)"
 
 
-def test_victims_of_the_preemptors_own_namespace_leave_its_ledger_so_their_share_counts_as_free() -> None:
+def test_preemption_frees_gpus_not_quota_so_the_own_namespaces_victims_still_count() -> None:
+    # The preemptor is entered in its ledgers before any victim is marked (reconciling), while the
+    # victims' entries stay until their GPUs are free: so its quota must hold it with them counted.
     mine = holding("mine-a100", "a", tuple(range(8)), priority=0, ns="ns")
     ledger = {mine.metadata.uid: models.QuotaEntry(name="mine-a100", gpus=8, product=A100)}
     capped = quota(("*A100*", 8), ("*H100*", 0), gpus=8, ledger=ledger)
     wanted = claim(4, namespace="ns", priority=2)
     assert quotas.admissible([capped], wanted, A100) == "namespace ns would use 12 of 8 GPUs (quota ns/q)"
-    assert quotas.admissible([capped], wanted, A100, [mine.metadata.uid]) == ""
-    plan, _ = plan_with_quotas(wanted, {"h": nvswitch("h"), "a": a100("a")}, (HELD[0], mine), [capped])
-    assert victims(plan) == ["mine-a100"]
+    plan, refused = plan_with_quotas(wanted, {"h": nvswitch("h"), "a": a100("a")}, (HELD[0], mine), [capped])
+    assert plan is None and refused[0] == "namespace ns would use 12 of 8 GPUs (quota ns/q)"
+    roomy = quota(("*A100*", 12), ("*H100*", 0), gpus=12, ledger=ledger)
+    plan, _ = plan_with_quotas(wanted, {"h": nvswitch("h"), "a": a100("a")}, (HELD[0], mine), [roomy])
+    assert victims(plan) == ["mine-a100"], "with room for both, its own claim's GPUs are preempted"
 
 
 def test_a_claim_the_ledger_holds_for_that_product_already_is_admitted_as_the_ledger_would() -> None:
