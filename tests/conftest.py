@@ -5,7 +5,8 @@
   If the binaries cannot be built the tests that need it fail with the build
   error; they are never skipped.
 - ``kubeconfig`` (session), ``namespace`` (function), ``api`` (function, async);
-  ``fresh_namespace`` and ``delete_if_present`` for fixtures of their own.
+  ``fresh_namespace`` and ``delete_if_present`` for fixtures of their own; ``completed_requests``
+  reads the audit log.
 - Tests under tests/integration, tests/e2e and tests/gpu get the markers
   ``integration``, ``e2e`` and ``gpu``.
 - With ``GPUALLOC_REQUIRE_INTEGRATION=1`` (set by .ci/run) the session fails
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import uuid
@@ -177,6 +179,30 @@ def fresh_namespace(control_plane: Any, name: str) -> Iterator[str]:
     finally:
         for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
             delete_if_present(control_plane, path)
+
+
+def completed_requests(
+    audit_log: Path, *, resource: str, name: str, namespace: str | None = None, subresource: str | None = None
+) -> Iterator[dict[str, Any]]:
+    """The API server's audit events (stage ResponseComplete) of the requests on one object:
+    ``resource``/``name``, in ``namespace`` and on ``subresource`` where given. A line that is not
+    JSON (one being written) is skipped."""
+    for line in audit_log.read_text().splitlines():
+        if f'"{name}"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        ref = event.get("objectRef") or {}
+        if (
+            event.get("stage") == "ResponseComplete"
+            and ref.get("resource") == resource
+            and ref.get("name") == name
+            and (namespace is None or ref.get("namespace") == namespace)
+            and (subresource is None or ref.get("subresource") == subresource)
+        ):
+            yield event
 
 
 def delete_if_present(control_plane: Any, path: str) -> None:

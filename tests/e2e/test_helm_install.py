@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from gpualloc.devcluster import binaries
+from tests.conftest import completed_requests
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager"
@@ -134,23 +135,13 @@ def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 def _job_creates(audit_log: Path, namespace: str, name: str) -> int:
     """Successful creations (not dry runs) of the Job ``name`` in ``namespace``, from the audit log."""
-    count = 0
-    for line in audit_log.read_text().splitlines():
-        if f'"{name}"' not in line or '"jobs"' not in line:
-            continue
-        event = json.loads(line)
-        ref = event.get("objectRef") or {}
-        if (
-            event.get("verb") == "create"
-            and event.get("stage") == "ResponseComplete"
-            and ref.get("resource") == "jobs"
-            and ref.get("namespace") == namespace
-            and ref.get("name") == name
-            and (event.get("responseStatus") or {}).get("code") == 201
-            and "dryRun" not in event.get("requestURI", "")
-        ):
-            count += 1
-    return count
+    return sum(
+        1
+        for event in completed_requests(audit_log, resource="jobs", name=name, namespace=namespace)
+        if event.get("verb") == "create"
+        and (event.get("responseStatus") or {}).get("code") == 201
+        and "dryRun" not in event.get("requestURI", "")
+    )
 
 
 def _status(control_plane: Any, path: str) -> dict[str, Any]:

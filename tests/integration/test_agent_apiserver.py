@@ -33,6 +33,7 @@ from gpualloc.devcluster import cluster
 from gpualloc.kube import leases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tests.conftest import completed_requests
 from tests.unit import fake_pynvml as fake
 
 GNS = "/apis/gpu.scheduling/v1/gpunodestatuses"
@@ -189,21 +190,11 @@ def _audit_writes(
 ) -> list[dt.datetime]:
     """Times of create/update/patch requests on this node's ``resource`` (its GpuNodeStatus, or
     ``leases``: its heartbeat Lease), from the audit log."""
-    out = []
-    for line in audit_log.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ref = event.get("objectRef") or {}
-        if (
-            event.get("stage") == "ResponseComplete"
-            and event.get("verb") in ("create", "update", "patch")
-            and ref.get("resource") == resource
-            and ref.get("name") == node
-        ):
-            out.append(dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00")))
-    return out
+    return [
+        dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00"))
+        for event in completed_requests(audit_log, resource=resource, name=node)
+        if event.get("verb") in ("create", "update", "patch")
+    ]
 
 
 async def test_two_minutes_without_change_renew_only_the_heartbeat_lease_and_refresh_the_status_once(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from controller import leader
 from gpualloc.kube import errors, leases, resources
 from gpualloc.kube.client import Api
+from tests.conftest import completed_requests
 from tests.integration import controller_support as support
 
 LEASE_DURATION = 4.0
@@ -39,24 +39,15 @@ def election_argv(namespace: str, identity: str, run: str) -> list[str]:
 
 def status_writers(audit_log: Path, namespace: str, name: str) -> list[str]:
     """User agents of the requests that wrote GpuClaim ``name``'s status in ``namespace``."""
-    agents = []
-    for line in audit_log.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        ref = event.get("objectRef") or {}
-        if (
-            event.get("stage") == "ResponseComplete"
-            and ref.get("resource") == "gpuclaims"
-            and ref.get("subresource") == "status"
-            and ref.get("namespace") == namespace
-            and ref.get("name") == name
-            and event.get("verb") in ("patch", "update")
-            and (event.get("responseStatus") or {}).get("code", 0) < 300
-        ):
-            agents.append(str(event.get("userAgent", "")))
-    return agents
+    events = completed_requests(
+        audit_log, resource="gpuclaims", name=name, namespace=namespace, subresource="status"
+    )
+    return [
+        str(event.get("userAgent", ""))
+        for event in events
+        if event.get("verb") in ("patch", "update")
+        and (event.get("responseStatus") or {}).get("code", 0) < 300
+    ]
 
 
 async def audited_writers(audit_log: Path, namespace: str, name: str) -> list[str]:
