@@ -11,7 +11,8 @@
    not terminal (Succeeded or Failed), the claim it is bound to exists, and
    Leases held by it exist for every device the claim lists and the pod uses.
    A pod is bound to the claim it was admitted for; a gated pod (which uses no
-   device yet) to the claim of its name when it is un-gated. The devices a pod
+   device yet), when it is un-gated, to the claim whose devices it was given (the
+   version of that name its un-gater read). The devices a pod
    uses are the ones in its containers' env (what the webhook wrote there from
    its view of the claim, which may be out of date), else its devices annotation.
    A claim whose finalizers a tenant stripped while it was being deleted is gone

@@ -662,10 +662,21 @@ class ApiServer:
             raise errors.Invalid(422, "Invalid", f"the patch does not apply: {exc}") from exc
         new["metadata"] = {**meta(new), "uid": meta(old).get("uid"), "name": name, "namespace": namespace}
         if is_gated(old) and not is_gated(new):
-            # A gated pod names its claim, not a uid: it is bound to the claim of that name now.
-            claim_name = (meta(new).get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
-            claim = self.claim(namespace, str(claim_name))
-            self.pod_claim_uid[key] = str(meta(claim).get("uid")) if claim is not None else ""
+            # A gated pod names its claim, not a uid: it is bound to the claim whose devices it was
+            # given (the version its un-gater read): the claim of that name now if that lists them,
+            # else the latest earlier one of the name that did (else the claim of that name now).
+            annotations = meta(new).get("annotations") or {}
+            claim_key = f"{namespace}/{annotations.get(constants.ANNOTATION_CLAIM)}"
+            given = {u for u in str(annotations.get(constants.ANNOTATION_DEVICES) or "").split(",") if u}
+            current = self.objects["claims"].get(claim_key)
+            versions = [
+                *([current] if current is not None else []),
+                *reversed(self.claim_history.get(claim_key, [])),
+            ]
+            self.pod_claim_uid[key] = next(
+                (str(meta(v).get("uid")) for v in versions if given <= _listed_uuids(v)),
+                str(meta(current).get("uid")) if current is not None else "",
+            )
         return clone(self._write("pods", key, new))
 
     # ------------------------------------------------------------------ nodes
@@ -712,6 +723,15 @@ class ApiServer:
 
     def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
         self.events_emitted += 1
+
+
+def _listed_uuids(claim: Mapping[str, Any]) -> set[str]:
+    """The device UUIDs a claim's status lists (a slot's GPU as its UUID)."""
+    return {
+        str(d.get("uuid"))
+        for a in (claim.get("status") or {}).get("allocations") or []
+        for d in a.get("devices") or []
+    }
 
 
 def is_gated(pod: Mapping[str, Any]) -> bool:
