@@ -19,6 +19,7 @@ import pytest
 from gpualloc.api import constants
 from gpualloc.kube import resources
 from gpualloc.kube.client import Api
+from tests.conftest import fresh_namespace
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -37,19 +38,7 @@ FLOOD = 300
 @pytest.fixture
 def victim_namespace(control_plane: Any) -> Iterator[str]:
     """A second fresh namespace (its claims deleted first, as ``namespace`` does)."""
-    from gpualloc.devcluster import cluster
-
-    name = f"t-victim-{uuid.uuid4().hex[:8]}"
-    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-    try:
-        yield name
-    finally:
-        for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
-            try:
-                control_plane.request("DELETE", path)
-            except cluster.RequestError as exc:
-                if exc.status != 404:
-                    raise
+    yield from fresh_namespace(control_plane, f"t-victim-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture

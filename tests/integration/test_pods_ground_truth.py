@@ -21,6 +21,7 @@ from controller import statuses
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
+from tests.conftest import fresh_namespace
 from tests.integration.controller_support import (
     RUN_LABEL,
     claim_body,
@@ -42,17 +43,13 @@ SWEEP = 2.0  # controller_argv's --sweep-interval
 
 @pytest.fixture
 def other_namespace(control_plane: Any) -> Iterator[str]:
-    name = f"t-other-{uuid.uuid4().hex[:8]}"
-    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-    try:
-        yield name
-    finally:
-        for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
-            control_plane.request("DELETE", path)
+    yield from fresh_namespace(control_plane, f"t-other-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture
 async def one_gpu_node(api: Api) -> AsyncIterator[tuple[str, str]]:
+    """A node with a single GPU (``gpu_node`` has 8): the other namespace's claim can only get the
+    GPU the pod holds."""
     run = uuid.uuid4().hex[:8]
     name = f"truth-{run}"
     await create_gpu_node(api, name, labels={RUN_LABEL: run}, gpus=1)

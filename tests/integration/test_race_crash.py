@@ -108,6 +108,7 @@ RENEW_DEADLINE = 3.5
 RETRY_PERIOD = 0.5
 ELECTION_ID = "gpualloc-controller"
 EXIT_LOST_LEADERSHIP = 1
+STARTING_S = 30.0  # how long stop_all waits for a just-restarted controller to catch SIGTERM
 GPUALLOC = Path(sys.executable).with_name("gpualloc")
 
 
@@ -124,6 +125,16 @@ class Slot:
     @property
     def identity(self) -> str:
         return f"{'elect' if self.elect else 'racer'}-{self.index}-{self.starts}"
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler installed (its ``SigCgt`` mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # gone already
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 class Controllers:
@@ -219,11 +230,20 @@ class Controllers:
             await asyncio.sleep(0.2)
 
     def stop_all(self) -> dict[str, int]:
-        """SIGCONT the paused, SIGTERM every one; identity -> exit status."""
-        for slot in self.slots:
-            if slot.proc is not None and slot.proc.poll() is None:
-                slot.proc.send_signal(signal.SIGCONT)
-                slot.proc.send_signal(signal.SIGTERM)
+        """SIGCONT the paused, SIGTERM every one once it catches SIGTERM; identity -> exit status.
+
+        A controller restarted just before the end (one that lost its leadership, say) may still be
+        starting: SIGTERM would end it before its handler is installed (exit -15), which says
+        nothing about how it stops. So each is given up to ``STARTING_S`` to install it."""
+        live = [slot.proc for slot in self.slots if slot.proc is not None and slot.proc.poll() is None]
+        for proc in live:
+            proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + STARTING_S
+        for proc in live:
+            while proc.poll() is None and not _catches_sigterm(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         codes: dict[str, int] = {}
         for slot in self.slots:
             if slot.proc is None:
