@@ -242,6 +242,9 @@ class ApiServer:
         # Invariant 7: each claim written Preempted for a preemptor that a stored quota ledger of
         # its namespace did not hold then.
         self.inadmissible_preemptions: list[str] = []
+        # The most GPUs each quota's stored ledger has ever held each claim uid for: (quota key,
+        # uid) -> GPUs (invariant 7 for a preemptor that vanished after it was admitted).
+        self.ever_admitted: dict[tuple[str, str], int] = {}
         self.events_emitted = 0
         # Every version of each claim key ever stored, oldest first: what a webhook whose watch is
         # behind may still see (the scheduler's "stale-pod" action admits pods from them).
@@ -388,6 +391,9 @@ class ApiServer:
         old = self._at_version("quotas", "gpuquotas", key, resource_version)
         new = dict(old)
         new["status"] = merge_patch(old.get("status"), patch.get("status"))
+        for uid, entry in ((new["status"] or {}).get("claims") or {}).items():
+            gpus = int((entry or {}).get("gpus", 0))
+            self.ever_admitted[(key, uid)] = max(gpus, self.ever_admitted.get((key, uid), 0))
         return clone(self._write("quotas", key, new))
 
     def delete_claim(self, namespace: str, name: str) -> None:
@@ -460,22 +466,38 @@ class ApiServer:
         """Why the preemptor of ``victim`` (just written Preempted) is not admitted yet: a quota of
         its namespace whose stored ledger does not hold it for its whole ask; "" when every one does
         (or it is gone). A ledger grows only by writes conditional on its version and within its
-        limits, with the victims still counted: so the preemptor's room is the API server's word."""
+        limits, with the victims still counted: so the preemptor's room is the API server's word.
+
+        ``preemptedBy`` names a key, not a uid: a preemptor that vanished after it was admitted (its
+        finalizer stripped; its entry then leaves the ledger) may have left its key to a new claim.
+        One of the key's earlier claims, gone now, that every ledger once held for its whole ask,
+        passes too; a preemptor never admitted does not."""
         by = str((victim.get("status") or {}).get("preemptedBy") or "")
         namespace, _, name = by.partition("/")
         preemptor = self.claim(namespace, name)
         if preemptor is None:
             return ""
-        spec = preemptor.get("spec") or {}
+        why = self._not_admitted(preemptor, namespace, now=True)
+        if why:
+            live = str(meta(preemptor).get("uid"))
+            earlier = {str(meta(v).get("uid")): v for v in self.claim_history.get(by, [])}
+            if any(u != live and not self._not_admitted(v, namespace, now=False) for u, v in earlier.items()):
+                return ""
+        return f"{by}, {why}" if why else ""
+
+    def _not_admitted(self, claim: Mapping[str, Any], namespace: str, *, now: bool) -> str:
+        """Which quota of ``namespace`` does not hold ``claim`` for its whole ask ("" when all do):
+        in its stored ledger ``now``, else at any time so far (``ever_admitted``)."""
+        spec = claim.get("spec") or {}
         ask = int((spec.get("devices") or {}).get("count", 1)) * max(1, int(spec.get("replicas", 1)))
-        uid = str(meta(preemptor).get("uid"))
-        for quota in self.objects["quotas"].values():
+        uid = str(meta(claim).get("uid"))
+        for key, quota in self.objects["quotas"].items():
             if meta(quota).get("namespace") != namespace:
                 continue
             entry = ((quota.get("status") or {}).get("claims") or {}).get(uid) or {}
-            if int(entry.get("gpus", 0)) < ask:
-                held = int(entry.get("gpus", 0))
-                return f"{by}, which quota {meta(quota).get('name')} holds for {held} of its {ask} GPUs"
+            held = int(entry.get("gpus", 0)) if now else self.ever_admitted.get((key, uid), 0)
+            if held < ask:
+                return f"which quota {meta(quota).get('name')} holds for {held} of its {ask} GPUs"
         return ""
 
     def patch_claim_metadata(
