@@ -573,3 +573,16 @@ def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds
 def test_a_stale_ledger_does_not_preempt_for_a_claim_its_quota_then_refuses(runner: scheduler.Runner) -> None:
     result = runner.run(7012999)
     assert result.violation is None, _failure(runner, 7012999)
+
+
+# Found by the long run at ff02aab / 8945e5f: neither was a double-booking, both were the model's
+# reading of a claim by its name. Seed 8,004,063: an un-gater read ns-a/c1 before a tenant
+# stripped it and its patch landed after; the pod is bound to the claim version whose devices it
+# was given, whose Lease the sweep keeps while the pod uses it. Seed 8,399,575: a preemptor was
+# admitted and then stripped, and a new claim took its key before its victim was marked.
+@pytest.mark.parametrize("seed", [8004063, 8399575])
+def test_a_stripped_claims_name_reused_is_read_as_the_claim_that_acted(
+    runner: scheduler.Runner, seed: int
+) -> None:
+    result = runner.run(seed)
+    assert result.violation is None, _failure(runner, seed)
