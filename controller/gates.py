@@ -261,17 +261,13 @@ def kept_of_live_pod(pod: Obj) -> Obj:
     }
 
 
-def held_by_pods(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> tuple[frozenset[str], bool]:
-    """What the live pods among ``candidates`` (one namespace's, read from the API server) that name
-    claim ``claim_name`` hold: the device UUIDs the un-gated ones were given, and whether one of them
-    still waits at our gate (a controller whose cache is behind may be un-gating it onto the claim's
-    devices at this very moment, as ``pods_using`` says; a devices annotation on a gated pod is a
-    webhook's view, not a use)."""
-    devices: set[str] = set()
-    gated = False
-    for pod in pods_using(claim_name, candidates):
-        given = None if is_gated(pod) else given_devices(pod)
-        gated = gated or is_gated(pod)
-        if given is not None:
-            devices |= given[1]
-    return frozenset(devices), gated
+def held_by_pods(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """The device UUIDs the live, un-gated pods among ``candidates`` (one namespace's, read from the
+    API server) that name claim ``claim_name`` were given. A devices annotation on a gated pod is a
+    webhook's view, not a use (the sweep fences such pods instead: ``fence_patch``)."""
+    return frozenset(
+        uuid
+        for pod in pods_using(claim_name, candidates)
+        if not is_gated(pod) and (given := given_devices(pod)) is not None
+        for uuid in given[1]
+    )

@@ -103,7 +103,7 @@ class Ledger:
                 continue
             if pods is None:
                 pods = await self.cluster.list_pods(quota.metadata.namespace)
-            devices, _ = gates.held_by_pods(entry.name, pods)
+            devices = gates.held_by_pods(entry.name, pods)
             listed = codecs.parse_claim(raw).status.allocations if raw is not None else ()
             if devices - {d.uuid for a in listed for d in a.devices}:
                 continue  # its pods still run on GPUs no claim of that name lists

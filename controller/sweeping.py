@@ -100,7 +100,7 @@ class Sweeper:
         if named is None:
             return held
         pods = await self.cluster.list_pods(named.claim_namespace)
-        devices, _ = gates.held_by_pods(named.claim_name, pods)
+        devices = gates.held_by_pods(named.claim_name, pods)
         kept = [info for info in held if any(locking.locks_device(info.name, uuid) for uuid in devices)]
         if len(kept) < len(held) and not await self._fence(named, pods):
             kept = held

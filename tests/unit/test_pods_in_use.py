@@ -77,16 +77,15 @@ def test_the_cached_live_pod_keeps_only_identity_node_gate_and_the_two_annotatio
     assert "annotations" not in gates.kept_of_live_pod(huge)["metadata"], "oversized values are dropped"
 
 
-def test_held_by_pods_counts_the_devices_of_running_pods_and_says_when_one_is_still_gated() -> None:
+def test_held_by_pods_counts_the_devices_of_running_pods_only() -> None:
     pods = [
         pod("a", "c", [uuid(1, 0)]),
         pod("b", "c", [uuid(1, 1)], phase="Succeeded"),  # done: holds nothing
         pod("g", "c", [uuid(1, 2)], gated=True),  # a webhook's view, not a use
         pod("o", "other", [uuid(1, 3)]),
     ]
-    assert gates.held_by_pods("c", pods) == (frozenset({uuid(1, 0)}), True)
-    assert gates.held_by_pods("c", pods[:2]) == (frozenset({uuid(1, 0)}), False)
-    assert gates.held_by_pods("gone", pods) == (frozenset(), False)
+    assert gates.held_by_pods("c", pods) == frozenset({uuid(1, 0)})
+    assert gates.held_by_pods("gone", pods) == frozenset()
 
 
 def test_a_lease_locks_a_device_its_mig_instance_or_one_of_its_sharing_slots() -> None:
