@@ -27,8 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import os
-import platform
 import random
 import sys
 import time
@@ -227,12 +225,7 @@ async def run(args: argparse.Namespace, plane: Any, workdir: Path) -> dict[str, 
         times = [r["time_to_allocated_s"] for r in rounds if r["time_to_allocated_s"] is not None]
         span = rounds_ended - rounds_started
         return {
-            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-            },
+            **procfs.run_stamp(),
             "config": {
                 "nodes": args.nodes,
                 "gpus_per_node": args.gpus,

@@ -46,8 +46,6 @@ import datetime
 import hashlib
 import itertools
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -489,12 +487,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
             for name, used in cpu_used.items()
         }
         result = {
-            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-            },
+            **procfs.run_stamp(),
             "config": {
                 "nodes": args.nodes,
                 "gpus_per_node": args.gpus,

@@ -1,9 +1,25 @@
-"""What ``/proc`` says of a process: its CPU seconds and its memory (the benches' one copy)."""
+"""What ``/proc`` says of a process: its CPU seconds and its memory; and what a result file says of
+the run's machine (the benches' one copy of each)."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 from pathlib import Path
+from typing import Any
+
+
+def run_stamp() -> dict[str, Any]:
+    """The ``when`` and ``machine`` fields a bench's result file opens with."""
+    return {
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+    }
 
 
 def cpu_seconds(pid: int) -> float:

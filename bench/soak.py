@@ -65,7 +65,6 @@ import datetime
 import importlib
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -869,12 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             say(f"logs kept in {workdir}")
     result = {
-        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        **procfs.run_stamp(),
         "config": {
             "duration_s": args.duration,
             "seed": args.seed,
