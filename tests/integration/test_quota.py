@@ -14,8 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-
 from gpualloc.api import constants
 from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
@@ -24,8 +22,6 @@ from tests.integration.controller_support import (
     claim_body,
     condition,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     get_claim,
     running_controller,
     status_uuids,
@@ -34,16 +30,6 @@ from tests.integration.controller_support import (
 )
 
 QUOTAS = f"/apis/{constants.API_VERSION}/namespaces/{{namespace}}/{constants.QUOTA_PLURAL}"
-
-
-@pytest.fixture
-async def node(api: Api) -> AsyncIterator[tuple[str, str]]:
-    """One 8-GPU node labelled with a fresh run id: (node name, run id)."""
-    run = uuid.uuid4().hex[:8]
-    name = f"quota-{run}"
-    await create_gpu_node(api, name, labels={RUN_LABEL: run})
-    yield name, run
-    await delete_gpu_node(api, name)
 
 
 async def create_quota(api: Api, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -79,9 +65,9 @@ async def over_quota(api: Api, namespace: str, name: str) -> dict[str, Any] | No
 
 
 async def test_a_claim_over_its_namespace_quota_waits_with_the_quota_message_until_room_is_freed(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     async with (
         quota(api, namespace, {"gpus": 4}) as name,
@@ -116,9 +102,9 @@ async def test_a_claim_over_its_namespace_quota_waits_with_the_quota_message_unt
 
 
 async def test_a_product_limit_counts_only_claims_on_matching_gpus(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     spec = {"gpus": 8, "products": [{"pattern": "*A100*", "gpus": 0}, {"pattern": "*H100*", "gpus": 2}]}
     async with (
@@ -137,9 +123,9 @@ async def test_a_product_limit_counts_only_claims_on_matching_gpus(
 
 
 async def test_controllers_racing_never_admit_past_a_quota(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     limit, claims = 3, 7
     seen: list[int] = []
@@ -189,11 +175,11 @@ PRODUCT = "NVIDIA H100 80GB HBM3"
 
 
 async def test_claims_beyond_max_claims_wait_with_too_many_claims_until_an_older_one_goes(
-    api: Api, kubeconfig: str, namespace: str, node: tuple[str, str]
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
     """Issue 37: ``spec.maxClaims: 2``; the third claim (the newest) is not considered for
     allocation, says why once, and is allocated when an older claim is deleted."""
-    _, run = node
+    _, run = gpu_node
     crs = resources.CustomResources(api)
     async with (
         quota(api, namespace, {"gpus": 8, "maxClaims": 2}) as name,
