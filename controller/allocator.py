@@ -246,44 +246,67 @@ def allocate(
     ``nodes`` as a ``NodeIndex`` gives the same decision, found without
     screening every node where the claim allows (see "Indexed nodes").
     """
-    index = nodes if isinstance(nodes, NodeIndex) else None
-
-    def every_view() -> Sequence[NodeView]:  # an index's list is built only when it is needed
-        return nodes.views() if isinstance(nodes, NodeIndex) else nodes
-
-    def place(c: models.GpuClaim, candidates: Sequence[NodeView] | None) -> Decision:
-        """``c`` on ``candidates``, or on every node (None), through the index where it serves."""
-        if index is not None and candidates is None and index.cost_label == cost_label:
-            found = (_explain_indexed if explain else _allocate_indexed)(c, index, cost_preference)
-            if found is not None:
-                return found
-        return _allocate(
-            c,
-            every_view() if candidates is None else candidates,
-            seed=seed,
-            round_robin_cursor=round_robin_cursor,
-            cost_label=cost_label,
-            cost_preference=cost_preference,
-            explain=explain,
-        )
-
-    def route(c: models.GpuClaim) -> Decision:
-        if c.spec.topology.same_node_label and c.spec.replicas > 1:
-            return _allocate_in_domains(c, every_view(), place)
-        return place(c, None)
-
+    search = _Search(
+        nodes=nodes,
+        seed=seed,
+        round_robin_cursor=round_robin_cursor,
+        cost_label=cost_label,
+        cost_preference=cost_preference,
+        explain=explain,
+    )
     topology = claim.spec.topology
     if topology.mode == "Preferred" and topology.min_bandwidth_gbps > 0 and claim.spec.devices.count > 1:
         # A soft threshold: the placement Required would make, else the best there is.
-        strict = route(_with_mode(claim, "Required"))
+        strict = search.route(_with_mode(claim, "Required"))
         if strict.ok:
             return strict
-        best = route(claim)
+        best = search.route(claim)
         if best.ok:
             note = f"below the preferred {topology.min_bandwidth_gbps} GB/s: {strict.reason}"
             return dataclasses.replace(best, note=note)
         return best
-    return route(claim)
+    return search.route(claim)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Search:
+    """One ``allocate`` call's nodes and settings: where a claim (or a part of a gang) is placed."""
+
+    nodes: Sequence[NodeView] | NodeIndex
+    seed: int
+    round_robin_cursor: int
+    cost_label: str
+    cost_preference: Sequence[str]
+    explain: bool
+
+    def views(self) -> Sequence[NodeView]:
+        """Every node (an index's list is built only when it is needed)."""
+        return self.nodes.views() if isinstance(self.nodes, NodeIndex) else self.nodes
+
+    def route(self, claim: models.GpuClaim) -> Decision:
+        """``claim`` on every node: domain by domain for a gang with ``sameNodeLabel``."""
+        if claim.spec.topology.same_node_label and claim.spec.replicas > 1:
+            return _allocate_in_domains(claim, self.views(), self.place)
+        return self.place(claim, None)
+
+    def place(self, claim: models.GpuClaim, candidates: Sequence[NodeView] | None) -> Decision:
+        """``claim`` on ``candidates``, or on every node (None), through the index where it serves."""
+        index = self.nodes if isinstance(self.nodes, NodeIndex) else None
+        if index is not None and candidates is None and index.cost_label == self.cost_label:
+            found = (_explain_indexed if self.explain else _allocate_indexed)(
+                claim, index, self.cost_preference
+            )
+            if found is not None:
+                return found
+        return _allocate(
+            claim,
+            self.views() if candidates is None else candidates,
+            seed=self.seed,
+            round_robin_cursor=self.round_robin_cursor,
+            cost_label=self.cost_label,
+            cost_preference=self.cost_preference,
+            explain=self.explain,
+        )
 
 
 # ------------------------------------------------------------------ gangs across nodes
