@@ -20,7 +20,7 @@ import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
 
-from controller import allocator, asks, preemption, quotas, state
+from controller import allocator, asks, locks, preemption, quotas
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
@@ -84,7 +84,7 @@ def explain(
         uuid
         for other in claims
         if other.metadata.uid != claim.metadata.uid
-        for uuid in state.listed_devices(other)
+        for uuid in locks.listed_devices(other)
     }
     node_views = node_views_.build_node_views(
         statuses=statuses,

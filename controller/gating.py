@@ -24,13 +24,13 @@ from typing import Any
 from controller import cluster as kube
 from controller import gates
 from controller.state import State
+from controller.writer import Writer
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-Emit = Callable[[Obj, str, str, str], None]
 
 EVENT_STILL_GATED = "StillGated"
 
@@ -40,14 +40,14 @@ class PodGate:
         self,
         cluster: kube.Cluster,
         state: State,
+        writer: Writer,
         *,
-        emit: Emit,
         requeue: Callable[[str, float], None],
         event_interval: float,
     ) -> None:
         self.cluster = cluster
         self.state = state
-        self.emit = emit
+        self.writer = writer
         self.requeue = requeue
         self.event_interval = event_interval
         self._warned: dict[str, tuple[str, float]] = {}  # pod key -> (message, monotonic time)
@@ -71,7 +71,7 @@ class PodGate:
                 continue
             meta = pod.get("metadata") or {}
             try:
-                await self.cluster.patch_pod(
+                await self.writer.pod(
                     str(meta.get("namespace", "")),
                     str(meta.get("name", "")),
                     gates.ungate_patch(pod, allocation),
@@ -130,7 +130,7 @@ class PodGate:
             return
         self._warned[pod_key] = (message, mono)
         log.warning("gated pod cannot be released", extra={"pod": pod_key, "reason": message})
-        self.emit(pod, EVENT_STILL_GATED, message, "Warning")
+        self.writer.emit(pod, EVENT_STILL_GATED, message, "Warning")
 
     def prune(self) -> None:
         """Forget the warnings of pods that are gone."""

@@ -9,11 +9,11 @@ looked at again shortly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from controller import cluster as kube
 from controller import gates, quotas
 from controller.state import State
+from controller.writer import Writer
 from gpualloc.api import codecs, models
 from gpualloc.kube import errors
 
@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class Ledger:
-    def __init__(self, cluster: kube.Cluster, state: State, *, retry_soon: Callable[[str], None]) -> None:
-        self.cluster = cluster
+    def __init__(self, cluster: kube.Cluster, state: State, writer: Writer) -> None:
+        self.cluster = cluster  # reads; every write goes through the writer
         self.state = state
-        self.retry_soon = retry_soon  # requeue a claim key shortly
+        self.writer = writer
 
     def check(self, claim: models.GpuClaim) -> str:
         """Why the claim cannot be admitted whatever its plan ("" when it may be)."""
@@ -59,7 +59,9 @@ class Ledger:
             why = quotas.verdict(quota, uid, entry)
             if why:
                 return why
-            if not await self._write(quota, quotas.entry_patch(quota, claim, entry), claim.key):
+            if not await self.writer.quota_status(
+                quota, quotas.entry_patch(quota, claim, entry), reconciling=claim.key
+            ):
                 return None
             log.info("admitted by quota", extra={"claim": claim.key, "quota": quota.key, "gpus": entry.gpus})
         return ""
@@ -73,14 +75,16 @@ class Ledger:
         for quota in self.state.quotas(claim.metadata.namespace):
             if not quotas.covers(quota, uid, gpus, product):
                 entry = quotas.merged(quota, uid, gpus, product)
-                await self._write(quota, quotas.entry_patch(quota, claim, entry), claim.key)
+                await self.writer.quota_status(
+                    quota, quotas.entry_patch(quota, claim, entry), reconciling=claim.key
+                )
 
     async def leave(self, claim: models.GpuClaim) -> bool:
         """Take the claim (its GPUs released) out of every ledger; False when one changed meanwhile."""
         uid = claim.metadata.uid
         for quota in self.state.quotas(claim.metadata.namespace):
-            if uid in quota.status.claims and not await self._write(
-                quota, quotas.removal_patch(quota, [uid]), claim.key
+            if uid in quota.status.claims and not await self.writer.quota_status(
+                quota, quotas.removal_patch(quota, [uid]), reconciling=claim.key
             ):
                 return False
         return True
@@ -109,18 +113,5 @@ class Ledger:
                 continue  # its pods still run on GPUs no claim of that name lists
             gone.append(uid)
         if gone:
-            await self._write(quota, quotas.removal_patch(quota, gone), "")
+            await self.writer.quota_status(quota, quotas.removal_patch(quota, gone), reconciling="")
             log.info("dropped gone claims from a quota", extra={"quota": quota.key, "claims": ",".join(gone)})
-
-    async def _write(self, quota: models.GpuQuota, patch: dict[str, object], reconciling: str) -> bool:
-        meta = quota.metadata
-        try:
-            raw = await self.cluster.patch_quota_status(
-                meta.namespace, meta.name, patch, resource_version=meta.resource_version
-            )
-        except (errors.Conflict, errors.NotFound):
-            if reconciling:
-                self.retry_soon(reconciling)
-            return False
-        self.state.remember("quotas", raw, reconciling=reconciling)
-        return True

@@ -1,4 +1,7 @@
-"""Device locks: one ``coordination.k8s.io/v1`` Lease per GPU, and the rules for letting one go.
+"""Device locks: one ``coordination.k8s.io/v1`` Lease per GPU, taken and let go through the API.
+
+The rules below are the argument; the pure decisions that apply them (which Leases a plan takes,
+which leftovers may go) are in ``locks``, and this module does the API calls.
 
 Why no GPU is ever held by two claims
 =====================================
@@ -54,49 +57,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from controller import cluster as kube
-from gpualloc.api import constants, leases, models
+from controller.locks import LockItem
+from gpualloc.api import leases, models
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LockItem:
-    lock_id: str  # the device's UUID, or a shared GPU's slot (``models.DeviceRef.lock_id``)
-    lease: str
-    node: str
-
-
-def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
-    """The Leases to hold for these allocations, sorted by lock id (the acquisition order)."""
-    items = {
-        device.lock_id: LockItem(
-            lock_id=device.lock_id, lease=constants.lease_name(device.lock_id), node=alloc.node_name
-        )
-        for alloc in allocations
-        for device in alloc.devices
-    }
-    return tuple(items[lock_id] for lock_id in sorted(items))
-
-
-def recorded(claim: models.GpuClaim) -> frozenset[str]:
-    """The Lease names of the devices a claim's status lists."""
-    return frozenset(constants.lease_name(d.lock_id) for a in claim.status.allocations for d in a.devices)
-
-
-def locks_device(lease_name: str, uuid: str) -> bool:
-    """Whether the Lease ``lease_name`` locks GPU ``uuid``, or a MIG instance with that UUID, or one
-    of the GPU's sharing slots (``constants.slot_id``): what a pod given ``uuid`` relies on."""
-    name = constants.lease_name(uuid)
-    return lease_name == name or lease_name.startswith(f"{name}-s")
-
-
-def releasable(leftovers: Iterable[leases.LeaseInfo], view: models.GpuClaim) -> list[leases.LeaseInfo]:
-    """The leftovers (Leases of ``view``'s claim seen before ``view`` was read) that no attempt can
-    still record: not listed by ``view`` and stamped with another resourceVersion (rule 3)."""
-    listed = recorded(view)
-    version = view.metadata.resource_version
-    return [info for info in leftovers if info.name not in listed and info.claim_resource_version != version]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

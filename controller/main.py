@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controller import cluster, leader, reconciling, running, views
+from controller import cluster, leader, running, settings, views
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.api import leases as lease_format
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--in-use-poll",
         type=float,
-        default=reconciling.IN_USE_POLL,
+        default=settings.IN_USE_POLL,
         help="seconds between looks at a deleted claim that pods still use",
     )
     parser.add_argument(
@@ -142,7 +142,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     metrics = controller_metrics.Metrics()
     controller = running.Controller(
         cluster.KubeCluster(api, args.namespace),
-        reconciling.Settings(
+        settings.Settings(
             namespace=args.namespace,
             workers=args.workers,
             node_stale_after=args.node_stale_after,

@@ -25,15 +25,9 @@
   the devices' state (reason ``DevicesTaken`` when another claim holds one of
   its Leases: the webhook then refuses its new pods), and un-gates its pods;
 * **Failed**: releases leftovers;
-* **Pending**: plans on the caches (``allocator.allocate``), has the plan
-  admitted by its namespace's quotas (``ledger``; over a quota it stays
-  Pending with reason ``QuotaExceeded`` and the quota's message), locks the chosen
-  devices (``locking.acquire``; on a device taken meanwhile it plans again, up
-  to ``LOCK_ATTEMPTS`` times), writes the status at the resourceVersion it
-  planned from, then releases leftovers. When nothing fits: Pending with the
-  reason, ``AllocationFailed`` (at most once per ``event_interval`` per claim
-  unless the reason changes), retry with backoff (``retryPolicy``), Failed after
-  ``maxRetries`` retries.
+* **Pending**: the Pending path (``allocating``): plan, admit, lock, record.
+
+Every write goes through the ``Writer``, which updates the caches with its answer.
 
 A running claim is never re-allocated automatically: its pods are bound to
 the node and see the devices. To move, delete and re-create the claim.
@@ -42,58 +36,26 @@ the node and see the devices. To move, delete and re-create the claim.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import logging
 import random
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from controller import (
-    allocator,
-    asks,
-    gates,
-    locking,
-    owners,
-    preemption,
-    quotas,
-    retries,
-    statuses,
-    views,
-    waking,
-)
 from controller import cluster as kube
+from controller import gates, locks, owners, statuses
 from controller import metrics as controller_metrics
-from controller.gating import Emit, PodGate
+from controller.allocating import PendingReconciler
+from controller.gating import PodGate
 from controller.ledger import Ledger
-from controller.nodes import NodeIndex
+from controller.settings import Settings
 from controller.state import State
-from gpualloc.api import codecs, constants, leases, models, taints, timestamps
-from gpualloc.kube import errors, watching
+from controller.writer import Writer
+from gpualloc.api import constants, models
+from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-
-LOCK_ATTEMPTS = 3  # plans tried per reconcile when another claim wins a device
-EVENT_INTERVAL = 60.0  # AllocationFailed at most this often per claim, unless the reason changes
-IN_USE_POLL = 5.0  # a claim being deleted that pods still use is looked at again this often
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Settings:
-    namespace: str  # where the device Leases live
-    workers: int = 4
-    node_stale_after: float = views.NODE_STALE_AFTER_S
-    heartbeat_namespace: str = ""  # where the agents renew their heartbeat Leases; "" = not watched
-    cost_label: str = constants.LABEL_COST_TIER
-    sweep_interval: float = 30.0
-    event_interval: float = EVENT_INTERVAL
-    in_use_poll: float = IN_USE_POLL
-    claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all
-    preemption_scope: str = "Namespace"  # whose claims a claim may preempt: Namespace, Cluster or None
-    claim_tolerations: str = "Allowed"  # Allowed: those its namespace's GpuQuotas allow; Any: all of them
 
 
 class Reconciler:
@@ -101,39 +63,32 @@ class Reconciler:
         self,
         cluster: kube.Cluster,
         state: State,
+        writer: Writer,
+        ledger: Ledger,
         gate: PodGate,
         settings: Settings,
         metrics: controller_metrics.Metrics,
         *,
         rng: random.Random,
-        emit: Emit,
         requeue: Callable[[str, float], None],
     ) -> None:
-        self.cluster = cluster
+        self.cluster = cluster  # reads; every write goes through the writer
         self.state = state
+        self.writer = writer
+        self.ledger = ledger
         self.gate = gate
         self.settings = settings
-        self.metrics = metrics
         self.rng = rng
-        self.emit = emit
         self.requeue = requeue
-        self._retry: dict[str, retries.RetryState] = {}
-        self._failed_event: dict[str, tuple[str, float]] = {}
+        self.pending = PendingReconciler(
+            state, writer, ledger, gate, settings, metrics, rng=rng, requeue=requeue
+        )
         self._ownerless: set[str] = set()  # OnOwnerCompleted claims warned about naming no owner
-        self._rr_cursor = 0
-        self.ledger = Ledger(cluster, state, retry_soon=self._retry_soon)
-
-    def _retry_soon(self, key: str) -> None:
-        self.requeue(key, 0.05 + 0.2 * self.rng.random())
 
     def forget(self, key: str) -> None:
         """The claim is gone: drop what was remembered about it."""
-        self._retry.pop(key, None)
-        self._failed_event.pop(key, None)
+        self.pending.forget(key)
         self._ownerless.discard(key)
-
-    def _now(self) -> datetime.datetime:
-        return self.state.now()
 
     # ------------------------------------------------------------------ entry
 
@@ -163,7 +118,7 @@ class Reconciler:
             await self._finish_preemption(claim)
             return
         if claim.status.phase == constants.PHASE_RELEASED:
-            await self._release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
+            await self.writer.release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
             if not await self.ledger.leave(claim):
                 return
             self.gate.warn_gated(
@@ -173,289 +128,30 @@ class Reconciler:
         if claim.status.phase == constants.PHASE_FAILED and (
             claim.status.observed_generation >= claim.metadata.generation
         ):
-            await self._release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
+            await self.writer.release_leftovers(claim, self.state.held_by(claim.metadata.uid).values())
             self.gate.warn_gated(
                 claim,
                 f"claim {claim.metadata.name} is Failed ({claim.status.message or 'no message'}); "
                 "the pod stays gated: delete it, or delete and re-create the claim",
             )
             return
-        await self._allocate(claim)
+        await self.pending.allocate(claim)
 
-    # ------------------------------------------------------------------ writes
-
-    def _written(self, raw: Obj) -> models.GpuClaim:
-        """Remember a claim one of our writes returned, and parse it (an authoritative view)."""
-        raw.setdefault("apiVersion", constants.API_VERSION)
-        raw.setdefault("kind", constants.CLAIM_KIND)
-        self.state.remember("claims", raw, reconciling=watching.object_key(raw))
-        return codecs.parse_claim(raw)
-
-    async def _write_status(self, claim: models.GpuClaim, patch: Obj) -> models.GpuClaim | None:
-        """Patch the status at the resourceVersion ``claim`` was read at; None when it moved on or is gone.
-
-        On Conflict someone wrote the claim since: it is looked at again shortly.
-        """
-        meta = claim.metadata
-        try:
-            raw = await self.cluster.patch_claim_status(
-                meta.namespace, meta.name, patch, resource_version=meta.resource_version
-            )
-        except errors.Conflict:
-            self._retry_soon(claim.key)
-            return None
-        except errors.NotFound:
-            return None
-        return self._written(raw)
-
-    async def _patch_finalizers(self, claim: models.GpuClaim, finalizers: list[str]) -> models.GpuClaim:
-        meta = claim.metadata
-        raw = await self.cluster.patch_claim_metadata(
-            meta.namespace,
-            meta.name,
-            {"metadata": {"finalizers": finalizers}},
-            resource_version=meta.resource_version,
-        )
-        return self._written(raw)
+    # ------------------------------------------------------------------ writes and reads
 
     async def _add_finalizer(self, claim: models.GpuClaim) -> models.GpuClaim | None:
         try:
-            return await self._patch_finalizers(claim, [*claim.metadata.finalizers, constants.FINALIZER])
+            return await self.writer.claim_finalizers(
+                claim, [*claim.metadata.finalizers, constants.FINALIZER]
+            )
         except errors.NotFound:
             return None
 
-    async def _release(self, held: Iterable[leases.LeaseInfo]) -> int:
-        gone = await locking.release(self.cluster, held)
-        for info in gone:
-            self.state.forget_lease(info.name, info.uid)
-        return len(gone)
-
-    async def _release_leftovers(
-        self,
-        claim: models.GpuClaim,
-        leftovers: Iterable[leases.LeaseInfo],
-        view: models.GpuClaim | None = None,
-    ) -> None:
-        """Release the leftovers (seen before ``view``) that no attempt can record any more (``locking``).
-
-        ``view`` is an authoritative read of the claim made after they were seen:
-        the answer to our own write, or else a GET made here.
-        """
-        recorded = locking.recorded(claim)
-        leftovers = [info for info in leftovers if info.name not in recorded]
-        if not leftovers:
-            return
-        if view is None:
-            try:
-                raw = await self.cluster.get_claim(claim.metadata.namespace, claim.metadata.name)
-            except errors.NotFound:
-                return  # the sweep releases Leases of claims that are gone
-            view = codecs.parse_claim(raw)
-            if view.metadata.uid != claim.metadata.uid:
-                return
-        free = locking.releasable(leftovers, view)
-        if free:
-            released = await self._release(free)
-            log.info("released leftover leases", extra={"claim": claim.key, "leases": released})
-        if len(free) < len(leftovers):
-            self.requeue(claim.key, 1.0 + self.rng.random())  # an attempt at this very version may be alive
-
-    # ------------------------------------------------------------------ allocate
-
-    async def _allocate(self, claim: models.GpuClaim) -> None:
-        key = claim.key
-        uid = claim.metadata.uid
-        claim, refused_tolerations = self._tolerated(claim)  # planned (and preempting) with these only
-        retry = self._retry.get(key)
-        if retry is None or retry.generation != claim.metadata.generation:
-            if retry is not None:  # the spec changed: a fresh start
-                retry = retries.RetryState(generation=claim.metadata.generation)
-            else:
-                retry = retries.initial_retry_state(claim)
-            self._retry[key] = retry
-        leftovers = list(self.state.held_by(uid).values())  # seen before any write below
-        too_many = self.state.too_many_claims(claim)  # GpuQuota.spec.maxClaims
-        if too_many:
-            await self._unfit(claim, too_many, leftovers, why=waking.REASON_TOO_MANY_CLAIMS)
-            return
-        over_quota = self.ledger.check(claim)
-        if over_quota:
-            await self._unfit(claim, over_quota, leftovers, why=quotas.REASON)
-            return
-        result: locking.LockResult | None = None
-        decision: allocator.Decision | None = None
-        for _ in range(LOCK_ATTEMPTS):
-            node_index = self.state.node_index()
-            decision = allocator.allocate(
-                claim,
-                node_index,
-                seed=views.seed_for(uid),
-                round_robin_cursor=self._rr_cursor,
-                cost_label=self.settings.cost_label,
-            )
-            if not decision.allocations:
-                preempting = await self._preempt(claim, node_index)
-                if preempting is None:
-                    reason = self._with_refused(claim, decision.reason, refused_tolerations, node_index)
-                    await self._unfit(claim, reason, leftovers)
-                else:
-                    message, reason = preempting
-                    await self._unfit(claim, message, leftovers, why=reason)
-                return
-            product = quotas.products_of(decision.allocations, self.state.statuses)
-            if not self.ledger.holds(claim, product):
-                refused = await self.ledger.admit(claim, product)
-                if refused is None:
-                    return  # a ledger changed meanwhile: retried shortly
-                if refused:
-                    await self._unfit(claim, refused, leftovers, why=quotas.REASON)
-                    return
-                continue  # admitted: plan again, as the caches may have moved while it was written
-            plan = locking.lock_plan(decision.allocations)
-            names = [item.lease for item in plan]
-            # Planned and reserved without an await in between: two workers of this process never
-            # pick the same device; another process is stopped by the Lease itself.
-            self.state.reserve(names, uid)
-            try:
-                result = await locking.acquire(
-                    self.cluster, self.settings.namespace, plan, claim, now=self._now()
-                )
-            finally:
-                self.state.unreserve(names, uid)
-            for raw in result.created.values():
-                self.state.remember("leases", raw, reconciling=claim.key)
-            if result.ok:
-                self._advance_cursor(node_index, decision.allocations)
-                break
-            self.metrics.allocation_failures.labels(reason="LockConflict").inc()
-        if result is None or decision is None or not result.ok:
-            self.requeue(key, 0.2 + self.rng.random())
-            return
-        now = self._now()
-        patch = statuses.allocated_status(claim, decision.allocations, now=now)
-        written = await self._write_status(claim, patch)
-        if written is None:
-            # Our write failed for good: no status will ever list these Leases (locking, rule 2).
-            await self._release(leases.parse(raw) for raw in result.created.values())
-            return
-        await self._release_leftovers(written, leftovers, written)
-        self._retry.pop(key, None)
-        self._failed_event.pop(key, None)
-        self.metrics.claims_allocated.labels(strategy=claim.spec.strategy).inc()
-        created = timestamps.parse_time(claim.metadata.creation_timestamp)
-        if created is not None:
-            self.metrics.time_to_allocated.observe(max(0.0, (now - created).total_seconds()))
-        status = patch["status"]
-        log.info(
-            "allocated",
-            extra={"claim": key, "nodes": status["nodes"], "devices": status["devices"], "uid": uid},
-        )
-        # No Event: the status written just now says the same (condition Allocated, its message and
-        # transition time), and an Event would be one more write per allocation (issue 20).
-        await self.gate.ungate(written)
-
-    def _tolerated(self, claim: models.GpuClaim) -> tuple[models.GpuClaim, tuple[models.Toleration, ...]]:
-        """The claim with only the tolerations its namespace's GpuQuotas allow, and those it may not
-        use (``asks.allowed_tolerations``); as it is with ``--claim-tolerations Any``."""
-        if self.settings.claim_tolerations == "Any" or not claim.spec.tolerations:
-            return claim, ()
-        kept, refused = asks.allowed_tolerations(claim, self.state.quotas(claim.metadata.namespace))
-        if not refused:
-            return claim, ()
-        return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=kept)), refused
-
-    @staticmethod
-    def _with_refused(
-        claim: models.GpuClaim, reason: str, refused: Sequence[models.Toleration], node_index: NodeIndex
-    ) -> str:
-        """``reason``, and the refused tolerations that would have let the claim onto a node."""
-        if not refused:
-            return reason
-        note = asks.refused_note(
-            refused,
-            taints.claim_tolerations(claim.spec),
-            (view.taints for view in node_index.views()),
-            claim.metadata.namespace,
-        )
-        return f"{reason}; {note}" if note else reason
-
-    def _advance_cursor(self, node_index: NodeIndex, allocations: Iterable[models.Allocation]) -> None:
-        last = list(allocations)[-1].node_name
-        if node_index.get(last) is not None:
-            self._rr_cursor = node_index.position(last) + 1
-
-    async def _unfit(
-        self,
-        claim: models.GpuClaim,
-        reason: str,
-        leftovers: Sequence[leases.LeaseInfo],
-        *,
-        why: str = statuses.REASON_INSUFFICIENT,
-    ) -> None:
-        """The attempt failed (``reason``): say so in the status, only if that changes it (an
-        attempt that an event triggered before the backoff ran out, with the same reason, writes
-        nothing), and try again after the backoff. ``TooManyClaims`` is no attempt: it is not
-        counted against ``maxRetries`` and is not retried on a timer; the claim is woken when it
-        comes inside its namespace's count limit (``State``)."""
-        key = claim.key
-        policy = claim.spec.retry_policy
-        mono = time.monotonic()
-        # The claim may have been deleted (and forgotten) while this reconcile awaited.
-        before = self._retry.get(key) or retries.initial_retry_state(claim)
-        parked = why == waking.REASON_TOO_MANY_CLAIMS
-        if parked:
-            retry, counted = before, False
-        else:
-            retry, counted = retries.record_failure(before, now=mono, policy=policy, jitter=self.rng.random())
-        self._retry[key] = retry
-        exhausted = not parked and retries.retries_exhausted(retry, policy)
-        if exhausted:
-            phase, cond_reason = constants.PHASE_FAILED, statuses.REASON_RETRIES_EXHAUSTED
-            message = f"{reason} (gave up after {retry.retry_count} retries)"
-        else:
-            phase, cond_reason = constants.PHASE_PENDING, why
-            message = reason
-        now = self._now()
-        patch = statuses.unallocated_status(
-            claim, phase=phase, reason=cond_reason, message=message, retry_count=retry.retry_count, now=now
-        )
-        # A leftover stamped with this very version may belong to a live attempt, or to a dead one:
-        # a write that moves the claim on settles which (locking, rule 3).
-        fence = any(info.claim_resource_version == claim.metadata.resource_version for info in leftovers)
-        if fence:
-            patch["status"]["lastScheduleTime"] = timestamps.format_time(now)
-        current = next((c for c in claim.status.conditions if c.type == constants.CONDITION_ALLOCATED), None)
-        must_write = (
-            counted
-            or fence
-            or claim.status.phase != phase
-            or current is None
-            or current.reason != cond_reason
-            or claim.status.observed_generation != claim.metadata.generation
-        )
-        written: models.GpuClaim | None = None
-        if must_write and (fence or statuses.status_differs(claim, patch)):
-            written = await self._write_status(claim, patch)
-            if written is None:
-                return
-        await self._release_leftovers(claim, leftovers, written)
-        if counted and not exhausted:
-            self.metrics.allocation_retries.inc()  # one more retry scheduled with backoff
-        if counted:
-            self.metrics.allocation_failures.labels(reason=cond_reason).inc()
-            last = self._failed_event.get(key)
-            if last is None or last[0] != message or mono - last[1] >= self.settings.event_interval:
-                self._failed_event[key] = (message, mono)
-                self.emit(self.state.raw_claim(key) or {}, "AllocationFailed", message, "Warning")
-            log.info("not allocated", extra={"claim": key, "reason": message, "retry": retry.retry_count})
-        if parked:
-            return
-        if not exhausted:
-            self.requeue(key, max(0.0, retry.not_before - mono))
-        elif written is not None:
-            # Once more, as Failed: its leftovers go, and its gated pods are told why they stay gated.
-            # Nothing else would wake it: our own write's event does not.
-            self.requeue(key, 0.0)
+    async def _pods(self, claim: models.GpuClaim) -> tuple[list[Obj], list[Mapping[str, Any]]]:
+        """An authoritative list of the claim's namespace's pods, and those of them that use the
+        claim (``gates.pods_using``: named by it, not Succeeded or Failed, gated ones included)."""
+        pods = await self.cluster.list_pods(claim.metadata.namespace)
+        return pods, gates.pods_using(claim.metadata.name, pods)
 
     # ------------------------------------------------------------------ allocated claims
 
@@ -463,9 +159,9 @@ class Reconciler:
         """Keep an Allocated claim's locks and its DevicesLost condition true; False when its
         status write did not land (the claim moved on or is gone) and the caller should stop."""
         uid = claim.metadata.uid
-        recorded = locking.recorded(claim)
+        recorded = locks.recorded(claim)
         held = self.state.held_by(uid)
-        await self._release_leftovers(claim, held.values())
+        await self.writer.release_leftovers(claim, held.values())
         await self.ledger.enter_allocated(claim)
         taken: dict[str, str] = {}
         missing = sorted(recorded - held.keys())
@@ -474,14 +170,14 @@ class Reconciler:
         problems = statuses.allocation_problems(
             claim.status.allocations, statuses=self.state.statuses, nodes=self.state.facts
         )
-        condition = statuses.devices_lost_condition(claim, problems, taken=taken, now=self._now())
+        condition = statuses.devices_lost_condition(claim, problems, taken=taken, now=self.state.now())
         if condition is None:
             return True
-        if await self._write_status(claim, statuses.condition_patch(claim, condition)) is None:
+        if await self.writer.claim_status(claim, statuses.condition_patch(claim, condition)) is None:
             return False
         if condition.status == "True":
             log.warning("devices lost", extra={"claim": claim.key, "reason": condition.message})
-            self.emit(self.state.raw_claim(claim.key) or {}, "DeviceUnhealthy", condition.message, "Warning")
+            self.writer.claim_event(claim, "DeviceUnhealthy", condition.message, "Warning")
         else:
             log.info("devices recovered", extra={"claim": claim.key})
         return True
@@ -492,26 +188,20 @@ class Reconciler:
         the claim's own UID (the cache was only behind) is fine."""
         wanted = set(missing)
         taken: dict[str, str] = {}
-        for item in locking.lock_plan(claim.status.allocations):
+        for item in locks.lock_plan(claim.status.allocations):
             if item.lease not in wanted:
                 continue
-            result = await locking.acquire(
-                self.cluster, self.settings.namespace, [item], claim, now=self._now()
-            )
+            result = await self.writer.lock(self.settings.namespace, [item], claim, now=self.state.now())
             if result.ok:
-                for raw in result.created.values():
-                    self.state.remember("leases", raw, reconciling=claim.key)
                 log.warning(
                     "re-created a vanished device lease", extra={"claim": claim.key, "lease": item.lease}
                 )
                 continue
             try:
-                raw = await self.cluster.get_lease(item.lease)
+                info = await self.writer.lease(item.lease, reconciling=claim.key)
             except errors.NotFound:
                 self.requeue(claim.key, 0.5)  # released meanwhile: try again
                 continue
-            self.state.remember("leases", raw, reconciling=claim.key)
-            info = leases.parse(raw)
             if info.holder != claim.metadata.uid:
                 holder = f"{info.claim_namespace}/{info.claim_name}" if info.claim_name else info.holder
                 device = constants.device_display(self._minor(claim, item.lock_id), item.lock_id)
@@ -534,10 +224,9 @@ class Reconciler:
         that list would be missed, so the list that decides is made after a fence: the condition
         ``Releasing``, written first, for which the webhook admits no pod (the deterministic
         simulation found a pod admitted between the list and the release)."""
-        pods = await self.cluster.list_pods(claim.metadata.namespace)
-        using = gates.pods_using(claim.metadata.name, pods)
+        pods, using = await self._pods(claim)
         fenced = claim.releasing
-        now = self._now()
+        now = self.state.now()
         if using:
             names = sorted(str((p.get("metadata") or {}).get("name", "")) for p in using)
             condition = statuses.in_use_condition(claim, names, now=now, deleting=False)
@@ -549,7 +238,7 @@ class Reconciler:
                     conditions, statuses.releasing_condition(claim, on=False, now=now)
                 )
             if condition is not None or fenced:
-                await self._write_status(claim, statuses.conditions_patch(conditions))
+                await self.writer.claim_status(claim, statuses.conditions_patch(conditions))
             return False
         done = gates.pods_done(claim.metadata.name, pods)
         if claim.spec.release == constants.RELEASE_ON_OWNER_COMPLETED:
@@ -562,24 +251,23 @@ class Reconciler:
             return False  # not used yet
         if not fenced:
             fence = statuses.releasing_condition(claim, on=True, now=now)
-            written = await self._write_status(claim, statuses.condition_patch(claim, fence))
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
             return True if written is None else await self._release_if_done(written)  # look again
-        written = await self._write_status(claim, statuses.released_status(claim, why=why, now=now))
+        written = await self.writer.claim_status(claim, statuses.released_status(claim, why=why, now=now))
         if written is None:
             return True
-        await self._release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
+        await self.writer.release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
         if not await self.ledger.leave(written):
             return True  # retried shortly, as a Released claim
         log.info("released: its work is done", extra={"claim": claim.key, "why": why})
-        self.emit(self.state.raw_claim(claim.key) or {}, "Released", written.status.message, "Normal")
+        self.writer.claim_event(claim, "Released", written.status.message, "Normal")
         return True
 
     async def _owner_finished(self, claim: models.GpuClaim) -> str | None:
         """``release: OnOwnerCompleted``: how the claim's Job or JobSet finished ("its Job train is
         Complete"), or None while it runs. A claim that names no such owner is kept until deleted,
         with one Warning."""
-        raw_claim = self.state.raw_claim(claim.key) or {}
-        owner = owners.owner_of(raw_claim)
+        owner = owners.owner_of(self.state.raw_claim(claim.key) or {})
         if owner is None:
             if claim.key not in self._ownerless:
                 self._ownerless.add(claim.key)
@@ -588,7 +276,7 @@ class Reconciler:
                     " (metadata.ownerReferences): it keeps its GPUs until it is deleted"
                 )
                 log.warning("no owner to follow", extra={"claim": claim.key})
-                self.emit(raw_claim, "NoOwner", message, "Warning")
+                self.writer.claim_event(claim, "NoOwner", message, "Warning")
             return None
         try:
             raw: Obj | None = await self.cluster.get_workload(
@@ -599,96 +287,7 @@ class Reconciler:
         how = owners.finished(owner, raw)
         return None if how is None else f"its {owner} is {how}"
 
-    # ------------------------------------------------------------------ preemption
-
-    def _priority(self, claim: models.GpuClaim) -> int:
-        cap = quotas.max_priority(self.state.quotas(claim.metadata.namespace))
-        return claim.spec.priority if cap is None else min(claim.spec.priority, cap)
-
-    async def _preempt(self, claim: models.GpuClaim, node_index: NodeIndex) -> tuple[str, str] | None:
-        """A claim that fits nowhere: mark the claims it preempts (``preemption``) Preempted. What it
-        waits for and the condition's reason: ("preempting ns/a (4 GPUs, priority 1)", Preempting);
-        the quota's message and QuotaExceeded when only plans its namespace's quotas refuse were
-        found (nobody is preempted then); None when it may preempt nobody.
-
-        Admission before preemption: a plan counts only if every quota of the claim's namespace
-        would admit the claim on the devices it names (``quotas.admissible``; preemption frees
-        GPUs, never quota: the victims still count), and the claim is entered in its ledgers (a
-        write conditional on each quota's version) before any victim is marked, so no claim is
-        preempted for a preemptor held back by its quota.
-        A claim that asks more GPUs per replica than any node has never searches.
-
-        A victim is marked with a write conditional on its resourceVersion, so a victim that moved on
-        meanwhile is left alone (the next try plans again). Its pods are evicted and its Leases
-        released by its own reconciles; this claim is allocated once the Leases are gone."""
-        scope = self.settings.preemption_scope
-        if claim.spec.preemption_policy == constants.PREEMPT_NEVER or scope == "None":
-            return None
-        if self._priority(claim) <= 0:
-            # Nobody has a lower priority (the CRD's minimum is 0): no need to look at every claim,
-            # which the many claims of priority 0 that fit nowhere would each do at every retry.
-            return None
-        if preemption.exceeds_every_node(claim, (bucket.total for bucket in node_index.buckets())):
-            return None  # fits nowhere whoever goes: the many such claims of a flood never search
-        every = [c for c in (self.state.claim(key) for key in self.state.claim_keys()) if c is not None]
-        waiting = sorted(
-            c.key
-            for c in every
-            if c.status.phase == constants.PHASE_PREEMPTED
-            and c.status.preempted_by == claim.key
-            and (c.status.allocations or self.state.held_by(c.metadata.uid))
-        )
-        if waiting:  # preempted already: wait until they have let go (Leases too) rather than preempt more
-            message = f"waiting for the claims it preempted to release their GPUs: {', '.join(waiting)}"
-            return message, statuses.REASON_PREEMPTING
-        pool = preemption.candidates(claim, every, priority=self._priority, cluster_scope=scope == "Cluster")
-        if not pool:
-            return None
-        if claim.spec.replicas == 1:  # searched node by node: only the nodes that hold candidates
-            held = {a.node_name for c in pool for a in c.status.allocations}
-            node_views = [view for name in sorted(held) if (view := node_index.get(name)) is not None]
-        else:
-            node_views = node_index.views()
-        seed = views.seed_for(claim.metadata.uid)
-        namespace_quotas = self.state.quotas(claim.metadata.namespace)
-        refused: list[str] = []
-
-        def place(candidate_views: Sequence[allocator.NodeView]) -> allocator.Decision:
-            return allocator.allocate(claim, candidate_views, seed=seed, cost_label=self.settings.cost_label)
-
-        def admit(decision: allocator.Decision) -> str:
-            if not namespace_quotas:
-                return ""
-            product = quotas.products_of(decision.allocations, self.state.statuses)
-            why = quotas.admissible(namespace_quotas, claim, product)
-            if why and not refused:
-                refused.append(why)
-            return why
-
-        plan = preemption.choose(claim, pool, node_views, place, priority=self._priority, admit=admit)
-        if plan is None:
-            return (refused[0], quotas.REASON) if refused else None
-        # Admitted by the API server before any victim is marked: the ledgers are written at the
-        # version they were read at, so a cache that missed another controller's admission can never
-        # preempt for a claim its quota then refuses (the deterministic simulation found one, seed
-        # 7012999). Its room is then held for it while the victims let go.
-        product = quotas.products_of(plan.decision.allocations, self.state.statuses)
-        if not self.ledger.holds(claim, product):
-            why = await self.ledger.admit(claim, product)
-            if why is None:
-                return None  # a ledger changed meanwhile: looked at again shortly
-            if why:
-                return why, quotas.REASON
-        now = self._now()
-        for victim in plan.victims:
-            written = await self._write_status(victim, statuses.preempted_status(victim, by=claim, now=now))
-            if written is None:
-                break
-            log.warning("preempted", extra={"claim": victim.key, "by": claim.key})
-            self.emit(self.state.raw_claim(victim.key) or {}, "Preempted", written.status.message, "Warning")
-        described = plan.describe()
-        self.emit(self.state.raw_claim(claim.key) or {}, "Preempting", described, "Normal")
-        return described, statuses.REASON_PREEMPTING
+    # ------------------------------------------------------------------ preempted claims
 
     async def _finish_preemption(self, claim: models.GpuClaim) -> None:
         """A Preempted claim: evict its pods (the Eviction API, so PodDisruptionBudgets hold; one a
@@ -697,14 +296,13 @@ class Reconciler:
         admits no pod of a Preempted claim."""
         held = list(self.state.held_by(claim.metadata.uid).values())  # seen before the write below
         if claim.status.allocations:
-            pods = await self.cluster.list_pods(claim.metadata.namespace)
-            using = gates.pods_using(claim.metadata.name, pods)
+            _, using = await self._pods(claim)
             if using:
                 blocked = []
                 for pod in using:
                     name = str((pod.get("metadata") or {}).get("name", ""))
                     try:
-                        await self.cluster.evict_pod(claim.metadata.namespace, name)
+                        await self.writer.evict(claim.metadata.namespace, name)
                     except errors.NotFound:
                         continue
                     except errors.Unavailable as exc:
@@ -715,13 +313,13 @@ class Reconciler:
                     log.info("eviction blocked", extra={"claim": claim.key, "pods": ",".join(blocked)})
                 self.requeue(claim.key, self.settings.in_use_poll)
                 return
-            written = await self._write_status(claim, statuses.preemption_done_status(claim))
+            written = await self.writer.claim_status(claim, statuses.preemption_done_status(claim))
             if written is None:
                 return
-            await self._release_leftovers(written, held, written)
+            await self.writer.release_leftovers(written, held, written)
             claim = written
         else:
-            await self._release_leftovers(claim, held)
+            await self.writer.release_leftovers(claim, held)
         await self.ledger.leave(claim)
         self.gate.warn_gated(claim, f"claim {claim.metadata.name} was preempted: create a new claim")
 
@@ -744,10 +342,10 @@ class Reconciler:
                 if a.node_name not in self.state.facts or not self.state.ready_nodes.get(a.node_name, False)
             }
         )
-        now = self._now()
+        now = self.state.now()
         condition = statuses.node_lost_condition(claim, lost, now=now)
         if condition is not None:
-            written = await self._write_status(claim, statuses.condition_patch(claim, condition))
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, condition))
             return True if written is None else await self._reallocate_if_lost(written)
         if not lost:
             return False
@@ -755,25 +353,25 @@ class Reconciler:
         if wait > 0:
             self.requeue(claim.key, wait)
             return False
-        pods = await self.cluster.list_pods(claim.metadata.namespace)
-        if gates.pods_using(claim.metadata.name, pods):
+        _, using = await self._pods(claim)
+        if using:
             if claim.releasing:
                 fence = statuses.releasing_condition(claim, on=False, now=now)
-                await self._write_status(claim, statuses.condition_patch(claim, fence))
+                await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
             self.requeue(claim.key, self.settings.in_use_poll)
             return False
         if not claim.releasing:
             fence = statuses.releasing_condition(
                 claim, on=True, now=now, why=f"{', '.join(lost)} lost", reason=statuses.REASON_NODE_LOST
             )
-            written = await self._write_status(claim, statuses.condition_patch(claim, fence))
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
             return True if written is None else await self._reallocate_if_lost(written)  # look again
-        written = await self._write_status(claim, statuses.reallocating_status(claim, lost, now=now))
+        written = await self.writer.claim_status(claim, statuses.reallocating_status(claim, lost, now=now))
         if written is None:
             return True
-        await self._release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
+        await self.writer.release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
         log.warning("allocating afresh: its node was lost", extra={"claim": claim.key, "nodes": lost})
-        self.emit(self.state.raw_claim(claim.key) or {}, "Reallocating", written.status.message, "Warning")
+        self.writer.claim_event(claim, "Reallocating", written.status.message, "Warning")
         self.requeue(claim.key, 0)
         return True
 
@@ -785,17 +383,16 @@ class Reconciler:
             return  # done already; the sweep releases anything left
         uid = claim.metadata.uid
         if claim.status.allocations:
-            pods = await self.cluster.list_pods(claim.metadata.namespace)
-            using = gates.pods_using(claim.metadata.name, pods)
+            _, using = await self._pods(claim)
             if using:
                 await self._still_in_use(claim, using)
                 return
         held = self.state.held_by(uid)
-        released = await self._release(held.values())
+        released = len(await self.writer.release(held.values()))
         if held or claim.status.allocations:
             count = sum(len(a.devices) for a in claim.status.allocations) or released
-            self.emit(
-                self.state.raw_claim(claim.key) or {},
+            self.writer.claim_event(
+                claim,
                 "Released",
                 f"released {count} GPU{'s' if count != 1 else ''}",
                 "Normal",
@@ -804,17 +401,15 @@ class Reconciler:
             return  # a quota's ledger changed meanwhile: retried shortly, the finalizer kept till then
         finalizers = [f for f in claim.metadata.finalizers if f != constants.FINALIZER]
         with contextlib.suppress(errors.NotFound):
-            await self._patch_finalizers(claim, finalizers)
+            await self.writer.claim_finalizers(claim, finalizers)
         log.info("released", extra={"claim": claim.key, "leases": released})
 
     async def _still_in_use(self, claim: models.GpuClaim, using: Sequence[Mapping[str, Any]]) -> None:
         names = sorted(str((p.get("metadata") or {}).get("name", "")) for p in using)
-        condition = statuses.in_use_condition(claim, names, now=self._now())
+        condition = statuses.in_use_condition(claim, names, now=self.state.now())
         if condition is not None:
-            written = await self._write_status(claim, statuses.condition_patch(claim, condition))
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, condition))
             if written is not None:
                 log.info("deletion waits for pods", extra={"claim": claim.key, "pods": ",".join(names)})
-                self.emit(
-                    self.state.raw_claim(claim.key) or {}, "ReleaseBlocked", condition.message, "Warning"
-                )
+                self.writer.claim_event(claim, "ReleaseBlocked", condition.message, "Warning")
         self.requeue(claim.key, self.settings.in_use_poll)

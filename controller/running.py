@@ -25,9 +25,12 @@ from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
 from controller.gating import PodGate
-from controller.reconciling import Reconciler, Settings
+from controller.ledger import Ledger
+from controller.reconciling import Reconciler
+from controller.settings import Settings
 from controller.state import Feed, State, reflectors
 from controller.sweeping import Sweeper
+from controller.writer import Writer
 from gpualloc.kube import errors, watching
 from gpualloc.runtime import backoff
 
@@ -80,24 +83,27 @@ class Controller:
             now=now,
             cost_label=settings.cost_label,
         )
+        self.writer = Writer(cluster, self.state, emit=self._emit, requeue=self.queue.add_after, rng=self.rng)
+        self.ledger = Ledger(cluster, self.state, self.writer)
         self.gate = PodGate(
             cluster,
             self.state,
-            emit=self._emit,
+            self.writer,
             requeue=self.queue.add_after,
             event_interval=settings.event_interval,
         )
         self.reconciler = Reconciler(
             cluster,
             self.state,
+            self.writer,
+            self.ledger,
             self.gate,
             settings,
             self.metrics,
             rng=self.rng,
-            emit=self._emit,
             requeue=self.queue.add_after,
         )
-        self.sweeper = Sweeper(cluster, self.state, self.gate, self.reconciler.ledger, wake=self.queue.add)
+        self.sweeper = Sweeper(cluster, self.state, self.gate, self.ledger, self.writer, wake=self.queue.add)
         self._errors: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._pending_events = 0

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from controller import gates, views, waking
+from controller import gates, locks, views, waking
 from controller import metrics as controller_metrics
 from controller.nodes import NodeIndex
 from gpualloc.api import codecs, constants, leases, models
@@ -151,11 +151,6 @@ def _note_beat(beats: dict[str, tuple[str, float]], node: str, beat: str, now: f
         beats.pop(node, None)
     elif seen is None or seen[0] != beat:
         beats[node] = (beat, now)
-
-
-def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
-    """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists."""
-    return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices)
 
 
 class State:
@@ -502,7 +497,7 @@ class State:
             self.pending.add(key)
         claim = self.claim(key)
         if claim is not None:
-            listed = listed_devices(claim)
+            listed = locks.listed_devices(claim)
             if listed:
                 self._claim_listed[key] = (uid, listed)
                 for uuid in listed:

@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from controller import cluster as kube
-from controller import gates, locking, statuses
+from controller import gates, locks, statuses
 from controller.gating import PodGate
 from controller.ledger import Ledger
 from controller.state import State
+from controller.writer import Writer
 from gpualloc.api import constants, leases
 from gpualloc.kube import errors
 
@@ -46,11 +47,13 @@ class Sweeper:
         state: State,
         gate: PodGate,
         ledger: Ledger,
+        writer: Writer,
         *,
         wake: Callable[[str], None],
     ) -> None:
-        self.cluster = cluster
+        self.cluster = cluster  # reads; every write goes through the writer
         self.state = state
+        self.writer = writer
         self.gate = gate
         self.ledger = ledger
         self.wake = wake
@@ -65,10 +68,7 @@ class Sweeper:
             if self.state.claim_key_of(holder) is not None or await self._claim_exists(holder, held.values()):
                 continue
             free = await self._not_used_by_pods(held.values())
-            gone = await locking.release(self.cluster, free)
-            for info in gone:
-                self.state.forget_lease(info.name, info.uid)
-            orphans += len(gone)
+            orphans += len(await self.writer.release(free))
         if orphans:
             log.info("released leases of vanished claims", extra={"leases": orphans})
         for quota in self.state.all_quotas():
@@ -86,7 +86,7 @@ class Sweeper:
         held = set(self.state.held_by(claim.metadata.uid))
         if claim.metadata.deletion_timestamp or claim.status.phase != constants.PHASE_ALLOCATED:
             return bool(held)  # a reconcile releases them
-        if locking.recorded(claim) != held or claim.spec.release in constants.RELEASES_WHEN_DONE:
+        if locks.recorded(claim) != held or claim.spec.release in constants.RELEASES_WHEN_DONE:
             return True
         problems = statuses.allocation_problems(
             claim.status.allocations, statuses=self.state.statuses, nodes=self.state.facts
@@ -101,7 +101,7 @@ class Sweeper:
             return held
         pods = await self.cluster.list_pods(named.claim_namespace)
         devices = gates.held_by_pods(named.claim_name, pods)
-        kept = [info for info in held if any(locking.locks_device(info.name, uuid) for uuid in devices)]
+        kept = [info for info in held if any(locks.locks_device(info.name, uuid) for uuid in devices)]
         if len(kept) < len(held) and not await self._fence(named, pods):
             kept = held
         if kept:
@@ -124,7 +124,7 @@ class Sweeper:
             if (meta.get("annotations") or {}).get(constants.ANNOTATION_CLAIM_GONE) == named.holder:
                 continue  # fenced by an earlier sweep, and not un-gated since
             try:
-                await self.cluster.patch_pod(
+                await self.writer.pod(
                     named.claim_namespace, str(meta.get("name", "")), gates.fence_patch(pod, named.holder)
                 )
             except errors.NotFound:

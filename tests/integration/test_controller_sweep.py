@@ -9,7 +9,7 @@ from typing import Any
 
 import prometheus_client
 
-from controller import cluster, reconciling, running
+from controller import cluster, running, settings
 from controller import metrics as controller_metrics
 from gpualloc.api import constants
 from gpualloc.kube import errors, leases, resources, transport
@@ -19,12 +19,10 @@ from tests.integration import controller_support as support
 
 @contextlib.asynccontextmanager
 async def controller_in_process(api: Api, namespace: str, run: str) -> AsyncIterator[running.Controller]:
-    settings = reconciling.Settings(
+    chosen = settings.Settings(
         namespace=namespace, sweep_interval=1.0, claim_selector=f"{support.RUN_LABEL}={run}"
     )
-    ctl = running.Controller(
-        cluster.KubeCluster(api, settings.namespace), settings, controller_metrics.Metrics()
-    )
+    ctl = running.Controller(cluster.KubeCluster(api, chosen.namespace), chosen, controller_metrics.Metrics())
     caches = asyncio.create_task(ctl.run_caches())
     active = asyncio.create_task(ctl.run_active())
     try:

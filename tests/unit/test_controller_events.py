@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from controller import metrics as controller_metrics
-from controller import reconciling, running
+from controller import running, settings
 from tests.simulation import model
 
 
@@ -31,7 +31,7 @@ async def test_events_past_the_pending_bound_are_dropped_and_counted(monkeypatch
     metrics = controller_metrics.Metrics()
     controller = running.Controller(
         cluster,  # type: ignore[arg-type]
-        reconciling.Settings(namespace="gpu-system"),
+        settings.Settings(namespace="gpu-system"),
         metrics,
         feeds={kind: model.SimFeed(kind) for kind in model.WATCHED},
     )

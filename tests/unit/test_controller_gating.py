@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import random
 from collections.abc import Iterator
 from typing import Any
 
 from controller.gating import PodGate
+from controller.writer import Writer
 from gpualloc.api import codecs, constants, models
 from gpualloc.kube import errors
 
@@ -78,10 +80,18 @@ def ungate(
     cluster = FakeCluster(current)
     warnings: list[tuple[str, str]] = []
     requeued: list[str] = []
+    state = FakeState(*pods)
+    writer = Writer(
+        cluster,  # type: ignore[arg-type]
+        state,  # type: ignore[arg-type]
+        emit=lambda pod, reason, message, type_: warnings.append((pod["metadata"]["name"], message)),
+        requeue=lambda key, delay: requeued.append(key),
+        rng=random.Random(0),
+    )
     gate = PodGate(
         cluster,  # type: ignore[arg-type]
-        FakeState(*pods),  # type: ignore[arg-type]
-        emit=lambda pod, reason, message, type_: warnings.append((pod["metadata"]["name"], message)),
+        state,  # type: ignore[arg-type]
+        writer,
         requeue=lambda key, delay: requeued.append(key),
         event_interval=60.0,
     )

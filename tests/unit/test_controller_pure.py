@@ -14,7 +14,7 @@ import jsonpatch
 import pytest
 import yaml
 
-from controller import allocator, gates, locking, retries, statuses, views
+from controller import allocator, gates, locks, retries, statuses, views
 from gpualloc.api import codecs, constants, leases, models, timestamps
 from tests import reviews
 
@@ -166,13 +166,13 @@ def test_pending_order_is_priority_then_age_then_name() -> None:
 
 def test_lock_plan_covers_every_device_of_every_replica_sorted_by_uuid() -> None:
     allocations = [alloc(0, "n2", 2, (3, 1)), alloc(1, "n1", 1, (0,))]
-    plan = locking.lock_plan(allocations)
+    plan = locks.lock_plan(allocations)
     assert [i.lock_id for i in plan] == sorted([uuid(2, 3), uuid(2, 1), uuid(1, 0)])
     assert all(i.lease == constants.lease_name(i.lock_id) for i in plan)
     assert {i.lock_id: i.node for i in plan}[uuid(1, 0)] == "n1"
 
 
-def device_lease(item: locking.LockItem, c: models.GpuClaim) -> dict[str, Any]:
+def device_lease(item: locks.LockItem, c: models.GpuClaim) -> dict[str, Any]:
     meta = c.metadata
     return leases.device_lease(
         "gpualloc-system",
@@ -187,7 +187,7 @@ def device_lease(item: locking.LockItem, c: models.GpuClaim) -> dict[str, Any]:
 
 
 def test_device_lease_is_held_by_the_claim_stamped_with_its_version_and_kept_by_a_finalizer() -> None:
-    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    item = locks.lock_plan([alloc(0, "n1", 1, (0,))])[0]
     lease = device_lease(item, claim())
     assert lease["spec"]["holderIdentity"] == "uid-c"
     assert lease["metadata"]["finalizers"] == [leases.FINALIZER]
@@ -196,7 +196,7 @@ def test_device_lease_is_held_by_the_claim_stamped_with_its_version_and_kept_by_
 
 
 def test_lease_labels_name_node_claim_and_manager() -> None:
-    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    item = locks.lock_plan([alloc(0, "n1", 1, (0,))])[0]
     assert device_lease(item, claim())["metadata"]["labels"] == {
         constants.LABEL_NODE: "n1",
         constants.LABEL_CLAIM_NAMESPACE: "ns",
@@ -224,7 +224,7 @@ def test_shorten_label_value_keeps_names_that_fit_and_shortens_longer_ones_to_a_
 
 
 def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_the_label() -> None:
-    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    item = locks.lock_plan([alloc(0, "n1", 1, (0,))])[0]
     long = claim("c" * 253)
     labels = device_lease(item, long)["metadata"]["labels"]
     annotations = device_lease(item, long)["metadata"]["annotations"]
@@ -242,7 +242,7 @@ def test_a_long_claim_name_goes_whole_into_the_annotations_and_shortened_into_th
 
 
 def test_a_lease_made_before_the_annotations_is_read_from_its_labels() -> None:
-    item = locking.lock_plan([alloc(0, "n1", 1, (0,))])[0]
+    item = locks.lock_plan([alloc(0, "n1", 1, (0,))])[0]
     lease = {"metadata": {"name": item.lease, "labels": device_lease(item, claim())["metadata"]["labels"]}}
     info = leases.parse(lease)
     assert (info.claim_namespace, info.claim_name) == ("ns", "c")
@@ -479,7 +479,7 @@ def test_releasable_leftovers_are_only_those_no_attempt_can_still_record() -> No
     live = leftover(constants.lease_name(uuid(1, 1)), "7")  # an attempt at this very version may record it
     stale = leftover(constants.lease_name(uuid(1, 2)), "5")  # its attempt's write can no longer succeed
     unstamped = leftover(constants.lease_name(uuid(1, 3)), "")
-    assert locking.releasable([listed, live, stale, unstamped], view) == [stale, unstamped]
+    assert locks.releasable([listed, live, stale, unstamped], view) == [stale, unstamped]
 
 
 def gated_pod(**extra_meta: object) -> dict[str, object]:
@@ -823,6 +823,6 @@ def test_a_shared_gpus_slot_is_locked_by_a_lease_of_its_own() -> None:
     shared = models.Allocation(
         replica=0, node_name="n1", devices=(models.DeviceRef(index=0, minor=0, uuid=gpu, slot=2),)
     )
-    (item,) = locking.lock_plan([shared])
+    (item,) = locks.lock_plan([shared])
     assert item.lock_id == f"{gpu}-s2"
     assert item.lease == f"gpu-{gpu.lower()}-s2"

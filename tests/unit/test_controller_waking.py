@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from controller import queue as work_queue
-from controller import reconciling, running, waking
+from controller import running, settings, waking
 from gpualloc.api import codecs, constants, models
 from tests.simulation import model
 from tests.unit.test_controller_pure import claim, inventory, state_on_fake_feeds, status, uuid
@@ -250,7 +250,7 @@ def test_a_capacity_event_costs_nothing_per_claim_over_the_limit() -> None:
 def test_under_a_flood_the_other_namespaces_claim_goes_first() -> None:
     controller = running.Controller(
         object(),  # type: ignore[arg-type]  # nothing is called on it
-        reconciling.Settings(namespace="gpu-system"),
+        settings.Settings(namespace="gpu-system"),
         feeds={kind: model.SimFeed(kind) for kind in model.WATCHED},
     )
     feeds = controller.feeds
@@ -278,7 +278,7 @@ def test_under_a_flood_the_other_namespaces_claim_goes_first() -> None:
 def test_the_rank_of_a_claim_over_max_claims_is_last() -> None:
     controller = running.Controller(
         object(),  # type: ignore[arg-type]
-        reconciling.Settings(namespace="gpu-system"),
+        settings.Settings(namespace="gpu-system"),
         feeds={kind: model.SimFeed(kind) for kind in model.WATCHED},
     )
     feeds = controller.feeds

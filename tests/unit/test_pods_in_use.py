@@ -8,7 +8,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from controller import gates, locking
+from controller import gates, locks
 from gpualloc.api import codecs, constants, models
 from tests.unit.test_controller_pure import alloc, claim, inventory, state_on_fake_feeds, status, uuid
 
@@ -90,10 +90,10 @@ def test_held_by_pods_counts_the_devices_of_running_pods_only() -> None:
 
 def test_a_lease_locks_a_device_its_mig_instance_or_one_of_its_sharing_slots() -> None:
     gpu = uuid(1, 0)
-    assert locking.locks_device(constants.lease_name(gpu), gpu)
-    assert locking.locks_device(constants.lease_name(constants.slot_id(gpu, 2)), gpu)
-    assert not locking.locks_device(constants.lease_name(uuid(1, 1)), gpu)
-    assert not locking.locks_device(constants.lease_name(constants.slot_id(uuid(1, 1), 0)), gpu)
+    assert locks.locks_device(constants.lease_name(gpu), gpu)
+    assert locks.locks_device(constants.lease_name(constants.slot_id(gpu, 2)), gpu)
+    assert not locks.locks_device(constants.lease_name(uuid(1, 1)), gpu)
+    assert not locks.locks_device(constants.lease_name(constants.slot_id(uuid(1, 1), 0)), gpu)
 
 
 def test_an_ungate_decided_on_an_older_read_of_the_pod_fails_once_the_sweep_fenced_it() -> None:
