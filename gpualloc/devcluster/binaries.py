@@ -4,7 +4,11 @@ No published package ships kube-apiserver, so it is compiled from the Kubernetes
 Go modules pinned in ``hack/controlplane``; etcd comes from ``hack/etcd``, kwok, helm
 toxiproxy-server (the race test's faulty network) and vegeta (the webhook
 benchmark's load generator) from ``hack/tools/kwok``, ``hack/tools/helm``,
-``hack/tools/toxiproxy`` and ``hack/tools/vegeta``. Each module's binaries land
+``hack/tools/toxiproxy`` and ``hack/tools/vegeta``. The real node's programs
+(``gpualloc dev up --real-node``) come the same way: the kubelet from ``hack/kubelet``
+(the control plane's module set plus ``cmd/kubelet``), containerd, its runc shim and
+ctr from ``hack/tools/containerd``, the CNI plugins from ``hack/tools/cni`` and the
+sandbox's pause program from ``hack/pause``. Each module's binaries land
 in ``${GPUALLOC_CACHE_DIR:-~/.cache/gpualloc}/bin/<name>-<version>-<hash>/``, where
 the hash covers the module's go.mod and go.sum and the build flags, so a change to
 a pin builds again and everything else is reused. Go's own module and build caches
@@ -35,6 +39,9 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.21.4"
 TOXIPROXY_VERSION = "v2.5.0"
 VEGETA_VERSION = "v12.13.0"
+CONTAINERD_VERSION = "v2.4.2"
+CNI_PLUGINS_VERSION = "v1.10.0"
+PAUSE_VERSION = "v1"
 
 HEARTBEAT_SECONDS = 30.0
 
@@ -74,6 +81,8 @@ class Module:
     directory: str  # relative to hack/
     packages: tuple[tuple[str, str], ...]  # (binary name, Go package)
     ldflags: str = "-s -w"
+    tags: str = ""  # go build -tags
+    env: tuple[tuple[str, str], ...] = ()  # added to go build's environment
 
 
 MODULES: tuple[Module, ...] = (
@@ -118,6 +127,67 @@ MODULES: tuple[Module, ...] = (
         packages=(("vegeta", "github.com/tsenart/vegeta/v12"),),
         ldflags=f"-s -w -X main.Version={VEGETA_VERSION}",
     ),
+    # The real node (gpualloc dev up --real-node): a module of its own, so that the control
+    # plane's cache key does not change with it.
+    Module(
+        name="kubelet",
+        version=KUBERNETES_VERSION,
+        directory="kubelet",
+        packages=(("kubelet", "k8s.io/kubernetes/cmd/kubelet"),),
+        ldflags=KUBERNETES_LDFLAGS,
+    ),
+    # Static (no cgo), without the btrfs snapshotter's C headers; the shim must be on containerd's PATH.
+    Module(
+        name="containerd",
+        version=CONTAINERD_VERSION,
+        directory="tools/containerd",
+        packages=(
+            ("containerd", "github.com/containerd/containerd/v2/cmd/containerd"),
+            ("containerd-shim-runc-v2", "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"),
+            ("ctr", "github.com/containerd/containerd/v2/cmd/ctr"),
+        ),
+        ldflags=(
+            f"-s -w -X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"
+            " -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
+        ),
+        tags="no_btrfs",
+        env=(("CGO_ENABLED", "0"),),
+    ),
+    Module(
+        name="cni-plugins",
+        version=CNI_PLUGINS_VERSION,
+        directory="tools/cni",
+        packages=(
+            ("bridge", "github.com/containernetworking/plugins/plugins/main/bridge"),
+            ("host-local", "github.com/containernetworking/plugins/plugins/ipam/host-local"),
+            ("loopback", "github.com/containernetworking/plugins/plugins/main/loopback"),
+        ),
+        ldflags=(
+            "-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion="
+            f"{CNI_PLUGINS_VERSION}"
+        ),
+        env=(("CGO_ENABLED", "0"),),
+    ),
+    # The pod sandbox's pause program: static, standard library only (hack/pause/main.go).
+    Module(
+        name="pause",
+        version=PAUSE_VERSION,
+        directory="pause",
+        packages=(("pause", "."),),
+        env=(("CGO_ENABLED", "0"),),
+    ),
+)
+
+# What `gpualloc dev up --real-node` runs beside the control plane.
+NODE_NAMES: tuple[str, ...] = (
+    "kubelet",
+    "containerd",
+    "containerd-shim-runc-v2",
+    "ctr",
+    "bridge",
+    "host-local",
+    "loopback",
+    "pause",
 )
 
 NAMES: tuple[str, ...] = tuple(name for module in MODULES for name, _ in module.packages)
@@ -140,7 +210,10 @@ def module_key(module: Module, hack_dir: Path = HACK_DIR) -> str:
         path = hack_dir / module.directory / filename
         digest.update(filename.encode() + b"\0")
         digest.update(path.read_bytes() if path.exists() else b"<missing>")
-    digest.update(repr((module.packages, module.ldflags)).encode())
+    flags: tuple[object, ...] = (module.packages, module.ldflags)
+    if module.tags or module.env:  # only then: the keys of the modules without them stay as they were
+        flags = (*flags, module.tags, module.env)
+    digest.update(repr(flags).encode())
     return f"{module.name}-{module.version}-{digest.hexdigest()[:12]}"
 
 
@@ -165,7 +238,7 @@ def _present(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _build_lock(path: Path, progress: Progress) -> Iterator[None]:
+def build_lock(path: Path, progress: Progress) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+") as handle:
         try:
@@ -194,14 +267,16 @@ def _build_one(
     module_dir = hack_dir / module.directory
     temporary = target.with_name(f".{name}.tmp-{os.getpid()}")
     log_path = target.with_name(f".{name}.build.log")
-    argv = [go, "build", "-trimpath", "-ldflags", module.ldflags, "-o", str(temporary), package]
+    tags = ["-tags", module.tags] if module.tags else []
+    argv = [go, "build", "-trimpath", *tags, "-ldflags", module.ldflags, "-o", str(temporary), package]
+    env = {**os.environ, **dict(module.env)}
     progress(f"building {name} {module.version} (go build in hack/{module.directory})")
     started = time.monotonic()
     with log_path.open("w") as log:
-        log.write(" ".join(argv) + "\n")
+        log.write(" ".join([*(f"{k}={v}" for k, v in module.env), *argv]) + "\n")
         log.flush()
         try:
-            process = subprocess.Popen(argv, cwd=module_dir, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(argv, cwd=module_dir, stdout=log, stderr=subprocess.STDOUT, env=env)
         except OSError as exc:
             raise BuildError(f"cannot run {go}: {exc}") from exc
         try:
@@ -247,7 +322,7 @@ def ensure(names: Iterable[str] | None = None, *, progress: Progress = print) ->
             f"{', '.join(missing)} into {cache_dir() / 'bin'}"
         )
     started = time.monotonic()
-    with _build_lock(cache_dir() / "bin" / ".build.lock", progress):
+    with build_lock(cache_dir() / "bin" / ".build.lock", progress):
         for name in missing:
             target = paths[name]
             if _present(target):  # built by another process while we waited for the lock

@@ -190,6 +190,9 @@ class _Process:
         )
 
 
+Process = _Process
+
+
 class ControlPlane:
     """A real etcd + kube-apiserver on loopback, and the optional extras.
 
@@ -205,8 +208,12 @@ class ControlPlane:
         binaries: Mapping[str, Path],
         progress: Progress | None = None,
         ready_timeout: float = 90.0,
+        real_node: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
+        # A real kubelet joins (gpualloc.devcluster.node): the API server reaches it by its
+        # InternalIP with the admin's client certificate, and calls webhooks at their pods' IPs.
+        self.real_node = real_node
         self.binaries: dict[str, Path] = dict(binaries)
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.audit_log = self.state_dir / "audit.log"
@@ -401,9 +408,22 @@ class ControlPlane:
         except RequestError as exc:
             if exc.status != 409:
                 raise
+        return self.wait_node_ready(name, timeout=timeout, hint="is kwok running?")
+
+    def wait_node_ready(
+        self, name: str, *, timeout: float, hint: str = "", alive: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """Wait until Node ``name`` is Ready, lift the condition taints a new Node carries (as the
+        node-lifecycle controller would, which this cluster runs without); returns the Node.
+        ``alive`` (default: check_alive) raises when what should make it Ready has died."""
         deadline = time.monotonic() + timeout
         while True:
-            node: dict[str, Any] = self.request("GET", f"/api/v1/nodes/{name}")
+            try:
+                node: dict[str, Any] = self.request("GET", f"/api/v1/nodes/{name}")
+            except RequestError as exc:
+                if exc.status != 404:  # a kubelet registers its Node a moment after it starts
+                    raise
+                node = {}
             conditions = node.get("status", {}).get("conditions") or []
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
             taints = node.get("spec", {}).get("taints") or []
@@ -429,8 +449,9 @@ class ControlPlane:
                     continue
                 return patched
             if time.monotonic() > deadline:
-                raise ControlPlaneError(f"node {name} not Ready after {timeout:.0f} s (is kwok running?)")
-            self.check_alive()
+                detail = f" ({hint})" if hint else ""
+                raise ControlPlaneError(f"node {name} not Ready after {timeout:.0f} s{detail}")
+            (alive or self.check_alive)()
             time.sleep(0.1)
 
     # --------------------------------------------------------------------- CRDs
@@ -645,6 +666,17 @@ class ControlPlane:
             "--allow-privileged=true",
             "--profiling=false",
             "--v=1",
+            *(self._real_node_flags() if self.real_node else []),
+        ]
+
+    def _real_node_flags(self) -> list[str]:
+        return [
+            # `kubectl logs` and `exec` reach the kubelet at the node's InternalIP (no DNS here).
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            f"--kubelet-client-certificate={self.pki.admin_cert}",
+            f"--kubelet-client-key={self.pki.admin_key}",
+            # No kube-proxy: a webhook or aggregated API behind a Service is called at its endpoints.
+            "--enable-aggregator-routing=true",
         ]
 
     def _start_apiserver(self) -> None:

@@ -137,6 +137,15 @@ def issue_leaf(
     return cert, key
 
 
+def load_ca(pki: Pki) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA certificate and key of a state directory's PKI, to issue more certificates with."""
+    cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{pki.ca_key} is not an EC private key")
+    return cert, key
+
+
 def _write(path: Path, data: bytes, *, private: bool) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_bytes(data)

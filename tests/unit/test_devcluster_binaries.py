@@ -5,6 +5,7 @@ A fake ``go`` on PATH stands in for the toolchain, so these tests build nothing 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -155,7 +156,7 @@ def test_missing_go_toolchain_is_a_build_error(tmp_path: Path, monkeypatch: pyte
 
 def test_unknown_binary_name_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown binary"):
-        binaries.locate(["kubelet"])
+        binaries.locate(["kube-proxy"])
 
 
 def test_vegeta_is_built_from_its_pinned_module_with_its_version() -> None:
@@ -165,3 +166,57 @@ def test_vegeta_is_built_from_its_pinned_module_with_its_version() -> None:
         f"-X main.Version={binaries.VEGETA_VERSION}",
         f"github.com/tsenart/vegeta/v12 {binaries.VEGETA_VERSION}",
     )
+
+
+def test_the_real_nodes_containerd_is_built_static_without_btrfs_from_its_pinned_module() -> None:
+    _assert_pinned(
+        "containerd",
+        {
+            "containerd": "github.com/containerd/containerd/v2/cmd/containerd",
+            "containerd-shim-runc-v2": "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+            "ctr": "github.com/containerd/containerd/v2/cmd/ctr",
+        },
+        f"version.Version={binaries.CONTAINERD_VERSION}",
+        f"github.com/containerd/containerd/v2 {binaries.CONTAINERD_VERSION}",
+    )
+    (module,) = [m for m in binaries.MODULES if m.name == "containerd"]
+    assert module.tags == "no_btrfs" and dict(module.env) == {"CGO_ENABLED": "0"}
+
+
+def test_the_real_nodes_kubelet_and_cni_plugins_are_built_from_their_pinned_modules() -> None:
+    _assert_pinned(
+        "kubelet",
+        {"kubelet": "k8s.io/kubernetes/cmd/kubelet"},
+        f"gitVersion={binaries.KUBERNETES_VERSION}",
+        f"k8s.io/kubernetes {binaries.KUBERNETES_VERSION}",
+    )
+    _assert_pinned(
+        "cni-plugins",
+        {
+            "bridge": "github.com/containernetworking/plugins/plugins/main/bridge",
+            "host-local": "github.com/containernetworking/plugins/plugins/ipam/host-local",
+            "loopback": "github.com/containernetworking/plugins/plugins/main/loopback",
+        },
+        f"BuildVersion={binaries.CNI_PLUGINS_VERSION}",
+        f"github.com/containernetworking/plugins {binaries.CNI_PLUGINS_VERSION}",
+    )
+    assert set(binaries.NODE_NAMES) <= set(binaries.NAMES)
+
+
+def test_the_kubelets_module_maps_the_staging_modules_as_the_control_planes_does() -> None:
+    def replaces(directory: str) -> list[str]:
+        text = (binaries.HACK_DIR / directory / "go.mod").read_text()
+        return [line.strip() for line in text.split("replace (", 1)[1].splitlines() if "=>" in line]
+
+    assert replaces("kubelet") == replaces("controlplane")
+
+
+def test_a_module_without_tags_or_env_keeps_the_cache_key_it_had_before_they_existed() -> None:
+    (module,) = [m for m in binaries.MODULES if m.name == "etcd"]
+    digest = hashlib.sha256()
+    for filename in ("go.mod", "go.sum"):
+        digest.update(filename.encode() + b"\0")
+        digest.update((binaries.HACK_DIR / module.directory / filename).read_bytes())
+    digest.update(repr((module.packages, module.ldflags)).encode())
+
+    assert binaries.module_key(module) == f"etcd-{module.version}-{digest.hexdigest()[:12]}"
