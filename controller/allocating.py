@@ -347,6 +347,12 @@ class PendingReconciler:
                 return None  # a ledger changed meanwhile: looked at again shortly
             if why:
                 return why, quotas.REASON
+        cached = self.state.claim(claim.key)
+        if cached is None or cached.metadata.uid != claim.metadata.uid or cached.metadata.deletion_timestamp:
+            # Deleted while it planned (a reconcile holds the claim as it was read): nobody is
+            # preempted for it. A deletion that lands after this look cannot be ruled out by any
+            # write (the victims' are conditional on their own versions), as in Kubernetes.
+            return None
         now = self._now()
         for victim in plan.victims:
             written = await self.writer.claim_status(

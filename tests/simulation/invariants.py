@@ -33,7 +33,8 @@
 7. No claim is preempted for a claim that its quota could not admit: when a claim
    is written Preempted, every stored quota ledger of its preemptor's namespace
    holds the preemptor for its whole ask already (``model.ApiServer.
-   inadmissible_preemptions``); with invariant 5, its room is there.
+   inadmissible_preemptions``); with invariant 5, its room is there. A
+   preemptor its user deleted (or that vanished) after it was admitted passes.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still

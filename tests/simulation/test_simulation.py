@@ -586,3 +586,15 @@ def test_a_stripped_claims_name_reused_is_read_as_the_claim_that_acted(
 ) -> None:
     result = runner.run(seed)
     assert result.violation is None, _failure(runner, seed)
+
+
+# Found by the long run at 02f77da (seed 9,358,316): ns-a/c2 was admitted and began locking; its
+# user deleted it, another controller released it and took it out of the ledger, and the first
+# controller's reconcile, still holding the claim as read before the deletion, found no room and
+# marked ns-a/c0 Preempted for it (invariant 7). Fixed: a reconcile whose claim its cache shows
+# deleted preempts nobody; the model passes a preemptor deleted after it was admitted, as no write
+# can rule out a deletion between the controller's last look and a victim's write.
+def test_a_claim_deleted_while_it_planned_preempts_nobody(runner: scheduler.Runner) -> None:
+    result = runner.run(9358316)
+    assert result.violation is None, _failure(runner, 9358316)
+    assert not [line for line in result.trace if "phase=Preempted" in line], _failure(runner, 9358316)
