@@ -22,7 +22,8 @@ $(BIN)/gpualloc: pyproject.toml
 
 setup: $(BIN)/gpualloc
 
-# Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok, helm, toxiproxy-server and vegeta
+# Builds kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok, helm, toxiproxy-server and vegeta,
+# and the real node's kubelet, containerd (+ shim, ctr), CNI plugins and pause program (docs/real-node.md),
 # from pinned Go modules into ~/.cache/gpualloc (once per machine; prints progress).
 build: setup
 	$(BIN)/gpualloc dev build

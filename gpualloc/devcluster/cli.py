@@ -4,7 +4,13 @@
     gpualloc dev up --state-dir DIR         etcd + kube-apiserver with the CRDs applied,
         [--with-nodes N]                    plus kube-scheduler, kwok and N fake nodes
         [--with-controller-manager]         plus kube-controller-manager
-    gpualloc dev down --state-dir DIR       stop a cluster started by `dev up` elsewhere
+        [--real-node [--gpu-profile P]]     plus kube-scheduler, kube-controller-manager and a
+                                            real node (containerd + kubelet, gpualloc-node-0)
+                                            whose simulated GPUs are CDI devices (root only)
+    gpualloc dev down --state-dir DIR       stop a cluster started by `dev up` elsewhere, and
+                                            undo what its real node changed on the machine
+    gpualloc dev image import ARCHIVE --state-dir DIR
+                                            import an OCI archive into the real node
 
 ``dev up`` prints its progress, then one line saying it is ready, and runs until
 SIGINT or SIGTERM, when it stops every process it started.
@@ -22,7 +28,7 @@ import types
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpualloc.devcluster import binaries, cluster
+from gpualloc.devcluster import binaries, cluster, debs, images, node
 from gpualloc.runtime import options
 
 PID_FILE = "gpualloc-dev.pid"
@@ -38,7 +44,7 @@ def _say(message: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpualloc dev", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", metavar="{build,up,down}")
+    commands = parser.add_subparsers(dest="command", metavar="{build,up,down,image}")
 
     build = commands.add_parser("build", help="build kube-apiserver, etcd, kwok, helm ... into the cache")
     build.add_argument("--only", action="append", choices=binaries.NAMES, help="build only this binary")
@@ -54,12 +60,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--crds", type=Path, default=cluster.CRD_DIR, help="directory of CRDs to apply")
     up.add_argument("--node-prefix", default="kwok-node-", help="name prefix of the fake nodes")
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        default=False,
+        help=f"also start a real node, {node.NODE_NAME}: containerd and a kubelet (needs root)",
+    )
+    up.add_argument(
+        "--gpu-profile",
+        default="h100-sxm-8",
+        help="the real node's simulated GPUs (an agent profile; '' for none), exposed as CDI devices",
+    )
 
     down = commands.add_parser("down", help="stop the control plane `dev up` started in --state-dir")
     down.add_argument("--state-dir", type=Path, help="the directory given to `dev up`")
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
 
-    for sub in (build, up, down):
+    image = commands.add_parser("image", help="images of the real node")
+    image_commands = image.add_subparsers(dest="image_command", metavar="{import}")
+    image_import = image_commands.add_parser(
+        "import", help="import an OCI archive (make image's) into the node"
+    )
+    image_import.add_argument("archive", type=Path, help="an OCI image archive (oci-archive tar)")
+    image_import.add_argument("--state-dir", type=Path, help="the directory given to `dev up --real-node`")
+
+    for sub in (build, up, down, image_import):
         options.env_defaults(sub)
     return parser
 
@@ -70,12 +95,16 @@ def main(argv: Sequence[str]) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command in ("up", "down") and args.state_dir is None:
+    if args.command == "image" and args.image_command is None:
+        parser.parse_args(["image", "--help"])
+    if args.command in ("up", "down", "image") and args.state_dir is None:
         parser.error(f"dev {args.command}: --state-dir (or GPUALLOC_STATE_DIR) is required")
     if args.command == "build":
         return _build(args)
     if args.command == "up":
         return _up(args)
+    if args.command == "image":
+        return _import_image(args)
     return _down(args)
 
 
@@ -108,11 +137,15 @@ def _up(args: argparse.Namespace) -> int:
         signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)
     }
     plane: cluster.ControlPlane | None = None
+    real: node.RealNode | None = None
     code = 0
     try:
         pid_file.write_text(f"{os.getpid()}\n")
-        paths = binaries.ensure(progress=_say)
-        plane = cluster.ControlPlane(state_dir, binaries=paths, progress=_say)
+        if args.real_node and (reason := node.unable_reason()) is not None:
+            raise node.NodeError(reason)
+        wanted = [name for name in binaries.NAMES if args.real_node or name not in binaries.NODE_NAMES]
+        paths = binaries.ensure(wanted, progress=_say)
+        plane = cluster.ControlPlane(state_dir, binaries=paths, progress=_say, real_node=args.real_node)
         plane.start()
         names = plane.apply_crds(args.crds)
         _say(f"applied CRDs: {', '.join(names)}")
@@ -126,6 +159,18 @@ def _up(args: argparse.Namespace) -> int:
                 name = f"{args.node_prefix}{index}"
                 plane.add_kwok_node(name)
                 _say(f"node {name} Ready (kwok)")
+        if args.real_node:
+            plane.ensure_scheduler()
+            plane.ensure_controller_manager()
+            _say("kube-scheduler and kube-controller-manager running")
+            programs = node.ensure_programs(_say)
+            real = node.RealNode(plane, programs, progress=_say, gpu_profile=args.gpu_profile or None)
+            real.start()
+            gpus = f"{len(real.gpus)} GPUs as CDI devices ({real.cdi_spec})" if real.gpus else "no GPUs"
+            _say(
+                f"node {node.NODE_NAME} Ready at {node.NODE_IP}: {gpus}; images {images.TOOLBOX_IMAGE} "
+                f"and {images.PAUSE_IMAGE} (`gpualloc dev image import ARCHIVE` adds one)"
+            )
         version = plane.version().get("gitVersion", "?")
         _say(
             f"ready: kubeconfig {plane.kubeconfig} (server {plane.server}, version {version}); "
@@ -134,15 +179,28 @@ def _up(args: argparse.Namespace) -> int:
         while True:
             time.sleep(1.0)
             plane.check_alive()
+            if real is not None:
+                real.check_alive()
     except _Interrupted as exc:
         _say(f"{exc}: stopping")
-    except (binaries.BuildError, cluster.ControlPlaneError, OSError) as exc:
+    except (
+        binaries.BuildError,
+        cluster.ControlPlaneError,
+        node.NodeError,
+        debs.PackageError,
+        OSError,
+    ) as exc:
         print(f"gpualloc dev up: {exc}", file=sys.stderr)
         code = 1
     finally:
         for signum in previous:
             signal.signal(signum, signal.SIG_IGN)  # finish stopping even on a second Ctrl-C
         try:
+            if real is not None:
+                left = real.stop()
+                if left:
+                    print(f"gpualloc dev up: the real node left: {'; '.join(left)}", file=sys.stderr)
+                    code = code or 1
             if plane is not None:
                 plane.stop()
                 _say(f"stopped; state kept in {state_dir}")
@@ -186,7 +244,13 @@ def _down(args: argparse.Namespace) -> int:
             print(f"gpualloc dev down: pid {pid} still runs after {args.timeout:.0f} s", file=sys.stderr)
         else:
             stopped_owner = True
-    # Whatever the owner left behind (it may have been killed with SIGKILL).
+    # Whatever the owner left behind (it may have been killed with SIGKILL): the real node first.
+    node_dir = state_dir / "node"
+    if node.load_state(node_dir):
+        left = node.teardown(node_dir, progress=_say)
+        if left:
+            print(f"gpualloc dev down: the real node left: {'; '.join(left)}", file=sys.stderr)
+            return 1
     state = cluster.load_state(state_dir)
     leftovers = cluster.stop_recorded(state, timeout=min(args.timeout, 10.0))
     for name in leftovers:
@@ -200,4 +264,15 @@ def _down(args: argparse.Namespace) -> int:
     if remaining:
         print(f"gpualloc dev down: still running: {remaining}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _import_image(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir.expanduser().resolve()
+    try:
+        names = node.import_image(state_dir / "node", args.archive)
+    except node.NodeError as exc:
+        print(f"gpualloc dev image import: {exc}", file=sys.stderr)
+        return 1
+    _say(f"imported into {node.NODE_NAME}: {', '.join(names) or '(images already present)'}")
     return 0

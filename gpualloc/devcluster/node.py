@@ -348,22 +348,42 @@ class RealNode:
 
     # ------------------------------------------------------------- pieces
 
-    def _acquire_lock(self) -> None:
+    def _acquire_lock(self, timeout: float = 180.0) -> None:
+        """The machine's one real node: wait for another run's to stop (``timeout`` s at most); then
+        undo whatever the last holder left, if it was killed before it could."""
         path = binaries.cache_dir() / "real-node.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            owner = handle.read().strip()
-            handle.close()
-            raise NodeError(
-                f"another real node runs on this machine ({owner or 'unknown'}); one at a time "
-                "(`gpualloc dev down --state-dir ...` stops it)"
-            ) from None
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                if time.monotonic() > deadline:
+                    handle.close()
+                    raise NodeError(
+                        f"another real node still runs on this machine after {timeout:.0f} s ({holder}); "
+                        "one at a time (`gpualloc dev down --state-dir ...` stops it)"
+                    ) from None
+                if not told:
+                    self._progress(f"waiting for the real node of another run to stop ({holder})")
+                    told = True
+                time.sleep(0.5)
+        handle.seek(0)
+        previous = handle.read().strip()
+        if previous.startswith("{"):
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                last_dir = Path(json.loads(previous)["node_dir"])
+                if last_dir != self.dir and load_state(last_dir):
+                    self._progress(f"undoing what the real node of a killed run left ({last_dir})")
+                    teardown(last_dir, progress=self._progress)
+        handle.seek(0)
         handle.truncate(0)
-        handle.write(f"pid {os.getpid()}, state {self.dir}\n")
+        handle.write(json.dumps({"pid": os.getpid(), "node_dir": str(self.dir)}) + "\n")
         handle.flush()
         self._lock_file = handle
 
@@ -827,21 +847,21 @@ def _remove_containers(record: Mapping[str, Any]) -> None:
     if not address or not Path(address).exists() or not Path(ctr).exists():
         return
     base = [ctr, "--address", address, "--namespace", "k8s.io"]
-    tasks = _run([*base, "tasks", "list", "--quiet"], check=False).split()
-    for task in tasks:
+
+    def tasks() -> list[str]:
+        return _run([*base, "tasks", "list", "--quiet"], check=False).split()
+
+    running = tasks()
+    for task in running:
         _run([*base, "tasks", "kill", "--all", "--signal", "SIGKILL", task], check=False)
-    for task in tasks:
-        for _ in range(50):
-            if _run([*base, "tasks", "delete", "--force", task], check=False) or not _task_exists(base, task):
-                break
-            time.sleep(0.1)
+    for task in running:
+        _run([*base, "tasks", "delete", "--force", task], check=False)
+    deadline = time.monotonic() + 10
+    while tasks() and time.monotonic() < deadline:
+        time.sleep(0.1)
     containers = _run([*base, "containers", "list", "--quiet"], check=False).split()
     if containers:
         _run([*base, "containers", "delete", *containers], check=False)
-
-
-def _task_exists(base: Sequence[str], task: str) -> bool:
-    return task in _run([*base, "tasks", "list", "--quiet"], check=False).split()
 
 
 def _kill_shims(record: Mapping[str, Any]) -> None:
@@ -926,15 +946,15 @@ def teardown(node_dir: Path, *, progress: Progress | None = None) -> list[str]:
     _stop_recorded(record, ("containerd",))
     _kill_shims(record)
     _unmount_new(record, node_dir)
-    for name in record.get("created_interfaces") or []:
-        if name not in (record.get("interfaces") or []) and Path(f"/sys/class/net/{name}").exists():
-            _run(["ip", "link", "delete", name], check=False)
-    # veths of pods whose network namespaces went with their last process
+    existed = set(record.get("interfaces") or [])
+    # Pods' veths go with their network namespaces; any still on the bridge go with it.
     for name in interfaces():
-        if name.startswith("veth") and name not in (record.get("interfaces") or []):
-            master = Path(f"/sys/class/net/{name}/master")
-            if not master.exists():
-                _run(["ip", "link", "delete", name], check=False)
+        master = Path(f"/sys/class/net/{name}/master")
+        if name not in existed and master.exists() and master.resolve().name == BRIDGE:
+            _run(["ip", "link", "delete", name], check=False)
+    for name in record.get("created_interfaces") or []:
+        if name not in existed and Path(f"/sys/class/net/{name}").exists():
+            _run(["ip", "link", "delete", name], check=False)
     bin_dir = Path(str(record.get("bin_dir", node_dir / "bin")))
     _restore_iptables(record, bin_dir)
     for key, value in (record.get("settings") or {}).items():
@@ -1000,6 +1020,4 @@ def import_image(node_dir: Path, archive: Path) -> list[str]:
     before = set(_run([*base, "images", "list", "--quiet"]).split())
     _run([*base, "images", "import", "--local", "--platform", "linux/amd64", str(archive)])
     after = _run([*base, "images", "list", "--quiet"]).split()
-    return [name for name in after if name not in before] or [
-        name for name in after if not name.startswith("sha256:")
-    ]
+    return [name for name in after if name not in before and not name.startswith("sha256:")]

@@ -9,13 +9,17 @@ running a node program. ``differences(before, after)`` lists what changed.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import ssl
 import subprocess
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpualloc.devcluster import cdi, node
+from gpualloc.devcluster import cdi, cluster, node, pki
 
 # Under /proc/sys: counters, random values and clocks that change whatever the node does.
 _VOLATILE_SETTINGS = (
@@ -164,7 +168,7 @@ def differences(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str
         if old == new:
             continue
         if key in _ONLY_ADDED:
-            added = sorted(set(new) - set(old))
+            added = sorted(set(new or []) - set(old))
             if added:
                 lines.append(f"{key}: added {added}")
             continue
@@ -178,3 +182,25 @@ def differences(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str
         else:
             lines.append(f"{key}: {old!r} -> {new!r}")
     return lines
+
+
+def request(
+    state_dir: Path, method: str, path: str, body: Any = None, *, accept: str = "application/json"
+) -> Any:
+    """One call, as the admin, to the API server a `gpualloc dev up` in ``state_dir`` runs."""
+    server = urllib.parse.urlsplit(str(cluster.load_state(state_dir)["server"]))
+    files = pki.Pki(directory=state_dir / "pki")
+    context = ssl.create_default_context(cafile=str(files.ca_cert))
+    context.load_cert_chain(str(files.admin_cert), str(files.admin_key))
+    connection = http.client.HTTPSConnection(server.hostname or "", server.port, context=context, timeout=30)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": accept, **({"Content-Type": "application/json"} if data else {})}
+        connection.request(method, path, body=data, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    if response.status >= 400:
+        raise AssertionError(f"{method} {path}: HTTP {response.status}: {raw[:300]!r}")
+    return json.loads(raw) if accept == "application/json" else raw.decode()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpualloc.devcluster import cli, cluster
+from gpualloc.devcluster import cli, cluster, node
 
 
 @contextlib.contextmanager
@@ -143,3 +143,23 @@ def test_free_ports_are_all_different_and_free() -> None:
     for port in ports[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_image_import_without_a_real_node_in_the_state_dir_says_how_to_start_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    archive = tmp_path / "image.oci.tar"
+    archive.write_bytes(b"")
+
+    assert cli.main(["image", "import", str(archive), "--state-dir", str(tmp_path)]) == 1
+    assert "dev up --real-node" in capsys.readouterr().err
+
+
+def test_up_real_node_where_no_node_can_run_fails_with_the_reason_before_building_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(node, "unable_reason", lambda: "a real node needs root (test)")
+    monkeypatch.setattr(cli.binaries, "ensure", lambda *a, **k: pytest.fail("built"))
+
+    assert cli.main(["up", "--state-dir", str(tmp_path), "--real-node"]) == 1
+    assert "a real node needs root (test)" in capsys.readouterr().err
