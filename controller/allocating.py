@@ -25,7 +25,19 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from controller import allocator, asks, locking, locks, preemption, quotas, retries, statuses, views, waking
+from controller import (
+    allocator,
+    asks,
+    gates,
+    locking,
+    locks,
+    preemption,
+    quotas,
+    retries,
+    statuses,
+    views,
+    waking,
+)
 from controller import metrics as controller_metrics
 from controller.gating import PodGate
 from controller.ledger import Ledger
@@ -80,6 +92,9 @@ class PendingReconciler:
         key = claim.key
         uid = claim.metadata.uid
         claim, refused_tolerations = self._tolerated(claim)  # planned (and preempting) with these only
+        claim = asks.with_pods_requests(
+            claim, (gates.requests_of(pod) for _, pod in self.state.gated_pods(key))
+        )
         retry = self._retry.get(key)
         if retry is None or retry.generation != claim.metadata.generation:
             if retry is not None:  # the spec changed: a fresh start

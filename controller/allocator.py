@@ -130,7 +130,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from controller.asks import Ask, parse
 from controller.nodes import Bucket, NodeIndex, fewest_numa_nodes, in_mig_mode, per_numa
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
-from controller.screening import Miss, Screened, SlotDevice, screen
+from controller.screening import Miss, Screened, SlotDevice, screen, taking_pods
 from controller.sets import NO_PAIRS, Choice, Key, best_set
 from gpualloc.api import constants, models
 
@@ -498,7 +498,7 @@ def _allocate(
 
         if winner is None:
             misses = [s if isinstance(s, Miss) else results[s.view.name] for s in screened]
-            summary = _summarise([m for m in misses if isinstance(m, Miss)])
+            summary = _summarise([(n, m) for n, m in zip(names, misses, strict=True) if isinstance(m, Miss)])
             if replicas > 1:
                 of_nodes = f"{len(views)} node{'s' if len(views) != 1 else ''}"
                 reason = f"only {replica} of {replicas} replicas fit: of {of_nodes}, {summary}"
@@ -514,7 +514,8 @@ def _allocate(
         allocations.append(_allocation(replica, name, choice))
         chosen_notes.setdefault(name, []).append(f"replica {replica} took {choice.describe()}")
         extra[name].update(d.uuid for d in choice.devices)
-        screened[node.position] = screen(node.view, ask, node.position, extra[name], len(views))
+        placed = taking_pods(node.view, ask)
+        screened[node.position] = screen(placed, ask, node.position, extra[name], len(views))
         cursor = (node.position + 1) % len(views)
 
     per_node = _lines(names, screened, results, ask)
@@ -648,7 +649,7 @@ def _explain_indexed(
     decision = _allocate_indexed(claim, index, cost_preference)
     chosen = decision.allocations[0].node_name if decision is not None and decision.ok else None
     lines: dict[str, str] = {}
-    misses: list[Miss] = []
+    misses: list[tuple[str, Miss]] = []
     for bucket, names in index.buckets().items():
         if bucket.free >= ask.count:
             continue
@@ -657,7 +658,7 @@ def _explain_indexed(
         short = Miss(6, f"has {phrase}", f"have {phrase}", detail)
         for name in names:
             lines[name] = short.detail
-            misses.append(short)
+            misses.append((name, short))
     n_nodes, fits = len(index), 0
     for ranked in _in_rank_order(ask, index, cost_preference):
         for _, name in ranked:
@@ -670,7 +671,7 @@ def _explain_indexed(
             found = best_set(screened, ask) if isinstance(screened, Screened) else screened
             if isinstance(found, Miss):
                 lines[name] = found.detail
-                misses.append(found)
+                misses.append((name, found))
                 continue
             fits += 1
             lines[name] = f"fits: {found.describe()}"
@@ -709,9 +710,11 @@ def _lines(
     return lines
 
 
-def _summarise(misses: Sequence[Miss]) -> str:
+def _summarise(misses: Sequence[tuple[str, Miss]]) -> str:
+    """The nodes' misses counted by phrase, and node by node what the pods lack where only their
+    CPU, memory or pod slots kept a node out."""
     groups: dict[tuple[int, str, str], int] = {}
-    for m in misses:
+    for _, m in misses:
         k = (m.rank, m.one, m.many)
         groups[k] = groups.get(k, 0) + 1
     ordered = sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -719,4 +722,9 @@ def _summarise(misses: Sequence[Miss]) -> str:
     rest = sum(n for _, n in ordered[MAX_REASON_GROUPS:])
     if rest:
         parts.append(f"{rest} for other reasons")
-    return ", ".join(parts)
+    summary = ", ".join(parts)
+    lacking = sorted(f"{name}: {m.detail}" for name, m in misses if m.pods_lack)
+    if lacking:
+        more = f"; {len(lacking) - MAX_REASON_GROUPS} more" if len(lacking) > MAX_REASON_GROUPS else ""
+        summary = f"{summary} ({'; '.join(lacking[:MAX_REASON_GROUPS])}{more})"
+    return summary

@@ -10,7 +10,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpualloc.api import constants, models, taints
+from gpualloc.api import constants, models, quantities, taints
 
 
 def matches_selector(selector: models.LabelSelector | None, labels: Mapping[str, str]) -> bool:
@@ -71,6 +71,9 @@ class Ask:
     selector: models.LabelSelector | None
     filters: str  # ' matching product "X", >=N MiB' or ""
     tolerations: tuple[models.Toleration, ...]  # the claim's and the defaults
+    # What each replica's pods take of a node (``requests``' units): ``spec.podResources``, or the
+    # requests of the claim's pods seen at our gate; always at least one pod slot.
+    pod_requests: Mapping[str, int] = dataclasses.field(default_factory=lambda: {quantities.PODS: 1})
 
 
 def parse_compute_capability(text: str) -> tuple[int, int] | None:
@@ -144,6 +147,7 @@ def parse(claim: models.GpuClaim) -> Ask | str:
         selector=spec.selector,
         filters=(" matching " + ", ".join(filters)) if filters else "",
         tolerations=taints.claim_tolerations(spec),
+        pod_requests={quantities.PODS: 1, **spec.pod_resources},
     )
 
 
@@ -229,3 +233,16 @@ def refused_note(
     verb = "is" if len(mattered) == 1 else "are"
     noun = "toleration" if len(mattered) == 1 else "tolerations"
     return f"{noun} {listed} {verb} not allowed in namespace {namespace} (GpuQuota allowedTolerations)"
+
+
+def with_pods_requests(claim: models.GpuClaim, asked: Iterable[Mapping[str, int]]) -> models.GpuClaim:
+    """The claim as planned once its pods are seen (at our gate, before they are released): what
+    they request counts, not ``spec.podResources``; per resource, the most any of them asks (each
+    is one replica's). Unchanged when there are none."""
+    most: dict[str, int] = {}
+    for one in asked:
+        for name, value in one.items():
+            most[name] = max(most.get(name, 0), value)
+    if not most:
+        return claim
+    return dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, pod_resources=most))

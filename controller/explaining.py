@@ -19,8 +19,9 @@ import dataclasses
 import datetime as dt
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from controller import allocator, asks, locks, preemption, quotas
+from controller import allocator, asks, gates, locks, preemption, quotas
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
@@ -59,9 +60,12 @@ def explain(
     now: dt.datetime,
     namespace_quotas: Sequence[models.GpuQuota] = (),
     heartbeats: Mapping[str, str] | None = None,
+    pods: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The report `gpualloc explain` prints (pure). ``heartbeats``: each node's latest heartbeat
-    (``views.latest_heartbeats``; default: its GpuNodeStatus's own)."""
+    (``views.latest_heartbeats``; default: its GpuNodeStatus's own). ``pods``: every pod of the
+    cluster, whose requests count against their nodes' allocatable, and whose gated pods of the
+    claim ask what they request; None when they could not be listed (not counted then)."""
     if heartbeats is None:
         heartbeats = views.latest_heartbeats(statuses.values(), ())
     lines = [f"Claim {claim.key}: {claim.status.phase or constants.PHASE_PENDING}"]
@@ -80,6 +84,12 @@ def explain(
     kept, refused = asks.allowed_tolerations(claim, namespace_quotas)
     if refused:
         claim = dataclasses.replace(claim, spec=dataclasses.replace(claim.spec, tolerations=kept))
+    requested = None
+    if pods is not None:
+        requested = node_views_.requested_by_node(pods)
+        own = [p for p in pods if (p.get("metadata") or {}).get("namespace") == claim.metadata.namespace]
+        gated = [p for p in gates.pods_using(claim.metadata.name, own) if gates.is_gated(p)]
+        claim = asks.with_pods_requests(claim, (gates.kept_requests(dict(p)) for p in gated))
     taken = {
         uuid
         for other in claims
@@ -94,6 +104,7 @@ def explain(
             name: node_views_.heartbeat_age_by_clock(heartbeats.get(name), now) for name in statuses
         },
         stale_after=node_views_.NODE_STALE_AFTER_S,
+        requested=requested,
     )
     index = NodeIndex()
     for view in node_views:
@@ -168,6 +179,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     lists = {"claims": None, "statuses": None, "nodes": None, "quotas": args.namespace}
     lists["heartbeats"] = args.heartbeat_namespace
+    lists["pods"] = None
     raw = views.run_or_exit(views.fetch(args.kubeconfig, lists))
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     claim = next((c for c in claims if c.key == f"{args.namespace}/{args.name}"), None)
@@ -188,6 +200,9 @@ def main(argv: Sequence[str]) -> int:
             now=now,
             namespace_quotas=namespace_quotas,
             heartbeats=heartbeats,
+            pods=raw["pods"] if raw["pods"] is not None else None,
         )
     )
+    if raw["pods"] is None:
+        print("(the pods' CPU and memory were not counted: you may not list pods in every namespace)")
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonpatch
 
-from gpualloc.api import constants, models, pods
+from gpualloc.api import constants, models, pods, quantities, requests
 
 Obj = dict[str, Any]
 
@@ -42,6 +42,25 @@ _KEPT_ANNOTATIONS = frozenset(
 )
 _KEPT_LABELS = frozenset({constants.LABEL_GATED, *pods.REPLICA_LABELS})
 _NAME_MAX = 253
+_HUGEPAGES_KEPT = 4  # hugepages-* sizes kept of a pod's requests: made-up names cannot grow the cache
+REQUESTS = "requests"  # the cached form's own field: what the pod requests (``kept_requests``)
+
+
+def kept_requests(pod: Obj) -> dict[str, int]:
+    """What the pod requests of the resources gpualloc counts, as kube-scheduler sums them
+    (``requests.pod_requests``, with ``pods: 1``): cpu, memory, ephemeral-storage and at most
+    ``_HUGEPAGES_KEPT`` hugepages sizes. The controller keeps only this of a pod's containers."""
+    asked = requests.pod_requests(pod)
+    kept = {name: value for name, value in asked.items() if name in requests.STANDARD}
+    huge = sorted(name for name in asked if name.startswith(quantities.HUGEPAGES_PREFIX))
+    kept.update({name: asked[name] for name in huge[:_HUGEPAGES_KEPT]})
+    return kept
+
+
+def requests_of(kept: Mapping[str, Any]) -> Mapping[str, int]:
+    """What a cached pod (``kept_of_pod``, ``kept_of_live_pod``) requests."""
+    value = kept.get(REQUESTS)
+    return value if isinstance(value, Mapping) else {}
 
 
 def kept_of_pod(pod: Obj) -> Obj:
@@ -67,6 +86,7 @@ def kept_of_pod(pod: Obj) -> Obj:
         "kind": pod.get("kind", "Pod"),
         "metadata": kept_meta,
         "spec": kept_spec,
+        REQUESTS: kept_requests(pod),
     }
 
 
@@ -234,7 +254,8 @@ def given_devices(pod: Mapping[str, Any]) -> tuple[str, frozenset[str]] | None:
 
 def kept_of_live_pod(pod: Obj) -> Obj:
     """The part of a live (not Succeeded or Failed) pod the controller caches: its identity, node,
-    whether our gate still holds it, and the two gpualloc annotations (bounded). Every pod of the
+    whether our gate still holds it, the two gpualloc annotations (bounded), and what it requests
+    (``kept_requests``: its node's running sum counts it). Every pod of the
     cluster is watched, so this is kept small: a tenant's large pod costs these few fields."""
     metadata = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -258,6 +279,7 @@ def kept_of_live_pod(pod: Obj) -> Obj:
         "kind": pod.get("kind", "Pod"),
         "metadata": kept_meta,
         "spec": kept_spec,
+        REQUESTS: kept_requests(pod),
     }
 
 

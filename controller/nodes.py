@@ -35,6 +35,11 @@ class NodeView:
     inventory: models.NodeInventory | None
     taken: frozenset[str]
     taints: tuple[models.Taint, ...] = ()  # the blocking ones (NoSchedule, NoExecute)
+    # The Node's allocatable of the resources gpualloc counts (``requests.counted``), and what is
+    # left of it once the non-terminal pods bound to the node are counted; empty: not known, the
+    # pods' fit is not checked.
+    allocatable: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    free: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def in_mig_mode(device: models.Device) -> bool:

@@ -14,7 +14,9 @@ import dataclasses
 from controller import nodes
 from controller.asks import Ask, matches, matches_selector
 from controller.nodes import MIG_MODE, SHARED, NodeView, in_mig_mode
-from gpualloc.api import constants, models, taints
+from gpualloc.api import constants, models, requests, taints
+
+_NOUNS = {"cpu": "CPU", "pods": "pod slots"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +27,7 @@ class Miss:
     one: str  # "is cordoned"
     many: str  # "are cordoned"
     detail: str
+    pods_lack: bool = False  # the pods' CPU, memory or pod slots kept the node out (``_resources_miss``)
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,7 +109,35 @@ def _node_miss(view: NodeView, ask: Ask) -> Miss | None:
         return Miss(
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
-    return None
+    return _resources_miss(view, ask)
+
+
+def _resources_miss(view: NodeView, ask: Ask) -> Miss | None:
+    """Why the node cannot take the replica's pods (kube-scheduler's NodeResourcesFit on what the
+    pods request and what is left of the node's allocatable); None where the node's allocatable is
+    not known."""
+    if not view.allocatable:
+        return None
+    short = requests.shortfall(ask.pod_requests, view.free)
+    if not short:
+        return None
+    names = ", ".join(_NOUNS.get(s.resource, s.resource) for s in short)
+    return Miss(
+        5,
+        f"has too little {names} for the pods",
+        f"have too little {names} for the pods",
+        requests.lacking(short, view.allocatable),
+        pods_lack=True,
+    )
+
+
+def taking_pods(view: NodeView, ask: Ask) -> NodeView:
+    """``view`` once one more replica's pods are bound to the node (a gang's next replica there)."""
+    if not view.allocatable:
+        return view
+    free = dict(view.free)
+    requests.add(free, {name: -value for name, value in ask.pod_requests.items()})
+    return dataclasses.replace(view, free=free)
 
 
 def _screen_mig(

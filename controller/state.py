@@ -51,7 +51,7 @@ from typing import Any, Protocol
 from controller import gates, locks, views, waking
 from controller import metrics as controller_metrics
 from controller.nodes import NodeIndex
-from gpualloc.api import codecs, constants, leases, models
+from gpualloc.api import codecs, constants, leases, models, requests
 from gpualloc.kube import watching
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,10 @@ class State:
         self._claim_uuids: dict[str, frozenset[str]] = {}  # claim key -> the UUIDs its status lists
         self._pod_alone: dict[str, frozenset[str]] = {}  # pod key -> its UUIDs no claim of it lists
         self._held_by_pods: dict[str, set[str]] = collections.defaultdict(set)  # UUID -> those pods
+        # What the live pods bound to each node request (kube-scheduler's NodeResourcesFit sums):
+        # one running sum per node, kept from the pods' own cached requests.
+        self._pod_load: dict[str, tuple[str, Mapping[str, int]]] = {}  # pod key -> (node, requests)
+        self._node_requested: dict[str, dict[str, int]] = {}  # node -> summed requests
         # Quotas.
         self._quotas: dict[str, dict[str, models.GpuQuota]] = collections.defaultdict(dict)  # namespace ->
 
@@ -348,6 +352,7 @@ class State:
                 is_taken=is_taken,
                 heartbeat_age=age,
                 stale_after=self.node_stale_after,
+                requested=self._node_requested.get(node, {}),
             )
             self._index.put(view)
             if view.ready and age is not None:  # not ready any more once the heartbeat is too old
@@ -678,6 +683,27 @@ class State:
             self._pod_uses[key] = (claim_key, given[1])
             self._pods_of_claim[claim_key].add(key)
         self._judge_pod(key)
+        self._count_load(key, None if type_ == watching.DELETED else raw)
+
+    def _count_load(self, pod_key: str, raw: Obj | None) -> None:
+        """Keep the node sums true to a live pod's change: off its old node, onto its new one. A
+        node whose pods asked less now wakes the pending claims that could fit there."""
+        node = str(((raw or {}).get("spec") or {}).get("nodeName") or "")
+        new = (node, gates.requests_of(raw or {})) if node else None
+        old = self._pod_load.pop(pod_key, None)
+        if new is not None:
+            self._pod_load[pod_key] = new
+        if old == new:
+            return
+        if old is not None:
+            requests.add(self._node_requested.setdefault(old[0], {}), old[1], -1)
+            if not self._node_requested[old[0]]:
+                del self._node_requested[old[0]]
+            self._stale.add(old[0])
+            self._wake_for_node(old[0])
+        if new is not None:
+            requests.add(self._node_requested.setdefault(node, {}), new[1])
+            self._stale.add(node)
 
     def _judge_pods_of(self, claim_key: str) -> None:
         for pod_key in sorted(self._pods_of_claim.get(claim_key, ())):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from controller import allocator
+from controller import allocator, gates
 from gpualloc.api import constants, models, requests, taints, timestamps
 
 
@@ -99,12 +99,13 @@ def build_node_views(
     is_taken: Callable[[str], bool],  # by device UUID
     heartbeat_ages: Mapping[str, float | None],  # by node name, see node_ready
     stale_after: float,
+    requested: Mapping[str, Mapping[str, int]] | None = None,  # by node name: ``requested_by_node``
 ) -> list[allocator.NodeView]:
     """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
 
     ``statuses`` is keyed by node name (``spec.nodeName``). ``is_taken`` says
     whether a device (by UUID) is taken. Nodes without a GpuNodeStatus have no
-    GPUs and are left out.
+    GPUs and are left out. Without ``requested`` the pods' fit is not checked.
     """
     return [
         node_view(
@@ -114,6 +115,7 @@ def build_node_views(
             is_taken=is_taken,
             heartbeat_age=heartbeat_ages.get(name),
             stale_after=stale_after,
+            requested=None if requested is None else requested.get(name, {}),
         )
         for name in sorted(statuses)
     ]
@@ -127,9 +129,12 @@ def node_view(
     is_taken: Callable[[str], bool],
     heartbeat_age: float | None,
     stale_after: float,
+    requested: Mapping[str, int] | None = None,
 ) -> allocator.NodeView:
-    """The ``NodeView`` of one GPU node (see ``build_node_views``)."""
+    """The ``NodeView`` of one GPU node (see ``build_node_views``); ``requested``: what the
+    non-terminal pods bound to it request (``requests.add`` of each), None when not known."""
     inventory = status.status
+    allocatable = facts.allocatable if facts is not None and requested is not None else {}
     return allocator.NodeView(
         name=name,
         labels=facts.labels if facts else {},
@@ -139,6 +144,8 @@ def node_view(
         ready=node_ready(inventory, heartbeat_age=heartbeat_age, stale_after=stale_after),
         inventory=inventory,
         taken=taken_on(inventory, is_taken),
+        allocatable=allocatable,
+        free=requests.node_free(allocatable, requested or {}),
     )
 
 
@@ -163,3 +170,15 @@ def seed_for(uid: str) -> int:
     for char in uid:
         value = (value * 131 + ord(char)) % (1 << 61)
     return value
+
+
+def requested_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """What the pods bound to each node request, summed (``gates.kept_requests``), of those among
+    ``pods`` that are not Succeeded or Failed: the ``requested`` of ``node_view``."""
+    out: dict[str, dict[str, int]] = {}
+    for pod in pods:
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        phase = (pod.get("status") or {}).get("phase")
+        if node and phase not in ("Succeeded", "Failed"):
+            requests.add(out.setdefault(node, {}), gates.kept_requests(dict(pod)))
+    return out

@@ -223,11 +223,16 @@ def kubeconfig_path(explicit: str | None) -> str | None:
     return str(default) if default.exists() else None
 
 
+# Lists a user may lack the right to read, and what they read as then.
+OPTIONAL_LISTS: dict[str, list[Any] | None] = {"heartbeats": [], "pods": None}
+
+
 async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
     """The items of each list that ``lists`` names (``claims``, ``statuses``: GpuNodeStatuses,
     ``nodes``: core Nodes, ``quotas``, ``heartbeats``: the heartbeat Leases), in the namespace it
     maps to (None: every namespace; ignored for the cluster-scoped ones), read over one connection.
-    The heartbeat Leases are only a better heartbeat: a user who may not list them gets none."""
+    The heartbeat Leases are only a better heartbeat: a user who may not list them gets none;
+    one who may not list every pod gets None for ``pods``."""
     from gpualloc.kube import client, errors, transport, watching
 
     kinds = {
@@ -236,6 +241,7 @@ async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict
         "nodes": watching.NODES,
         "quotas": watching.QUOTAS,
         "heartbeats": watching.LEASES,
+        "pods": watching.PODS,
     }
     api = await client.connect(kubeconfig_path(kubeconfig))
     out: dict[str, Any] = {}
@@ -244,9 +250,9 @@ async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict
             try:
                 out[name] = (await transport.request(api, "GET", kinds[name].path(namespace)))["items"]
             except (errors.Forbidden, errors.NotFound):
-                if name != "heartbeats":
+                if name not in OPTIONAL_LISTS:
                     raise
-                out[name] = []
+                out[name] = OPTIONAL_LISTS[name]
         return out
     finally:
         await api.close()

@@ -194,9 +194,9 @@ def _decimal(value: int, scale: int, places: int) -> str:
     return f"-{text}" if value < 0 and scaled else text
 
 
-def describe(node: str, shortfalls: Iterable[Shortfall], allocatable: Mapping[str, int]) -> str:
-    """Why ``node`` cannot take the pods, as ``explain`` and the claim's message say it:
-    ``gpu-node-a: 1 CPU asked, 0 of 4 free; 16Gi memory asked, 2Gi of 64Gi free``."""
+def lacking(shortfalls: Iterable[Shortfall], allocatable: Mapping[str, int]) -> str:
+    """What a node lacks, as people read it: ``1 CPU asked, 0 of 4 free; 16Gi memory asked, 2Gi
+    of 64Gi free``."""
     parts = []
     for short in shortfalls:
         noun = {quantities.CPU: "CPU", quantities.PODS: "pod" if short.asked == 1 else "pods"}.get(
@@ -206,4 +206,10 @@ def describe(node: str, shortfalls: Iterable[Shortfall], allocatable: Mapping[st
         free = format_amount(short.resource, max(short.free, 0))
         total = format_amount(short.resource, allocatable.get(short.resource, 0))
         parts.append(f"{asked} {noun} asked, {free} of {total} free")
-    return f"{node}: " + "; ".join(parts)
+    return "; ".join(parts)
+
+
+def describe(node: str, shortfalls: Iterable[Shortfall], allocatable: Mapping[str, int]) -> str:
+    """Why ``node`` cannot take the pods, as ``explain`` and the claim's message say it:
+    ``gpu-node-a: 1 CPU asked, 0 of 4 free; 16Gi memory asked, 2Gi of 64Gi free``."""
+    return f"{node}: {lacking(shortfalls, allocatable)}"

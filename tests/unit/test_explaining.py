@@ -168,7 +168,7 @@ def test_explain_names_whom_a_claim_that_does_not_fit_would_preempt() -> None:
     assert "preempt: no claim of lower priority in its namespace frees enough" in out
 
 
-def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_and_the_namespaces_quotas(
+def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_pods_and_the_namespaces_quotas(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     asked: list[Mapping[str, str | None]] = []
@@ -187,6 +187,7 @@ def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_and_the_n
             "nodes": [{"metadata": {"name": "gpu-node-a"}, "spec": {}}],
             "quotas": [],
             "heartbeats": [lease] if renewed else [],
+            "pods": [],
         }
 
     monkeypatch.setattr(cli_views, "fetch", fetch)
@@ -199,6 +200,7 @@ def test_explain_main_reads_the_claims_statuses_nodes_heartbeat_leases_and_the_n
             "nodes": None,
             "quotas": "default",
             "heartbeats": "gpualloc-system-heartbeats",
+            "pods": None,
         }
     ]
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu-node-a"))
