@@ -20,6 +20,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,13 +83,19 @@ def _wait_phase(plane: cluster.ControlPlane, name: str, phases: set[str], timeou
         time.sleep(0.05)
 
 
-def _run_with_cdi(programs: node.Programs, real: node.RealNode, device: str) -> list[str]:
-    """``ls /dev`` in a container given one CDI device by name, run with ctr (no kubelet involved)."""
+def _run_with_cdi(programs: node.Programs, real: node.RealNode, device: str, out: Path) -> list[str]:
+    """The names in ``/dev`` of a container given one CDI device by name, run with ctr (no kubelet
+    involved). The list is written to a bind-mounted file: ctr may drop a short-lived task's output."""
     ctr = [str(programs.binaries["ctr"]), "--address", str(real.address), "--namespace", "k8s.io"]
-    argv = [*ctr, "run", "--rm", "--device", device, images.full_name(images.TOOLBOX_IMAGE), "cdi-check"]
-    done = subprocess.run([*argv, "ls", "/dev"], capture_output=True, text=True, timeout=60, check=False)
+    out.mkdir(parents=True, exist_ok=True)
+    mount = f"type=bind,src={out},dst=/out,options=rbind:rw"
+    image = images.full_name(images.TOOLBOX_IMAGE)
+    argv = [*ctr, "run", "--rm", "--device", device, "--mount", mount, image, "cdi-check"]
+    done = subprocess.run(
+        [*argv, "sh", "-c", "ls /dev > /out/devices"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
-    return done.stdout.split()
+    return (out / "devices").read_text().split()
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +135,8 @@ def real_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         for path in sorted(real.device_dir.iterdir()):
             info = os.stat(path)
             run.device_files[path.name] = (path.is_char_device(), info.st_rdev == null)
-        run.cdi_container_devices = _run_with_cdi(programs, real, cdi.device_name(run.gpus[0]))
+        checked = tmp_path_factory.mktemp("cdi-check")
+        run.cdi_container_devices = _run_with_cdi(programs, real, cdi.device_name(run.gpus[0]), checked)
         # Left running for the stop: a container, its sandbox's network namespace and a token volume.
         plane.request(
             "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("sleeper", "sleep 3600", token=True)
