@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,7 +10,12 @@ from typing import Any
 import pytest
 
 from gpualloc.kube.client import Api
-from tests.integration.controller_support import RUN_LABEL, create_gpu_node, delete_gpu_node
+from tests.integration.controller_support import (
+    RUN_LABEL,
+    KwokGpuNodes,
+    create_gpu_node,
+    delete_gpu_node,
+)
 
 
 @pytest.fixture
@@ -32,3 +38,20 @@ async def kcm_node(api: Api, control_plane: Any) -> AsyncIterator[tuple[str, str
     await create_gpu_node(api, name, labels={RUN_LABEL: run})
     yield name, run
     await delete_gpu_node(api, name)
+
+
+@pytest.fixture
+async def kwok_gpu_nodes(api: Api, control_plane: Any) -> AsyncIterator[KwokGpuNodes]:
+    """kube-scheduler, kube-controller-manager (Jobs) and kwok running, and a maker of this test's
+    kwok GPU nodes (allocatable chosen, tainted for this test's run), deleted after the test."""
+    for start in (
+        control_plane.ensure_controller_manager,
+        control_plane.ensure_scheduler,
+        control_plane.ensure_kwok,
+    ):
+        await asyncio.to_thread(start)
+    nodes = KwokGpuNodes(control_plane, api, uuid.uuid4().hex[:8])
+    try:
+        yield nodes
+    finally:
+        await nodes.delete_all()

@@ -3,6 +3,10 @@
 GPU nodes are a plain core/v1 Node (no kubelet) plus a GpuNodeStatus whose
 status is written through the status subresource with a fresh heartbeat and a
 Ready condition, as the agent would. UUIDs follow the CRD's pattern.
+
+Where kube-scheduler must place the pods (issue 41), ``KwokGpuNodes`` makes kwok-managed
+Nodes with chosen allocatable instead; ``plain_pod`` and ``claim_job`` fill them, and
+``watching_pods`` records every state a watch reports of a namespace's pods (``PodHistory``).
 """
 
 from __future__ import annotations
@@ -13,17 +17,20 @@ import datetime
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from controller import main as controller_main
 from gpualloc.api import codecs, constants, models
-from gpualloc.kube import errors, leases, resources, transport
+from gpualloc.kube import errors, leases, resources, transport, watching
 from gpualloc.kube.client import Api
 
 T = TypeVar("T")
 
 RUN_LABEL = "gpualloc.test/run"
 PRODUCT = "NVIDIA H100 80GB HBM3"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+
+Obj = dict[str, Any]
 
 
 def gpu_uuid(node: str, index: int) -> str:
@@ -357,3 +364,227 @@ async def _finish(task: asyncio.Task[int]) -> None:
             await task
     except Exception:
         pass
+
+
+# ------------------------------------------------- kwok GPU nodes that kube-scheduler places pods on
+
+
+def run_taint(run: str) -> dict[str, str]:
+    """The taint on a test's kwok GPU nodes: only pods that tolerate it (``run_toleration``) land
+    there, so pods other tests left Pending cannot take their CPU, memory or pod slots."""
+    return {"key": RUN_LABEL, "value": run, "effect": "NoSchedule"}
+
+
+def run_toleration(run: str) -> dict[str, str]:
+    return {"key": RUN_LABEL, "operator": "Equal", "value": run, "effect": "NoSchedule"}
+
+
+class KwokGpuNodes:
+    """GPU nodes of one test that kube-scheduler can place pods on: a kwok-managed Node (Ready, its
+    condition taints lifted, ``run_taint`` on it) with the allocatable chosen, and a GpuNodeStatus
+    written as the agent would (``create_gpu_node``). ``names`` lists those made, for the teardown."""
+
+    def __init__(self, control_plane: Any, api: Api, run: str) -> None:
+        self.control_plane = control_plane
+        self.api = api
+        self.run = run
+        self.names: list[str] = []
+
+    async def add(
+        self, suffix: str, *, cpu: str = "64", memory: str = "512Gi", pods: str = "110", gpus: int = 8
+    ) -> str:
+        """Node ``fit-<run>-<suffix>`` with ``cpu``, ``memory`` and ``pods`` allocatable and ``gpus``
+        GPUs; its name."""
+        from gpualloc.devcluster import cluster
+
+        name = f"fit-{self.run}-{suffix}"
+        allocatable = {"cpu": cpu, "memory": memory, "pods": pods}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {constants.HOSTNAME_LABEL: name, RUN_LABEL: self.run, "type": "kwok"},
+                "annotations": {cluster.KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            },
+            # Tainted from its creation on: a stray pod never gets a moment to land on it.
+            "spec": {"taints": [run_taint(self.run)]},
+            "status": {"allocatable": allocatable, "capacity": allocatable},
+        }
+        self.names.append(name)
+        await transport.request(self.api, "POST", "/api/v1/nodes", body=body)
+        node = await asyncio.to_thread(
+            self.control_plane.wait_node_ready, name, timeout=30, hint="is kwok running?"
+        )
+        assert node["status"]["allocatable"] == allocatable, node["status"]
+        await create_gpu_node(self.api, name, labels={RUN_LABEL: self.run}, gpus=gpus)
+        return name
+
+    async def delete_all(self) -> None:
+        for name in self.names:
+            await delete_gpu_node(self.api, name)
+
+
+def requests_of(cpu: str | None = None, memory: str | None = None) -> dict[str, str]:
+    return {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v is not None}
+
+
+def plain_pod(name: str, node: str, *, run: str, cpu: str | None = None, memory: str | None = None) -> Obj:
+    """A pod without a claim, for ``node`` only (nodeSelector, placed by kube-scheduler), asking
+    ``cpu`` and ``memory``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {RUN_LABEL: run}},
+        "spec": {
+            "nodeSelector": {constants.HOSTNAME_LABEL: node},
+            "tolerations": [run_toleration(run)],
+            "containers": [
+                {"name": "main", "image": PAUSE_IMAGE, "resources": {"requests": requests_of(cpu, memory)}}
+            ],
+        },
+    }
+
+
+def claim_job(
+    name: str,
+    claim: str,
+    *,
+    run: str,
+    replicas: int = 1,
+    cpu: str | None = None,
+    memory: str | None = None,
+) -> Obj:
+    """An Indexed Job of ``replicas`` pods (one per replica of ``claim``, the completion index
+    naming the replica), each asking ``cpu`` and ``memory``."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": replicas,
+            "parallelism": replicas,
+            "backoffLimit": 6,
+            "template": {
+                "metadata": {"annotations": {constants.ANNOTATION_CLAIM: claim}, "labels": {RUN_LABEL: run}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "tolerations": [run_toleration(run)],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": PAUSE_IMAGE,
+                            "resources": {"requests": requests_of(cpu, memory)},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+async def create_pod(api: Api, namespace: str, body: Obj) -> Obj:
+    created: Obj = await transport.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
+    return created
+
+
+async def create_job(api: Api, namespace: str, body: Obj) -> Obj:
+    created: Obj = await transport.request(
+        api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=body
+    )
+    return created
+
+
+class PodSighting(NamedTuple):
+    name: str
+    phase: str  # "Deleted" for the watch's DELETED event
+    node: str  # spec.nodeName: where kube-scheduler bound it ("" before)
+    selected: str  # the node its nodeSelector names ("" without one)
+    gated: bool  # held at gpualloc's scheduling gate
+    annotations: dict[str, str]
+    owners: tuple[str, ...]  # "Kind/name" of each ownerReference
+    scheduled: dict[str, Any]  # the PodScheduled condition ({} without one)
+
+
+class PodHistory:
+    """Every state of a namespace's pods that a watch reported, in order. kwok moves a Job's pod
+    from Running to Succeeded at once, so a poll would miss the Running a watch sees."""
+
+    def __init__(self) -> None:
+        self.sightings: list[PodSighting] = []
+
+    def record(self, type_: str, pod: Obj) -> None:
+        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        conditions: list[Obj] = status.get("conditions") or []
+        scheduled = next((c for c in conditions if c.get("type") == "PodScheduled"), {})
+        self.sightings.append(
+            PodSighting(
+                name=metadata["name"],
+                phase="Deleted" if type_ == "DELETED" else str(status.get("phase") or ""),
+                node=str(spec.get("nodeName") or ""),
+                selected=str((spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL) or ""),
+                gated=any(
+                    g.get("name") == constants.SCHEDULING_GATE for g in spec.get("schedulingGates") or []
+                ),
+                annotations=dict(metadata.get("annotations") or {}),
+                owners=tuple(
+                    f"{o.get('kind')}/{o.get('name')}" for o in metadata.get("ownerReferences") or []
+                ),
+                scheduled=dict(scheduled),
+            )
+        )
+
+    def running(self) -> list[PodSighting]:
+        """The first sighting of each pod seen Running, in order."""
+        first: dict[str, PodSighting] = {}
+        for seen in self.sightings:
+            if seen.phase == "Running":
+                first.setdefault(seen.name, seen)
+        return list(first.values())
+
+    def unschedulable(self) -> list[PodSighting]:
+        return [
+            s
+            for s in self.sightings
+            if s.scheduled.get("status") == "False" and s.scheduled.get("reason") == "Unschedulable"
+        ]
+
+
+@contextlib.asynccontextmanager
+async def watching_events(
+    api: Api, kind: watching.ResourceKind, namespace: str, on_event: Callable[[str, Obj], None]
+) -> AsyncIterator[None]:
+    """A watch of ``kind`` in ``namespace`` that hands each event to ``on_event`` inside the block
+    (from the first list on)."""
+    reflector = watching.Reflector(api, kind, namespace=namespace, on_event=on_event)
+    task = asyncio.create_task(reflector.run())
+    try:
+        await asyncio.wait_for(reflector.synced.wait(), 30)
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def watching_pods(api: Api, namespace: str) -> AsyncIterator[PodHistory]:
+    """A ``PodHistory`` of ``namespace`` filled by a watch that runs inside the block."""
+    history = PodHistory()
+    async with watching_events(api, watching.PODS, namespace, history.record):
+        yield history
+
+
+async def wait_running(history: PodHistory, count: int, *, within: float = 30.0) -> list[PodSighting]:
+    """Wait until ``count`` pods were seen Running; their first Running sightings."""
+
+    async def probe() -> list[PodSighting] | None:
+        running = history.running()
+        return running if len(running) >= count else None
+
+    return await wait_for(probe, within=within, interval=0.1, what=f"{count} pod(s) Running")
+
+
+def allocated_nodes(claim: Obj) -> dict[int, str]:
+    """The claim's node of each replica."""
+    return {a["replica"]: a["nodeName"] for a in (claim.get("status") or {}).get("allocations") or []}
