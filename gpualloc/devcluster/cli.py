@@ -162,6 +162,7 @@ def _up(args: argparse.Namespace) -> int:
         if args.real_node:
             plane.ensure_scheduler()
             plane.ensure_controller_manager()
+            plane.ensure_service_account("default")  # kube-controller-manager makes it, a moment later
             _say("kube-scheduler and kube-controller-manager running")
             programs = node.ensure_programs(_say)
             real = node.RealNode(plane, programs, progress=_say, gpu_profile=args.gpu_profile or None)

@@ -106,6 +106,12 @@ HOST_PATHS = (
     "/run/xtables.lock",
 )
 
+# The kubelet's device-plugin socket, whatever its --root-dir: another kubelet's if it is there.
+KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+# Chains the node's programs make (kubelet: KUBE-*, CNI plugins: CNI-*, the Service rule): teardown
+# touches no other, whatever else changes on the machine meanwhile.
+OWN_CHAIN_PREFIXES = ("KUBE-", "CNI-", "GPUALLOC-")
+
 IPTABLES_COMMANDS = ("iptables", "iptables-save", "iptables-restore")
 IP6TABLES_COMMANDS = ("ip6tables", "ip6tables-save", "ip6tables-restore")
 
@@ -307,6 +313,8 @@ class RealNode:
         self._acquire_lock()
         try:
             teardown(self.dir, progress=self._progress)  # whatever a killed run left
+            if KUBELET_SOCKET.exists():
+                raise NodeError(f"another kubelet runs on this machine ({KUBELET_SOCKET} exists)")
             self.dir.mkdir(parents=True, exist_ok=True)
             self._record()
             self._write_wrappers()
@@ -895,20 +903,23 @@ def _unmount_new(record: Mapping[str, Any], node_dir: Path) -> None:
 
 
 def _restore_iptables(record: Mapping[str, Any], bin_dir: Path) -> None:
+    """Remove the node's chains (OWN_CHAIN_PREFIXES) that were not there before, and the rules
+    jumping to them; nothing else."""
     recorded = record.get("iptables") or {}
     for family in ("iptables", "ip6tables"):
         command, save = bin_dir / family, bin_dir / f"{family}-save"
-        if not command.exists():
-            continue
-        before = recorded.get(family) or {}
-        now = iptables_rules([str(save)])
-        for table, current in now.items():
+        if family not in recorded or not command.exists():
+            continue  # never recorded: nothing is known to be the node's
+        before = recorded[family]
+        for table, current in iptables_rules([str(save)]).items():
             old = before.get(table) or {"chains": [], "rules": []}
-            new_chains = [c for c in current["chains"] if c not in old["chains"]]
+            new_chains = [
+                c for c in current["chains"] if c not in old["chains"] and c.startswith(OWN_CHAIN_PREFIXES)
+            ]
             for rule in reversed(current["rules"]):
                 words = shlex.split(rule)
-                chain = words[1]
-                if rule in old["rules"] or chain in new_chains:
+                target = words[words.index("-j") + 1] if "-j" in words[:-1] else ""
+                if rule in old["rules"] or words[1] in new_chains or target not in new_chains:
                     continue
                 _run([str(command), "-w", "-t", table, "-D", *words[1:]], check=False)
             for chain in new_chains:
