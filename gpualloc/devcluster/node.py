@@ -317,7 +317,6 @@ class RealNode:
                 raise NodeError(f"another kubelet runs on this machine ({KUBELET_SOCKET} exists)")
             self.dir.mkdir(parents=True, exist_ok=True)
             self._record()
-            self._write_wrappers()
             self._make_network()
             self._add_service_rule()
             self._start_containerd()
@@ -448,9 +447,8 @@ class RealNode:
         self.bin_dir.mkdir(parents=True, exist_ok=True)
         runc = self.programs.runc_root
         lock = f"XTABLES_LOCKFILE={self.dir / 'xtables.lock'}"
-        scripts = {
-            "runc": f'LD_LIBRARY_PATH={shlex.quote(debs.library_path(runc))} exec {runc}/usr/sbin/runc "$@"'
-        }
+        runc_argv = ["env", f"LD_LIBRARY_PATH={debs.library_path(runc)}", str(runc / "usr" / "sbin" / "runc")]
+        scripts = {"runc": f'exec {shlex.join(runc_argv)} "$@"'}
         for command in (*IPTABLES_COMMANDS, *IP6TABLES_COMMANDS):
             env, *argv = iptables_argv(self.programs, command)
             scripts[command] = f'exec {shlex.join([env, lock, *argv])} "$@"'
