@@ -113,6 +113,22 @@ def _processes() -> Iterator[tuple[int, str, str]]:
         yield int(entry.name), Path(argv0).name, netns
 
 
+def node_memory_mib() -> dict[str, float]:
+    """Resident memory of the node's programs now, per program name (shims summed)."""
+    totals: dict[str, float] = {}
+    for pid, name, _ in _processes():
+        if name not in _NODE_PROGRAMS:
+            continue
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                totals[name] = round(totals.get(name, 0.0) + int(line.split()[1]) / 1024, 1)
+    return totals
+
+
 def _cgroups() -> list[str]:
     found: list[str] = []
     root = Path("/sys/fs/cgroup")

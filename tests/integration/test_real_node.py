@@ -142,6 +142,7 @@ def real_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("sleeper", "sleep 3600", token=True)
         )
         run.running_pod_phase = _wait_phase(plane, "sleeper", {"Running", "Failed"}, 60)["status"]["phase"]
+        say(f"resident memory with one pod running (MiB): {real_node_support.node_memory_mib()}")
         up = real_node_support.snapshot(programs)["settings"]
         old = run.before["settings"]
         run.settings_changed_while_up = {k: (old[k], v) for k, v in up.items() if k in old and old[k] != v}
