@@ -38,6 +38,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from gpualloc.api import constants
 from gpualloc.kube import events, leases, resources, transport
 from gpualloc.kube.client import Api
 
@@ -76,6 +77,8 @@ class Cluster(Protocol):
     ) -> Obj: ...
 
     async def list_pods(self, namespace: str) -> list[Obj]: ...
+
+    async def list_claim_leases(self, uid: str) -> list[Obj]: ...
 
     async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj: ...
 
@@ -153,6 +156,13 @@ class KubeCluster:
             token = str((page.get("metadata") or {}).get("continue") or "")
             if not token:
                 return items
+
+    async def list_claim_leases(self, uid: str) -> list[Obj]:
+        """The device Leases the claim with this uid holds (by their claim-uid label): a few."""
+        path = transport.collection_path("coordination.k8s.io", "v1", "leases", self.namespace)
+        query = [("labelSelector", f"{constants.LABEL_CLAIM_UID}={uid}")]
+        page = await transport.request(self.api, "GET", path, query=query)
+        return list(page.get("items") or [])
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
         path = transport.collection_path("", "v1", "pods", namespace, name)

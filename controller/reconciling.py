@@ -50,7 +50,7 @@ from controller.ledger import Ledger
 from controller.settings import Settings
 from controller.state import State
 from controller.writer import Writer
-from gpualloc.api import constants, models
+from gpualloc.api import constants, leases, models
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
@@ -387,8 +387,15 @@ class Reconciler:
             if using:
                 await self._still_in_use(claim, using)
                 return
-        held = self.state.held_by(uid)
-        released = len(await self.writer.release(held.values()))
+        # An authoritative list, not the cache: a Lease the cache has not seen yet would outlive
+        # the claim's quota entries, which go next (the simulation, seed 10,395,109). No attempt
+        # can record a Lease any more: the deletion moved the claim's version on (rule 3).
+        held = [leases.parse(raw) for raw in await self.cluster.list_claim_leases(uid)]
+        gone = await self.writer.release(held)
+        released = len(gone)
+        if len(gone) < len(held):
+            self.requeue(claim.key, self.settings.in_use_poll)  # one changed hands meanwhile: look again
+            return
         if held or claim.status.allocations:
             count = sum(len(a.devices) for a in claim.status.allocations) or released
             self.writer.claim_event(

@@ -677,6 +677,14 @@ class ApiServer:
             clone(obj) for obj in self.objects["pods"].values() if meta(obj).get("namespace") == namespace
         ]
 
+    def list_claim_leases(self, uid: str) -> list[Obj]:
+        """The Leases labelled with the claim uid (as a label selector on the real API server)."""
+        return [
+            clone(obj)
+            for obj in self.objects["leases"].values()
+            if (meta(obj).get("labels") or {}).get(constants.LABEL_CLAIM_UID) == uid
+        ]
+
     def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
         key = f"{namespace}/{name}"
         old = self.objects["pods"].get(key)

@@ -458,6 +458,13 @@ class SimCluster:
         result: list[Obj] = await self._call(describe, self.server.list_pods, namespace)
         return result
 
+    async def list_claim_leases(self, uid: str) -> list[Obj]:
+        def describe() -> str:
+            return f"list_claim_leases {uid}"
+
+        result: list[Obj] = await self._call(describe, self.server.list_claim_leases, uid)
+        return result
+
     async def evict_pod(self, namespace: str, name: str) -> None:
         def describe() -> str:
             return f"evict_pod {namespace}/{name}"

@@ -542,8 +542,9 @@ def test_a_ledger_written_without_its_precondition_lets_racing_controllers_pass_
 
 # Before 479bb54 the webhook admitted a pod of a claim it saw Allocated without the gate, so a
 # webhook whose watch was behind (the "stale-pod" action) started pods on devices their claim no
-# longer held: in seed 101, ns-a/p1 runs on claim-5's n1/0 and n1/1 after claim-5 let them go. Now
-# every claim pod waits at the gate until the controller has checked its claim and devices.
+# longer held (seed 240; seed 101 until the finalize listed its Leases, which moved every schedule
+# after it). Now every claim pod waits at the gate until the controller has checked its claim and
+# devices.
 def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds(
     runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -558,10 +559,10 @@ def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds
         return gated_create(self, body, claim_uid=claim_uid)
 
     monkeypatch.setattr(model.ApiServer, "create_pod", ungated_create)
-    result = runner.run(101, without=_BEFORE_STRIPS)
+    result = runner.run(240, without=_BEFORE_STRIPS)
     assert result.violation is not None and result.violation.number == 3, result.violation
     monkeypatch.undo()
-    assert runner.run(101, without=_BEFORE_STRIPS).violation is None, _failure(runner, 101, _BEFORE_STRIPS)
+    assert runner.run(240, without=_BEFORE_STRIPS).violation is None, _failure(runner, 240, _BEFORE_STRIPS)
 
 
 # Found by the long run at 5e73342 (seed 7,012,999, after 12,999 schedules without a violation):
@@ -598,3 +599,16 @@ def test_a_claim_deleted_while_it_planned_preempts_nobody(runner: scheduler.Runn
     result = runner.run(9358316)
     assert result.violation is None, _failure(runner, 9358316)
     assert not [line for line in result.trace if "phase=Preempted" in line], _failure(runner, 9358316)
+
+
+# Found by the long run at 887fea8 (seed 10,395,109; also on 332c6e7): an admin deleted ns-a/c0's
+# Lease (its finalizer kept it) and its user deleted the claim; the controller that finalized it
+# had not seen the Lease yet, released nothing, took the claim out of its quota's ledger, and a new
+# claim was admitted while the old Lease still held a GPU for it (invariant 5). Fixed: a claim being
+# deleted releases the Leases an authoritative list (by their claim-uid label) shows, not the
+# cache's, before it leaves its quotas.
+def test_a_deleted_claim_leaves_its_quota_only_after_every_lease_the_api_server_holds_for_it(
+    runner: scheduler.Runner,
+) -> None:
+    result = runner.run(10395109)
+    assert result.violation is None, _failure(runner, 10395109)
