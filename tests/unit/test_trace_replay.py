@@ -209,3 +209,15 @@ def test_gpualloc_stand_in_puts_a_share_on_the_fullest_gpu_that_holds_it() -> No
     assert policy.choose(_task("t", milli=400)) == pp.Placement(node=1, gpus=(0,))  # 400 left: the tightest
     assert policy.choose(_task("u", milli=500)) == pp.Placement(node=0, gpus=(1,))  # 700 left
     assert policy.stand_in["sharing_tasks"] == 2 and policy.by_allocator == 0
+
+
+@pytest.mark.parametrize(("scoring", "expected"), [("LeastAllocated", "a"), ("MostAllocated", "b")])
+def test_gpualloc_stand_in_for_cpu_only_tasks_spreads_or_packs_as_kube_scheduler_is_configured(
+    scoring: str, expected: str
+) -> None:
+    cluster = pp.Cluster([_node("a"), _node("b")])
+    cluster.place(_task("earlier", gpus=0, cpu=32_000, memory=131_072), pp.Placement(node=1, gpus=()))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), scoring)
+    found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
+    assert found is not None and cluster.nodes[found.node].name == expected
+    assert policy.stand_in["cpu_only_tasks"] == 1
