@@ -34,7 +34,8 @@
    is written Preempted, every stored quota ledger of its preemptor's namespace
    holds the preemptor for its whole ask already (``model.ApiServer.
    inadmissible_preemptions``); with invariant 5, its room is there. A
-   preemptor its user deleted (or that vanished) after it was admitted passes.
+   preemptor that moved on (deleted, vanished, or no longer Pending) after it was
+   admitted passes.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still

@@ -471,18 +471,22 @@ class ApiServer:
         ``preemptedBy`` names a key, not a uid: a preemptor that vanished after it was admitted (its
         finalizer stripped; its entry then leaves the ledger) may have left its key to a new claim.
         One of the key's earlier claims, gone now, that every ledger once held for its whole ask,
-        passes too, and so does such a preemptor being deleted: its user may delete it between
-        the controller's last look and a victim's write, which is conditional on the victim's
-        version alone (seed 9358316 found it). A preemptor never admitted does not pass."""
+        passes too, and so does such a preemptor that moved on (being deleted, or no longer
+        Pending: allocated by another controller, and released since): it may move between the
+        controller's last look and a victim's write, which is conditional on the victim's version
+        alone (seeds 9358316 and 11326617 found it). A preemptor never admitted does not pass."""
         by = str((victim.get("status") or {}).get("preemptedBy") or "")
         namespace, _, name = by.partition("/")
         preemptor = self.claim(namespace, name)
         if preemptor is None:
             return ""
-        if meta(preemptor).get("deletionTimestamp") and not self._not_admitted(
-            preemptor, namespace, now=False
-        ):
-            return ""  # admitted, then deleted by its user while its victims were being marked
+        phase = (preemptor.get("status") or {}).get("phase")
+        moved_on = bool(meta(preemptor).get("deletionTimestamp")) or phase not in (
+            None,
+            constants.PHASE_PENDING,
+        )
+        if moved_on and not self._not_admitted(preemptor, namespace, now=False):
+            return ""  # admitted, then deleted, or allocated and released, while victims were marked
         why = self._not_admitted(preemptor, namespace, now=True)
         if why:
             live = str(meta(preemptor).get("uid"))

@@ -612,3 +612,14 @@ def test_a_deleted_claim_leaves_its_quota_only_after_every_lease_the_api_server_
 ) -> None:
     result = runner.run(10395109)
     assert result.violation is None, _failure(runner, 10395109)
+
+
+# Found by the long run at b057db8 (seed 11,326,617): c0 planned ns-a/c1 on the claim as read while
+# Pending; c1 allocated it meanwhile, its pod completed and it was Released and left its quota; c0,
+# still on the old read and with a cache that had not seen it move, marked ns-b/c0 Preempted for
+# it (invariant 7). No write can rule that out (a victim's is conditional on the victim's version
+# alone): the model passes a preemptor admitted once that has moved on (no longer Pending), and
+# the controller preempts nobody for a claim its cache shows moved on.
+def test_a_preemptor_released_after_its_admission_is_read_as_admitted(runner: scheduler.Runner) -> None:
+    result = runner.run(11326617)
+    assert result.violation is None, _failure(runner, 11326617)
