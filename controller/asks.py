@@ -74,6 +74,7 @@ class Ask:
     # What each replica's pods take of a node (``requests``' units): ``spec.podResources``, or the
     # requests of the claim's pods seen at our gate; always at least one pod slot.
     pod_requests: Mapping[str, int] = dataclasses.field(default_factory=lambda: {quantities.PODS: 1})
+    avoid_nodes: frozenset[str] = frozenset()  # status.unplaceableNodes: its pods could not run there
 
 
 def parse_compute_capability(text: str) -> tuple[int, int] | None:
@@ -148,6 +149,7 @@ def parse(claim: models.GpuClaim) -> Ask | str:
         filters=(" matching " + ", ".join(filters)) if filters else "",
         tolerations=taints.claim_tolerations(spec),
         pod_requests={quantities.PODS: 1, **spec.pod_resources},
+        avoid_nodes=frozenset(claim.status.unplaceable_nodes),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jsonpatch
 
+from controller import unplaceable
 from gpualloc.api import constants, models, pods, quantities, requests
 
 Obj = dict[str, Any]
@@ -274,13 +275,16 @@ def kept_of_live_pod(pod: Obj) -> Obj:
     kept_spec: Obj = {k: spec[k] for k in ("nodeName",) if k in spec}
     if is_gated(pod):
         kept_spec["schedulingGates"] = [{"name": constants.SCHEDULING_GATE}]
-    return {
+    kept: Obj = {
         "apiVersion": pod.get("apiVersion", "v1"),
         "kind": pod.get("kind", "Pod"),
         "metadata": kept_meta,
         "spec": kept_spec,
         REQUESTS: kept_requests(pod),
     }
+    if annotations.get(constants.ANNOTATION_CLAIM):
+        kept.update(unplaceable.kept_fields(pod))  # the scheduler's verdict on a claim pod
+    return kept
 
 
 def held_by_pods(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> frozenset[str]:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from controller import cluster as kube
-from controller import gates, locks, owners, statuses
+from controller import gates, locks, owners, statuses, unplaceable
 from controller import metrics as controller_metrics
 from controller.allocating import PendingReconciler
 from controller.gating import PodGate
@@ -110,6 +110,8 @@ class Reconciler:
             if claim.spec.on_node_loss == constants.NODE_LOSS_REALLOCATE and await self._reallocate_if_lost(
                 claim
             ):
+                return
+            if await self._move_if_unplaceable(claim):
                 return
             if await self._maintain(claim) and not claim.releasing:
                 await self.gate.ungate(claim)
@@ -372,6 +374,67 @@ class Reconciler:
         await self.writer.release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
         log.warning("allocating afresh: its node was lost", extra={"claim": claim.key, "nodes": lost})
         self.writer.claim_event(claim, "Reallocating", written.status.message, "Warning")
+        self.requeue(claim.key, 0)
+        return True
+
+    # ------------------------------------------------------------------ unplaceable pods
+
+    async def _move_if_unplaceable(self, claim: models.GpuClaim) -> bool:
+        """A claim whose pods kube-scheduler cannot place on its node (``unplaceable``): once one
+        has been Unschedulable for the grace period and no pod of the claim is bound, send the
+        claim back to Pending without those nodes, release its Leases and delete the pods, whose
+        owners re-create them onto its new node; a bare pod keeps it (condition ``Unplaceable``,
+        reason ``BarePod``, and an Event on the pod). True when the caller should stop.
+
+        The pods are judged from the cache first, then from an authoritative list behind the
+        ``Releasing`` fence (the webhook admits no pod meanwhile), as for a lost node."""
+        now = self.state.now()
+        grace = claim.spec.unschedulable_grace_period_seconds
+        verdict = unplaceable.judge(self.state.live_pods_of(claim.key), grace=grace, now=now)
+        bare = verdict.bare if verdict is not None and verdict.wait <= 0 else ()
+        condition = statuses.unplaceable_condition(claim, bare, verdict.message if verdict else "", now=now)
+        if condition is not None:
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, condition))
+            if written is not None and bare:
+                log.warning("a bare pod holds the claim", extra={"claim": claim.key, "pods": ",".join(bare)})
+                for pod in self.state.live_pods_of(claim.key):
+                    if str((pod.get("metadata") or {}).get("name", "")) in bare:
+                        self.writer.emit(pod, statuses.REASON_UNPLACEABLE, condition.message, "Warning")
+            self.requeue(claim.key, 0)
+            return True
+        if verdict is None or bare:
+            return False
+        if verdict.wait > 0:
+            self.requeue(claim.key, verdict.wait)
+            return False
+        _, using = await self._pods(claim)
+        listed = unplaceable.judge([gates.kept_of_live_pod(dict(p)) for p in using], grace=grace, now=now)
+        if listed is None or not listed.moves:
+            return False  # the cache was behind; its watch brings the pods' change
+        if not claim.releasing:
+            fence = statuses.releasing_condition(
+                claim,
+                on=True,
+                now=now,
+                why="its pods cannot be scheduled on its node",
+                reason=statuses.REASON_UNPLACEABLE,
+            )
+            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
+            return True if written is None else await self._move_if_unplaceable(written)  # look again
+        patch = statuses.unplaceable_status(claim, listed.pods, listed.message, now=now)
+        written = await self.writer.claim_status(claim, patch)
+        if written is None:
+            return True
+        await self.writer.release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
+        for stuck in using:
+            meta = stuck.get("metadata") or {}
+            if meta.get("name") in listed.pods:
+                with contextlib.suppress(errors.NotFound, errors.Conflict):
+                    await self.writer.delete_pod(
+                        claim.metadata.namespace, str(meta["name"]), uid=str(meta.get("uid", ""))
+                    )
+        log.warning("allocating afresh: its pods could not be scheduled", extra={"claim": claim.key})
+        self.writer.claim_event(claim, statuses.REASON_UNPLACEABLE, written.status.message, "Warning")
         self.requeue(claim.key, 0)
         return True
 

@@ -109,6 +109,13 @@ def _node_miss(view: NodeView, ask: Ask) -> Miss | None:
         return Miss(
             5, "does not match the selector", "do not match the selector", "labels do not match selector"
         )
+    if view.name in ask.avoid_nodes:
+        return Miss(
+            5,
+            "could not run the claim's pods",
+            "could not run the claim's pods",
+            "kube-scheduler could not place the claim's pods here (status.unplaceableNodes)",
+        )
     return _resources_miss(view, ask)
 
 

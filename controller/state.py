@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from controller import gates, locks, views, waking
+from controller import gates, locks, unplaceable, views, waking
 from controller import metrics as controller_metrics
 from controller.nodes import NodeIndex
 from gpualloc.api import codecs, constants, leases, models, requests
@@ -239,6 +239,8 @@ class State:
         self._held_by_pods: dict[str, set[str]] = collections.defaultdict(set)  # UUID -> those pods
         # What the live pods bound to each node request (kube-scheduler's NodeResourcesFit sums):
         # one running sum per node, kept from the pods' own cached requests.
+        self._claim_pods: dict[str, dict[str, Obj]] = collections.defaultdict(dict)  # claim -> pod -> kept
+        self._pod_claim_of: dict[str, str] = {}  # live claim pod -> its claim key
         self._pod_load: dict[str, tuple[str, Mapping[str, int]]] = {}  # pod key -> (node, requests)
         self._node_requested: dict[str, dict[str, int]] = {}  # node -> summed requests
         # Quotas.
@@ -684,6 +686,36 @@ class State:
             self._pods_of_claim[claim_key].add(key)
         self._judge_pod(key)
         self._count_load(key, None if type_ == watching.DELETED else raw)
+        self._note_claim_pod(key, None if type_ == watching.DELETED else raw)
+
+    def _note_claim_pod(self, pod_key: str, raw: Obj | None) -> None:
+        """Index a live claim pod by its claim; wake the claim when the scheduler's verdict on the
+        pod (``unplaceable``) or its node changed, or an Unschedulable one went away."""
+        claim_key = gates.pod_claim(raw) if raw is not None else None
+        before_key = self._pod_claim_of.pop(pod_key, None)
+        old = self._claim_pods[before_key].pop(pod_key, None) if before_key is not None else None
+        if before_key is not None and not self._claim_pods[before_key]:
+            del self._claim_pods[before_key]
+        if old is not None and before_key != claim_key and old.get(unplaceable.UNSCHEDULABLE):
+            self.wake(before_key or "")
+        if raw is None or claim_key is None:
+            return
+        self._pod_claim_of[pod_key] = claim_key
+        self._claim_pods[claim_key][pod_key] = raw
+
+        def verdict(pod: Obj | None) -> tuple[Any, Any]:
+            return (
+                (None, None)
+                if pod is None
+                else (pod.get(unplaceable.UNSCHEDULABLE), (pod.get("spec") or {}).get("nodeName"))
+            )
+
+        if verdict(old) != verdict(raw) and (verdict(raw)[0] or verdict(old)[0]):
+            self.wake(claim_key)
+
+    def live_pods_of(self, claim_key: str) -> list[Obj]:
+        """The live pods (as cached) that name claim ``claim_key``."""
+        return list(self._claim_pods.get(claim_key, {}).values())
 
     def _count_load(self, pod_key: str, raw: Obj | None) -> None:
         """Keep the node sums true to a live pod's change: off its old node, onto its new one. A

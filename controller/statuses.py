@@ -18,6 +18,7 @@ import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from controller import unplaceable
 from gpualloc.api import codecs, constants, models, timestamps
 
 Obj = dict[str, Any]
@@ -36,6 +37,10 @@ CONDITION_NODE_LOST = "NodeLost"
 REASON_NODE_LOST = "NodeLost"
 REASON_NODES_BACK = "NodesBack"
 REASON_REALLOCATED = "Reallocated"
+CONDITION_UNPLACEABLE = "Unplaceable"
+REASON_UNPLACEABLE = "Unplaceable"  # the claim moved: its pods could not be scheduled on its node
+REASON_BARE_POD = "BarePod"  # it cannot move: a pod no workload controller owns cannot change its node
+REASON_PLACEABLE = "Placeable"
 REASON_PREEMPTED = "Preempted"
 REASON_PREEMPTING = "Preempting"
 
@@ -464,3 +469,68 @@ def releasing_condition(
 def was_used(claim: models.GpuClaim) -> bool:
     """Has the controller recorded pods using the claim (an ``InUse`` condition)?"""
     return any(c.type == CONDITION_IN_USE for c in claim.status.conditions)
+
+
+def unplaceable_condition(
+    claim: models.GpuClaim, bare: Sequence[str], scheduler: str, *, now: datetime.datetime
+) -> models.Condition | None:
+    """The ``Unplaceable`` condition of a claim whose pods kube-scheduler cannot place on its node
+    (``unplaceable``): True, reason ``BarePod``, while ``bare`` pods hold it there; False once none
+    does; None when the recorded one says that already."""
+    current = next((c for c in claim.status.conditions if c.type == CONDITION_UNPLACEABLE), None)
+    if bare:
+        nodes = ", ".join(sorted({a.node_name for a in claim.status.allocations}))
+        message = (
+            f"pod {', '.join(bare)} cannot be scheduled on {nodes} ({scheduler}); a bare pod cannot"
+            " change its node, so the claim keeps its GPUs there: delete the pod (a Job's pods are"
+            " re-created elsewhere)"
+        )
+        if current and current.status == "True" and current.message == message:
+            return None
+        return _condition(claim, CONDITION_UNPLACEABLE, "True", REASON_BARE_POD, message, now=now)
+    if current is None or current.status != "True":
+        return None
+    return _condition(
+        claim,
+        CONDITION_UNPLACEABLE,
+        "False",
+        REASON_PLACEABLE,
+        "no pod of the claim is unschedulable",
+        now=now,
+    )
+
+
+def unplaceable_status(
+    claim: models.GpuClaim, pods: Sequence[str], scheduler: str, *, now: datetime.datetime
+) -> Obj:
+    """The merge patch that moves a claim whose pods could not be scheduled on its nodes: Pending
+    without devices, those nodes added to ``unplaceableNodes``."""
+    nodes = sorted({a.node_name for a in claim.status.allocations})
+    message = (
+        f"allocating afresh without {', '.join(nodes)}: pod {', '.join(pods)} could not be scheduled there"
+        f" for {claim.spec.unschedulable_grace_period_seconds} s ({scheduler})"
+    )
+    conditions = claim.status.conditions
+    conditions = set_condition(
+        conditions,
+        _condition(claim, constants.CONDITION_ALLOCATED, "False", REASON_UNPLACEABLE, message, now=now),
+    )
+    conditions = set_condition(
+        conditions,
+        _condition(claim, constants.CONDITION_RELEASING, "False", REASON_UNPLACEABLE, message, now=now),
+    )
+    conditions = tuple(
+        c for c in conditions if c.type not in (constants.CONDITION_DEVICES_LOST, CONDITION_UNPLACEABLE)
+    )
+    return {
+        "status": {
+            "phase": constants.PHASE_PENDING,
+            "allocations": None,
+            "conditions": _conditions_json(conditions),
+            "message": message,
+            "unplaceableNodes": unplaceable.recorded_nodes(claim.status.unplaceable_nodes, nodes),
+            "observedGeneration": claim.metadata.generation,
+            "nodes": "",
+            "devices": "",
+        }
+    }

@@ -176,6 +176,9 @@ class GpuClaimStatus:
     last_schedule_time: str | None = None
     released_time: str | None = None
     preempted_by: str = ""
+    # Nodes kube-scheduler could not place the claim's pods on (the claim moved off them); the
+    # allocator passes over them. The most recent few (``controller.unplaceable.NODES_KEPT``).
+    unplaceable_nodes: tuple[str, ...] = ()
     observed_generation: int = 0
     # Display fields for printer columns: "node-a,node-b" and "0,1,2,3".
     nodes: str = ""
