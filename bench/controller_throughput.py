@@ -31,9 +31,20 @@ Reported (``bench/results/controller_throughput.json`` and stdout):
   when the claims that fit nowhere are retried), and the controller's peak
   resident memory: which process is the limit.
 
+Every Node reports an allocatable (``NODE_ALLOCATABLE``) large enough that its pods never keep a
+claim out. ``--pods-per-node N`` binds N plain pods (not claim pods; ``LOAD_REQUESTS`` each, phase
+Running, never run anywhere: there is no kubelet) to every node before the controller starts: the
+controller counts their requests against the Node's allocatable (issue 41), and the figures say
+what that costs. ``--controller-tree DIR`` runs the controller from another checkout (a ``git
+worktree`` of an older commit) against this script: the result names the commit and the module
+files the controller process imports.
+
     .venv/bin/python bench/controller_throughput.py --nodes 100 --claims 400
     .venv/bin/python bench/controller_throughput.py --nodes 1000 --claims 5000
     .venv/bin/python bench/controller_throughput.py --nodes 100 --claims 400 --rate 50
+    .venv/bin/python bench/controller_throughput.py --nodes 1000 --claims 5000 --pods-per-node 2
+    .venv/bin/python bench/controller_throughput.py --nodes 1000 --claims 5000 \
+        --controller-tree /tmp/bench-old     # after: git worktree add /tmp/bench-old 332c6e7
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -75,6 +87,10 @@ CHART = REPO_ROOT / "helm" / "gpualloc"
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "controller_throughput.json"
 CONTROLLER_AGENT = "gpualloc-controller"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+# What every bench Node offers its pods: room for far more load pods than --pods-per-node asks.
+NODE_ALLOCATABLE = {"cpu": "128", "memory": "1Ti", "pods": "250"}
+# What each load pod (--pods-per-node) requests: a CPU pod sharing the GPU node.
+LOAD_REQUESTS = {"cpu": "500m", "memory": "1Gi"}
 
 
 # ------------------------------------------------------------------ simulated nodes
@@ -137,6 +153,8 @@ async def create_node(api: Api, name: str, gpus: int) -> None:
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        # A Node's status is kept on create (the kubelet registers its Node so).
+        "status": {"allocatable": NODE_ALLOCATABLE, "capacity": NODE_ALLOCATABLE},
     }
     await retrying(lambda: transport.request(api, "POST", "/api/v1/nodes", body=body))
     # No kubelet: lift the not-ready taint the API server puts on new Nodes, as the node lifecycle
@@ -158,6 +176,63 @@ async def create_node(api: Api, name: str, gpus: int) -> None:
         )
     )
     await retrying(lambda: crs.patch_node_status_status(name, {"status": inventory(name, gpus)}))
+
+
+async def create_load_pod(api: Api, namespace: str, name: str, node: str) -> None:
+    """A plain pod bound to ``node`` (``spec.nodeName``: no scheduler involved), marked Running.
+    Nothing runs it: the API server only stores it, and the controller's live-pods watch sees it."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"bench": "load"}},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "work",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"requests": LOAD_REQUESTS},
+                }
+            ],
+        },
+    }
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    await retrying(lambda: transport.request(api, "POST", pods, body=body))
+    running = {"status": {"phase": "Running"}}
+    await retrying(
+        lambda: transport.request(
+            api, "PATCH", f"{pods}/{name}/status", body=running, content_type=transport.MERGE_PATCH
+        )
+    )
+
+
+async def load_nodes(
+    api: Api, plane: cluster.ControlPlane, namespace: str, nodes: list[str], per_node: int, concurrency: int
+) -> dict[str, Any]:
+    """``per_node`` load pods on each node, ``concurrency`` creates in flight; how long it took."""
+    plane.ensure_service_account(namespace)  # the API server refuses pods in a namespace without it
+    jobs = [
+        (lambda node=node, j=j: create_load_pod(api, namespace, f"load-{node}-{j}", node))
+        for j in range(per_node)
+        for node in nodes
+    ]
+    started = time.perf_counter()
+    await bounded(concurrency, jobs)
+    elapsed = time.perf_counter() - started
+    listed = await transport.request(
+        api, "GET", f"/api/v1/namespaces/{namespace}/pods", query=[("fieldSelector", "status.phase=Running")]
+    )
+    return {
+        "pods_per_node": per_node,
+        "pods": len(jobs),
+        "pods_running_listed": len(listed.get("items") or []),
+        "requests_each": LOAD_REQUESTS,
+        "node_allocatable": NODE_ALLOCATABLE,
+        "concurrency": concurrency,
+        "seconds": round(elapsed, 3),
+        "pods_per_second": round(len(jobs) / elapsed, 1) if elapsed > 0 else None,
+    }
 
 
 async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
@@ -319,8 +394,41 @@ def audit_counts(audit_log: Path, offset: int, until: float) -> dict[str, Any]:
 # ------------------------------------------------------------------ the run
 
 
+def controller_env(tree: Path) -> dict[str, str]:
+    """The controller process's environment: the packages of ``tree`` first on its path."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def controller_code(tree: Path) -> dict[str, Any]:
+    """Which code the controller process runs: ``tree``'s commit (and whether it has changes), and
+    the files its packages are imported from, asked of the same interpreter, directory and path."""
+    probe = "import controller, gpualloc, json; print(json.dumps([controller.__file__, gpualloc.__file__]))"
+    files = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=tree,
+            env=controller_env(tree),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", "-C", str(tree), *argv], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {
+        "tree": str(tree),
+        "commit": git("rev-parse", "HEAD"),
+        "changed_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines()),
+        "controller_module": files[0],
+        "gpualloc_module": files[1],
+    }
+
+
 def start_controller(
-    kubeconfig: Path, namespace: str, workers: int, log_path: Path
+    kubeconfig: Path, namespace: str, workers: int, log_path: Path, tree: Path
 ) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         return subprocess.Popen(
@@ -347,7 +455,8 @@ def start_controller(
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
+            cwd=tree,
+            env=controller_env(tree),
         )
 
 
@@ -373,14 +482,14 @@ def start_webhook(kubeconfig: Path, workdir: Path) -> subprocess.Popen[bytes]:
 async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Path) -> dict[str, Any]:
     api = await client.connect(str(plane.kubeconfig), connections=args.concurrency + 8)
     rng = random.Random(args.seed)
-    claims_ns, lease_ns, scratch_ns = "bench", "gpualloc-system", "bench-ceiling"
+    claims_ns, lease_ns, scratch_ns, load_ns = "bench", "gpualloc-system", "bench-ceiling", "bench-load"
     heartbeat_ns = lease_format.heartbeat_namespace(lease_ns)  # the controller's default
     controller: subprocess.Popen[bytes] | None = None
     webhook: subprocess.Popen[bytes] | None = None
     watcher: asyncio.Task[None] | None = None
     beating: asyncio.Task[None] | None = None
     try:
-        for ns in (claims_ns, lease_ns, heartbeat_ns, scratch_ns):
+        for ns in (claims_ns, lease_ns, heartbeat_ns, scratch_ns, load_ns):
             await retrying(
                 lambda ns=ns: transport.request(
                     api, "POST", "/api/v1/namespaces", body={"metadata": {"name": ns}}
@@ -391,6 +500,14 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         node_names = [f"bench-node-{i:04d}" for i in range(args.nodes)]
         await bounded(16, [(lambda n=n: create_node(api, n, args.gpus)) for n in node_names])
         print(f"{args.nodes} nodes published", flush=True)
+        load = None
+        if args.pods_per_node > 0:
+            load = await load_nodes(api, plane, load_ns, node_names, args.pods_per_node, args.concurrency)
+            print(
+                f"{load['pods']} load pods bound and Running in {load['seconds']} s "
+                f"({load['pods_per_second']}/s)",
+                flush=True,
+            )
         if args.heartbeat > 0:
             beating = asyncio.create_task(heartbeats(api, node_names, args.heartbeat, heartbeat_ns))
         ceiling = await lease_ceiling(api, scratch_ns, args.ceiling_leases, args.ceiling_concurrency)
@@ -412,8 +529,12 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         watcher = asyncio.create_task(reflector.run())
         await reflector.synced.wait()
 
+        code = controller_code(args.controller_tree)
+        print(f"controller: {code['controller_module']} at {code['commit'][:12] or '?'}", flush=True)
         log_path = workdir / "controller.log"
-        controller = start_controller(plane.kubeconfig, lease_ns, args.workers, log_path)
+        controller = start_controller(
+            plane.kubeconfig, lease_ns, args.workers, log_path, args.controller_tree
+        )
         # Readiness without a probe port: the first claim (not counted) comes back Allocated.
         await retrying(lambda: resources.CustomResources(api).create_claim(claims_ns, claim("warmup", 1)))
         deadline = time.monotonic() + 60
@@ -500,8 +621,12 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                 "gpus_demanded": demand,
                 "gpus_supplied": args.nodes * args.gpus,
                 "controller_workers": args.workers,
+                "pods_per_node": args.pods_per_node,
+                "node_allocatable": NODE_ALLOCATABLE,
                 "seed": args.seed,
             },
+            "controller_code": code,
+            "load_pods": load,
             "allocated": len(done),
             "not_allocated": len(sent_at) - len(done),
             "creation_seconds": round(created_all - start, 3),
@@ -586,12 +711,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the webhook too, watching the claims, and report its peak RSS",
     )
+    parser.add_argument(
+        "--pods-per-node",
+        type=int,
+        default=0,
+        help="plain pods bound to every GPU node before the controller starts (default 0)",
+    )
+    parser.add_argument(
+        "--controller-tree",
+        type=Path,
+        default=REPO_ROOT,
+        help="the checkout the controller process runs from (default: this one)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="control plane state (default: a temp dir)"
     )
     args = parser.parse_args(argv)
+    args.controller_tree = args.controller_tree.resolve()
 
     with local_plane.temporary("gpualloc-bench-", state_dir=args.state_dir) as (control_plane, workdir):
         result = asyncio.run(run(args, control_plane, workdir))
