@@ -36,6 +36,7 @@ the node and see the devices. To move, delete and re-create the claim.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -227,7 +228,7 @@ class Reconciler:
         ``Releasing``, written first, for which the webhook admits no pod (the deterministic
         simulation found a pod admitted between the list and the release)."""
         pods, using = await self._pods(claim)
-        fenced = claim.releasing
+        fenced = statuses.fence_reason(claim) == statuses.REASON_PODS_COMPLETED  # its own fence
         now = self.state.now()
         if using:
             names = sorted(str((p.get("metadata") or {}).get("name", "")) for p in using)
@@ -357,12 +358,12 @@ class Reconciler:
             return False
         _, using = await self._pods(claim)
         if using:
-            if claim.releasing:
+            if statuses.fence_reason(claim) == statuses.REASON_NODE_LOST:  # its own fence
                 fence = statuses.releasing_condition(claim, on=False, now=now)
                 await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
             self.requeue(claim.key, self.settings.in_use_poll)
             return False
-        if not claim.releasing:
+        if statuses.fence_reason(claim) != statuses.REASON_NODE_LOST:
             fence = statuses.releasing_condition(
                 claim, on=True, now=now, why=f"{', '.join(lost)} lost", reason=statuses.REASON_NODE_LOST
             )
@@ -380,16 +381,22 @@ class Reconciler:
     # ------------------------------------------------------------------ unplaceable pods
 
     async def _move_if_unplaceable(self, claim: models.GpuClaim) -> bool:
-        """A claim whose pods kube-scheduler cannot place on its node (``unplaceable``): once one
-        has been Unschedulable for the grace period and no pod of the claim is bound, send the
-        claim back to Pending without those nodes, release its Leases and delete the pods, whose
-        owners re-create them onto its new node; a bare pod keeps it (condition ``Unplaceable``,
-        reason ``BarePod``, and an Event on the pod). True when the caller should stop.
+        """A claim whose pods kube-scheduler cannot place on its node (``unplaceable``). True when
+        the caller should stop.
 
-        The pods are judged from the cache first, then from an authoritative list behind the
-        ``Releasing`` fence (the webhook admits no pod meanwhile), as for a lost node."""
+        Once a pod has been Unschedulable for the grace period and no pod of the claim is bound
+        (judged on the cache), the claim is fenced (``Releasing``, reason ``Unplaceable``: the
+        webhook admits no pod of it). Behind the fence, on an authoritative list, the stuck pods
+        are deleted (each on its uid: a pod the scheduler bound meanwhile lifts the fence
+        instead), and only once no pod uses the claim does it go back to Pending without those
+        nodes and release its Leases, as a release does: no GPU is let go while a pod may run on
+        it. Their owners re-create the pods, which wait at the gate for the new node. A bare pod
+        keeps the claim where it is (condition ``Unplaceable``, reason ``BarePod``, and an Event
+        on the pod)."""
         now = self.state.now()
         grace = claim.spec.unschedulable_grace_period_seconds
+        if statuses.fence_reason(claim) == statuses.REASON_UNPLACEABLE:
+            return await self._move_fenced(claim, grace=grace, now=now)
         verdict = unplaceable.judge(self.state.live_pods_of(claim.key), grace=grace, now=now)
         bare = verdict.bare if verdict is not None and verdict.wait <= 0 else ()
         condition = statuses.unplaceable_condition(claim, bare, verdict.message if verdict else "", now=now)
@@ -407,35 +414,50 @@ class Reconciler:
         if verdict.wait > 0:
             self.requeue(claim.key, verdict.wait)
             return False
-        _, using = await self._pods(claim)
-        listed = unplaceable.judge([gates.kept_of_live_pod(dict(p)) for p in using], grace=grace, now=now)
-        if listed is None or not listed.moves:
-            return False  # the cache was behind; its watch brings the pods' change
-        if not claim.releasing:
-            fence = statuses.releasing_condition(
-                claim,
-                on=True,
-                now=now,
-                why="its pods cannot be scheduled on its node",
-                reason=statuses.REASON_UNPLACEABLE,
-            )
-            written = await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
-            return True if written is None else await self._move_if_unplaceable(written)  # look again
-        patch = statuses.unplaceable_status(claim, listed.pods, listed.message, now=now)
-        written = await self.writer.claim_status(claim, patch)
-        if written is None:
+        if claim.releasing:
+            return False  # another path's fence: it decides first
+        fence = statuses.unplaceable_fence(claim, verdict.pods, verdict.message, now=now)
+        await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
+        self.requeue(claim.key, 0)
+        return True
+
+    async def _move_fenced(self, claim: models.GpuClaim, *, grace: float, now: dt.datetime) -> bool:
+        """``_move_if_unplaceable`` behind its fence. Pods still at the gate hold no GPU: they
+        stay, and are placed on the claim's new node once it is allocated again."""
+        _, listed_pods = await self._pods(claim)
+        using = [p for p in listed_pods if not gates.is_gated(p)]
+        if not using:
+            written = await self.writer.claim_status(claim, statuses.unplaceable_status(claim, now=now))
+            if written is None:
+                return True
+            uid = claim.metadata.uid
+            await self.writer.release_leftovers(written, self.state.held_by(uid).values(), written)
+            log.warning("allocating afresh: its pods could not be scheduled", extra={"claim": claim.key})
+            self.writer.claim_event(claim, statuses.REASON_UNPLACEABLE, written.status.message, "Warning")
+            self.requeue(claim.key, 0)
             return True
-        await self.writer.release_leftovers(written, self.state.held_by(claim.metadata.uid).values(), written)
-        for stuck in using:
-            meta = stuck.get("metadata") or {}
-            if meta.get("name") in listed.pods:
+        listed = unplaceable.judge([gates.kept_of_live_pod(dict(p)) for p in using], grace=grace, now=now)
+        stuck = set(listed.pods) if listed is not None and listed.moves else set()
+        names = {str((p.get("metadata") or {}).get("name", "")) for p in using}
+        if not stuck:
+            # A pod was bound, or is no longer refused: the claim stays where it is.
+            fence = statuses.releasing_condition(claim, on=False, now=now)
+            await self.writer.claim_status(claim, statuses.condition_patch(claim, fence))
+            return True
+        for pod in using:
+            meta = pod.get("metadata") or {}
+            if meta.get("name") in stuck:
                 with contextlib.suppress(errors.NotFound, errors.Conflict):
                     await self.writer.delete_pod(
                         claim.metadata.namespace, str(meta["name"]), uid=str(meta.get("uid", ""))
                     )
-        log.warning("allocating afresh: its pods could not be scheduled", extra={"claim": claim.key})
-        self.writer.claim_event(claim, statuses.REASON_UNPLACEABLE, written.status.message, "Warning")
-        self.requeue(claim.key, 0)
+        log.info(
+            "deleted pods that could not be scheduled",
+            extra={"claim": claim.key, "pods": ",".join(sorted(stuck))},
+        )
+        # Pods of the claim that are neither bound nor refused (just released from the gate) are
+        # waited for; the deleted ones are gone at the next look.
+        self.requeue(claim.key, 0.5 if names <= stuck else self.settings.in_use_poll)
         return True
 
     # ------------------------------------------------------------------ deleted claims

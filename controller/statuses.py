@@ -466,6 +466,15 @@ def releasing_condition(
     return _condition(claim, constants.CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
 
 
+def fence_reason(claim: models.GpuClaim) -> str:
+    """The reason of the claim's ``Releasing`` fence ("" when it has none): each path that fences
+    a claim lifts only its own."""
+    fences = (
+        c for c in claim.status.conditions if c.type == constants.CONDITION_RELEASING and c.status == "True"
+    )
+    return next((c.reason for c in fences), "")
+
+
 def was_used(claim: models.GpuClaim) -> bool:
     """Has the controller recorded pods using the claim (an ``InUse`` condition)?"""
     return any(c.type == CONDITION_IN_USE for c in claim.status.conditions)
@@ -500,25 +509,29 @@ def unplaceable_condition(
     )
 
 
-def unplaceable_status(
+def unplaceable_fence(
     claim: models.GpuClaim, pods: Sequence[str], scheduler: str, *, now: datetime.datetime
-) -> Obj:
-    """The merge patch that moves a claim whose pods could not be scheduled on its nodes: Pending
-    without devices, those nodes added to ``unplaceableNodes``."""
+) -> models.Condition:
+    """The ``Releasing`` fence a claim moving off its nodes writes first: the webhook admits no pod
+    of it while its stuck pods go. Its message says why, and becomes the move's."""
     nodes = sorted({a.node_name for a in claim.status.allocations})
-    message = (
-        f"allocating afresh without {', '.join(nodes)}: pod {', '.join(pods)} could not be scheduled there"
-        f" for {claim.spec.unschedulable_grace_period_seconds} s ({scheduler})"
+    why = (
+        f"allocating afresh without {', '.join(nodes)}: pod {', '.join(pods)} could not be scheduled"
+        f" there for {claim.spec.unschedulable_grace_period_seconds} s ({scheduler})"
     )
+    return releasing_condition(claim, on=True, now=now, why=why, reason=REASON_UNPLACEABLE)
+
+
+def unplaceable_status(claim: models.GpuClaim, *, now: datetime.datetime) -> Obj:
+    """The merge patch that moves a claim fenced by ``unplaceable_fence`` once its pods are gone:
+    Pending without devices, its nodes added to ``unplaceableNodes``."""
+    nodes = sorted({a.node_name for a in claim.status.allocations})
+    fence = next((c for c in claim.status.conditions if c.type == constants.CONDITION_RELEASING), None)
+    message = fence.message.removesuffix("; its GPUs are being released") if fence else "allocating afresh"
     conditions = claim.status.conditions
-    conditions = set_condition(
-        conditions,
-        _condition(claim, constants.CONDITION_ALLOCATED, "False", REASON_UNPLACEABLE, message, now=now),
-    )
-    conditions = set_condition(
-        conditions,
-        _condition(claim, constants.CONDITION_RELEASING, "False", REASON_UNPLACEABLE, message, now=now),
-    )
+    for type_ in (constants.CONDITION_ALLOCATED, constants.CONDITION_RELEASING):
+        condition = _condition(claim, type_, "False", REASON_UNPLACEABLE, message, now=now)
+        conditions = set_condition(conditions, condition)
     conditions = tuple(
         c for c in conditions if c.type not in (constants.CONDITION_DEVICES_LOST, CONDITION_UNPLACEABLE)
     )

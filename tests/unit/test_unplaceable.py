@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -93,11 +94,19 @@ def test_the_move_sends_the_claim_to_pending_without_devices_and_records_the_nod
             unplaceable_nodes=("gpu-z",),
         ),
     )
-    patch = statuses.unplaceable_status(allocated, ["p"], SCHEDULER, now=NOW)["status"]
+    fence = statuses.unplaceable_fence(allocated, ["p"], SCHEDULER, now=NOW)
+    assert fence.reason == statuses.REASON_UNPLACEABLE and fence.status == "True"
+    fenced = dataclasses.replace(allocated, status=dataclasses.replace(allocated.status, conditions=(fence,)))
+    assert statuses.fence_reason(fenced) == statuses.REASON_UNPLACEABLE
+    patch = statuses.unplaceable_status(fenced, now=NOW)["status"]
     assert patch["phase"] == constants.PHASE_PENDING and patch["allocations"] is None
     assert patch["unplaceableNodes"] == ["gpu-z", "gpu-a"]
     allocated_condition = next(c for c in patch["conditions"] if c["type"] == constants.CONDITION_ALLOCATED)
-    assert allocated_condition["reason"] == statuses.REASON_UNPLACEABLE and SCHEDULER in patch["message"]
+    assert allocated_condition["reason"] == statuses.REASON_UNPLACEABLE
+    assert patch["message"].startswith("allocating afresh without gpu-a: pod p could not be scheduled")
+    assert SCHEDULER in patch["message"] and not statuses.fence_reason(
+        dataclasses.replace(fenced, status=dataclasses.replace(fenced.status, conditions=()))
+    )
 
 
 def test_the_allocator_passes_over_the_nodes_the_pods_could_not_run_on() -> None:
