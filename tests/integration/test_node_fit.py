@@ -9,23 +9,31 @@ Succeeded).
 
 Binpack prefers the node with the most of its GPUs taken, then the fewest free: each test gives the
 node that cannot take the pods that preference, so a claim lands elsewhere only because the pods'
-requests were counted.
+requests were counted. The last two tests count nothing up front (no ``spec.podResources``, the
+pods made after the allocation): the claim lands on that node, and only kube-scheduler's verdict
+(Unschedulable for ``spec.unschedulableGracePeriodSeconds``) moves it, or, for a bare pod, is
+explained.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
 
 import pytest
 
 from gpualloc.api import constants
-from gpualloc.kube import resources, transport
+from gpualloc.kube import resources, transport, watching
 from gpualloc.kube.client import Api
 from tests.integration import controller_support as support
 from tests.integration.controller_support import KwokGpuNodes
 from tests.integration.test_webhook_cluster import webhook, webhook_options  # noqa: F401 - fixtures
 from webhook import admission
 
+GRACE_S = 3  # spec.unschedulableGracePeriodSeconds of the claims that move
+UNPLACEABLE = "Unplaceable"
 GATE_MODE = pytest.mark.parametrize("webhook_options", [admission.Options(pending="gate")], ids=["gate"])
 
 
@@ -265,3 +273,187 @@ async def test_a_claim_whose_pod_cpu_fits_no_node_stays_pending_and_its_message_
     message = support.condition(claim, "Allocated")["message"]
     assert f"{a}: 4 CPU asked, 1 of 2 free" in message, message
     assert f"{b}: 4 CPU asked, 2 of 2 free" in message, message
+
+
+# ------------------------------------------- pods kube-scheduler refuses on their claim's node
+
+
+class ClaimSighting(NamedTuple):
+    phase: str
+    nodes: dict[int, str]
+    conditions: tuple[dict[str, Any], ...]
+
+
+class ClaimHistory:
+    """Every state of one claim that a watch reported, in order (a move passes through Pending)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sightings: list[ClaimSighting] = []
+
+    def record(self, type_: str, claim: dict[str, Any]) -> None:
+        if claim["metadata"]["name"] != self.name or type_ == watching.DELETED:
+            return
+        status = claim.get("status") or {}
+        self.sightings.append(
+            ClaimSighting(
+                phase=str(status.get("phase") or ""),
+                nodes=support.allocated_nodes(claim),
+                conditions=tuple(status.get("conditions") or ()),
+            )
+        )
+
+    def unplaceable(self) -> list[dict[str, Any]]:
+        """The conditions seen of type or reason Unplaceable, status True for the type."""
+        return [
+            c
+            for s in self.sightings
+            for c in s.conditions
+            if c.get("reason") == UNPLACEABLE or (c.get("type") == UNPLACEABLE and c.get("status") == "True")
+        ]
+
+
+@contextlib.asynccontextmanager
+async def watching_claim(api: Api, namespace: str, name: str) -> AsyncIterator[ClaimHistory]:
+    history = ClaimHistory(name)
+    async with support.watching_events(api, watching.CLAIMS, namespace, history.record):
+        yield history
+
+
+def moving_claim(name: str, *, run: str) -> dict[str, Any]:
+    body = fit_claim(name, 1, run=run)
+    body["spec"]["unschedulableGracePeriodSeconds"] = GRACE_S
+    return body
+
+
+def bare_claim_pod(name: str, claim: str, *, run: str, cpu: str) -> dict[str, Any]:
+    """A pod of ``claim`` that no workload controller owns; the webhook gives it the claim's node."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": {constants.ANNOTATION_CLAIM: claim}},
+        "spec": {
+            "tolerations": [support.run_toleration(run)],
+            "containers": [
+                {"name": "main", "image": support.PAUSE_IMAGE, "resources": {"requests": {"cpu": cpu}}}
+            ],
+        },
+    }
+
+
+async def events_of(api: Api, namespace: str, kind: str, name: str, reason: str) -> list[dict[str, Any]]:
+    listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+    return [
+        e
+        for e in listing.get("items") or []
+        if e["involvedObject"].get("kind") == kind
+        and e["involvedObject"].get("name") == name
+        and e.get("reason") == reason
+    ]
+
+
+async def refused_on(pods: support.PodHistory, node: str) -> support.PodSighting:
+    """Wait until kube-scheduler reports a pod meant for ``node`` Unschedulable; that sighting."""
+
+    async def probe() -> support.PodSighting | None:
+        return next((s for s in pods.unschedulable() if s.selected == node), None)
+
+    return await support.wait_for(probe, within=30, what=f"a pod refused on {node}")
+
+
+@pytest.mark.usefixtures("webhook")
+async def test_a_claim_whose_job_pod_cannot_be_placed_on_its_node_moves_where_the_pod_fits_and_it_runs_there(
+    api: Api, kubeconfig: str, namespace: str, kwok_gpu_nodes: KwokGpuNodes
+) -> None:
+    """Issue 41's case, as a new user meets it (no podResources, the Job after its claim): the
+    claim lands on A, whose CPU is all taken; kube-scheduler refuses the Job's pod there; after the
+    grace period the claim goes back to Pending (Unplaceable, with the scheduler's words), its pod is
+    deleted, the claim is allocated on B, and the Job's new pod runs on B with the claim's GPU."""
+    run = kwok_gpu_nodes.run
+    a = await kwok_gpu_nodes.add("a", cpu="4")
+    b = await kwok_gpu_nodes.add("b", cpu="64")
+    async with (
+        support.running_controller(kubeconfig, controller_argv(namespace, run)),
+        support.watching_pods(api, namespace) as pods,
+        watching_claim(api, namespace, "train") as claims,
+    ):
+        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
+        await create_claim(api, namespace, moving_claim("train", run=run))
+        first = await support.wait_phase(api, namespace, "train", constants.PHASE_ALLOCATED)
+        assert support.allocated_nodes(first) == {0: a}  # binpack's choice: nothing says CPU yet
+        await support.create_job(api, namespace, support.claim_job("train", "train", run=run, cpu="1"))
+        refused = await refused_on(pods, a)
+        assert "Insufficient cpu" in refused.scheduled["message"]
+
+        async def moved() -> dict[str, Any] | None:
+            got = await support.get_claim(api, namespace, "train")
+            return got if got and support.allocated_nodes(got) == {0: b} else None
+
+        claim = await support.wait_for(moved, within=45, what="the claim allocated on B")
+        ran = await support.wait_running(pods, 2, within=45)  # the hog, then the Job's new pod
+        events = await events_of(api, namespace, constants.CLAIM_KIND, "train", UNPLACEABLE)
+        leases = await support.device_leases(api, namespace)
+
+    (job_pod,) = [p for p in ran if p.name != "hog"]
+    assert_ran_with_claims_devices([job_pod], claim)
+    assert job_pod.name != refused.name  # the Job made a new pod
+    assert any(s.name == refused.name and s.phase == "Deleted" for s in pods.sightings)
+    assert job_pod.owners == ("Job/train",)
+    # On the way: back to Pending without devices, and the reason in a condition and an Event.
+    after_a = claims.sightings[next(i for i, s in enumerate(claims.sightings) if s.nodes == {0: a}) :]
+    assert any(s.phase == constants.PHASE_PENDING and not s.nodes for s in after_a), claims.sightings
+    moved_off = [c for c in claims.unplaceable() if c["type"] == "Allocated"]
+    assert moved_off and "Insufficient cpu" in moved_off[0]["message"], claims.unplaceable()
+    assert events and "Insufficient cpu" in events[0]["message"], events
+    # A's GPU was given back: the claim's Leases are B's devices only.
+    held = {lease["spec"]["holderIdentity"] for lease in leases}
+    mine = [lease for lease in leases if lease["spec"]["holderIdentity"] == claim["metadata"]["uid"]]
+    assert len(held) == 2  # "other" on A, "train" on B
+    assert {lease["metadata"]["labels"][constants.LABEL_NODE] for lease in mine} == {b}
+
+
+@pytest.mark.usefixtures("webhook")
+async def test_a_bare_pod_that_cannot_be_placed_keeps_its_claim_on_the_node_and_claim_and_pod_say_why(
+    api: Api, kubeconfig: str, namespace: str, kwok_gpu_nodes: KwokGpuNodes
+) -> None:
+    """The same claim and node A, but its pod has no owner to recreate it elsewhere: past the grace
+    period (twice over) the claim is still Allocated on A with the same GPU, the pod is not deleted,
+    and a condition of the claim and an Event on the pod, both Unplaceable, say why."""
+    run = kwok_gpu_nodes.run
+    a = await kwok_gpu_nodes.add("a", cpu="4")
+    await kwok_gpu_nodes.add("b", cpu="64")
+    async with (
+        support.running_controller(kubeconfig, controller_argv(namespace, run)),
+        support.watching_pods(api, namespace) as pods,
+        watching_claim(api, namespace, "train") as claims,
+    ):
+        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
+        await create_claim(api, namespace, moving_claim("train", run=run))
+        first = await support.wait_phase(api, namespace, "train", constants.PHASE_ALLOCATED)
+        assert support.allocated_nodes(first) == {0: a}
+        await support.create_pod(api, namespace, bare_claim_pod("solo", "train", run=run, cpu="1"))
+        await refused_on(pods, a)
+
+        async def explained() -> list[dict[str, Any]] | None:
+            return claims.unplaceable() or None
+
+        (unplaceable, *_) = await support.wait_for(explained, within=30, what="an Unplaceable condition")
+
+        async def pod_event() -> list[dict[str, Any]] | None:
+            return await events_of(api, namespace, "Pod", "solo", UNPLACEABLE) or None
+
+        (event, *_) = await support.wait_for(pod_event, within=30, what="an Unplaceable Event on the pod")
+        await asyncio.sleep(2 * GRACE_S)  # past the grace period twice over: still no move
+        claim = await support.get_claim(api, namespace, "train")
+        solo = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/solo")
+
+    assert claim is not None
+    assert claim["status"]["phase"] == constants.PHASE_ALLOCATED
+    assert support.status_uuids(claim) == support.status_uuids(first)
+    assert support.allocated_nodes(claim) == {0: a}
+    since = claims.sightings[next(i for i, s in enumerate(claims.sightings) if s.nodes) :]
+    assert all(s.phase == constants.PHASE_ALLOCATED and s.nodes == {0: a} for s in since), since
+    assert solo["metadata"].get("deletionTimestamp") is None
+    assert not any(s.name == "solo" and s.phase == "Deleted" for s in pods.sightings)
+    assert "solo" in unplaceable["message"] and a in unplaceable["message"], unplaceable
+    assert "Insufficient cpu" in event["message"], event
