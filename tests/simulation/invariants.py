@@ -36,6 +36,9 @@
    inadmissible_preemptions``); with invariant 5, its room is there. A
    preemptor that moved on (deleted, vanished, or no longer Pending) after it was
    admitted passes.
+8. A claim pod is never bound to a node other than the one its GPUs are on:
+   the un-gated pod's nodeSelector names its claim's node, and a claim that
+   moves off a node its pods cannot be scheduled on deletes them first.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -232,11 +235,22 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
             raise Violation(1, f"{key} lists {lock}, a slot that no GPU has")
     for pod_key, pod in sorted(server.objects["pods"].items()):
         phase = (pod.get("status") or {}).get("phase")
-        if phase in model.TERMINAL_PHASES or model.is_gated(pod):
-            continue
         m = model.meta(pod)
         annotations = m.get("annotations") or {}
         claim_name = annotations.get(constants.ANNOTATION_CLAIM)
+        if phase in model.TERMINAL_PHASES or model.is_gated(pod) or not claim_name:
+            continue  # a pod of no claim takes only CPU
+        node_name = str((pod.get("spec") or {}).get("nodeName") or "")
+        given = str(annotations.get(constants.ANNOTATION_DEVICES) or "")
+        elsewhere = sorted(
+            label.get(u, u)
+            for u in given.split(",")
+            if u and node_name and label.get(u, node_name).split("/")[0] != node_name
+        )
+        if elsewhere:
+            raise Violation(
+                8, f"pod {pod_key} is bound to {node_name}, but the GPUs it was given are {elsewhere}"
+            )
         admitted_for = server.pod_claim_uid.get(pod_key, "")
         claim = server.claim(str(m.get("namespace")), str(claim_name))
         claim_key = f"{m.get('namespace')}/{claim_name}"

@@ -52,7 +52,7 @@ import jsonpointer
 import msgspec
 
 from controller import state
-from gpualloc.api import constants
+from gpualloc.api import constants, timestamps
 from gpualloc.kube import errors, watching
 
 Obj = dict[str, Any]
@@ -676,6 +676,38 @@ class ApiServer:
             raise _not_found("pods", name)
         self.delete_pod(key)
 
+    def delete_pod_at(self, namespace: str, name: str, *, uid: str) -> None:
+        """DELETE with a uid precondition (the controller's move of an unplaceable claim)."""
+        key = f"{namespace}/{name}"
+        obj = self.objects["pods"].get(key)
+        if obj is None:
+            raise _not_found("pods", name)
+        if str(meta(obj).get("uid")) != uid:
+            raise errors.Conflict(409, "Conflict", f"Precondition failed: UID in precondition: {uid}")
+        self.delete_pod(key)
+
+    def bind_pod(self, key: str, node: str) -> None:
+        """kube-scheduler binds the pod, and its kubelet starts it."""
+        old = self.objects["pods"][key]
+        new = dict(old)
+        new["spec"] = {**(old.get("spec") or {}), "nodeName": node}
+        new["status"] = {"phase": "Running"}
+        self._write("pods", key, new)
+
+    def refuse_pod(self, key: str, message: str) -> None:
+        """kube-scheduler cannot place the pod: PodScheduled False, reason Unschedulable."""
+        old = self.objects["pods"][key]
+        new = dict(old)
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": message,
+            "lastTransitionTime": timestamps.format_time(self.clock()),
+        }
+        new["status"] = {**(old.get("status") or {}), "conditions": [condition]}
+        self._write("pods", key, new)
+
     def list_pods(self, namespace: str) -> list[Obj]:
         return [
             clone(obj) for obj in self.objects["pods"].values() if meta(obj).get("namespace") == namespace
@@ -722,11 +754,17 @@ class ApiServer:
     # ------------------------------------------------------------------ nodes
 
     def add_gpu_node(
-        self, name: str, gpus: int, mig: Sequence[int] = (), shared: Mapping[int, int] | None = None
+        self,
+        name: str,
+        gpus: int,
+        mig: Sequence[int] = (),
+        shared: Mapping[int, int] | None = None,
+        allocatable: Mapping[str, str] | None = None,
     ) -> None:
-        node = self._created(
-            "nodes", {"metadata": {"name": name, "labels": {constants.HOSTNAME_LABEL: name}}}, "node"
-        )
+        body: Obj = {"metadata": {"name": name, "labels": {constants.HOSTNAME_LABEL: name}}}
+        if allocatable:
+            body["status"] = {"allocatable": dict(allocatable)}
+        node = self._created("nodes", body, "node")
         self._write("nodes", name, node)
         status = self._created(
             "node_statuses", {"metadata": {"name": name}, "spec": {"nodeName": name}}, "gns"

@@ -56,7 +56,7 @@ import msgspec
 
 from controller import metrics as controller_metrics
 from controller import reconciling
-from gpualloc.api import codecs, constants
+from gpualloc.api import codecs, constants, requests
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model
 
@@ -97,11 +97,15 @@ ACTIONS = frozenset(
         "stale-pod",
         "strip-finalizer",
         "preempt-cluster",
+        "unplaceable",
+        "schedule-pod",
+        "cpu-pod",
         "tick",
     }
 )
 SETTINGS = _settings_class()(namespace=model.NAMESPACE, node_stale_after=1e9)
 SWEEP = "sweep"
+NODE_ALLOCATABLE = {"cpu": "4", "pods": "110"}  # the nodes' allocatable when pods ask for CPU
 QUIESCE_BOUND = 10_000  # loop iterations to wait for every task to block
 SETTLE_ROUNDS = 8
 DRAIN_BOUND = 20_000
@@ -266,6 +270,20 @@ def _admits_with_devices(claim: Obj) -> bool:
         and not _releasing(claim)
         and bool(allocations)
         and bool(allocations[0].get("devices"))
+    )
+
+
+def _waits_for_the_scheduler(pod: Obj, *, refused: bool = False) -> bool:
+    """An un-gated claim pod that kube-scheduler has not bound yet: not refused yet either (or,
+    with ``refused``, refused already: tried again when users act)."""
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    return (
+        not model.is_gated(pod)
+        and not spec.get("nodeName")
+        and bool((spec.get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL))
+        and status.get("phase") not in model.TERMINAL_PHASES
+        and bool(status.get("conditions")) == refused
     )
 
 
@@ -465,6 +483,13 @@ class SimCluster:
         result: list[Obj] = await self._call(describe, self.server.list_claim_leases, uid)
         return result
 
+    async def delete_pod(self, namespace: str, name: str, *, uid: str) -> None:
+        def describe() -> str:
+            return f"delete_pod {namespace}/{name} uid={uid}"
+
+        await self._call(describe, functools.partial(self.server.delete_pod_at, uid=uid), namespace, name)
+        self.sim.count("moved_pods")
+
     async def evict_pod(self, namespace: str, name: str) -> None:
         def describe() -> str:
             return f"evict_pod {namespace}/{name}"
@@ -561,6 +586,12 @@ class Simulation:
             if scope_rng is not None and scope_rng.random() < 0.5
             else SETTINGS
         )
+        # Nodes with CPU (4 cores, 110 pod slots) and pods that ask for it: claims state podResources
+        # or not, a simulated kube-scheduler binds an un-gated claim pod to the node its nodeSelector
+        # names or finds it Unschedulable there, other pods take CPU, and half the claim pods have a
+        # Job as owner; in half the schedules, from an RNG of its own (issue 41).
+        fit_rng = None if "unplaceable" in without else random.Random(seed ^ 0xF17)
+        self._fit_rng = fit_rng if fit_rng is not None and fit_rng.random() < 0.5 else None
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -756,7 +787,8 @@ class Simulation:
         for node in sc.nodes:
             mig = self._mig_gpus if node == "n1" else ()
             shared = {sc.gpus - 1: self._shared_slots} if node == "n0" and self._shared_slots else {}
-            self.server.add_gpu_node(node, sc.gpus, mig, shared)
+            allocatable = NODE_ALLOCATABLE if self._fit_rng is not None else None
+            self.server.add_gpu_node(node, sc.gpus, mig, shared, allocatable)
             for i in range(sc.gpus):
                 uuid = model.gpu_uuid(node, i)
                 self._labels[uuid] = self._labels[constants.lease_name(uuid)] = f"{node}/{i}"
@@ -827,6 +859,9 @@ class Simulation:
                     options.append((3.0, functools.partial(self._do_reconcile_one, process)))
                 if SWEEP not in tasks:
                     options.append((0.4, functools.partial(self._do_reconcile, process, SWEEP)))
+        waiting = self._waiting_pods()
+        if waiting:  # kube-scheduler runs whether users act or not
+            options.append((2.0, lambda: self._do_schedule(rng.choice(waiting))))
         if users:
             without = self.without
             if "relist" not in without:
@@ -842,6 +877,17 @@ class Simulation:
             if "tick" not in without:
                 options.append((0.1, self._do_tick))
         return options
+
+    def _waiting_pods(self) -> list[str]:
+        """The un-gated claim pods kube-scheduler has neither bound nor refused yet."""
+        if self._fit_rng is None or "schedule-pod" in self.without:
+            return []
+        return [
+            key for key, pod in sorted(self.server.objects["pods"].items()) if _waits_for_the_scheduler(pod)
+        ]
+
+    async def _do_schedule(self, key: str) -> None:
+        self._schedule_pod(key)
 
     async def _one_step(self, *, users: bool, starts: bool = True) -> bool:
         options = self._choices(users=users, starts=starts)
@@ -980,11 +1026,15 @@ class Simulation:
             phase = (claim.get("status") or {}).get("phase")
             if _releasing(claim):
                 continue  # the webhook admits no pod of a claim being released
+            more = 2.0 if self._fit_rng is not None else 1.0  # pods for kube-scheduler to place
             if phase == constants.PHASE_ALLOCATED:
-                options.append(("create-pod", 2.0, functools.partial(self._create_pod, claim, gated=False)))
+                create = functools.partial(self._create_pod, claim, gated=False)
+                options.append(("create-pod", 2.0 * more, create))
             elif phase not in (constants.PHASE_FAILED, constants.PHASE_RELEASED, constants.PHASE_PREEMPTED):
                 # the webhook refuses those
-                options.append(("gated-pod", 0.5, functools.partial(self._create_pod, claim, gated=True)))
+                options.append(
+                    ("gated-pod", 0.5 * more, functools.partial(self._create_pod, claim, gated=True))
+                )
         if self._stale_rng is not None:
             for key in self.scenario.claims:
                 if any(_admits_with_devices(v) for v in server.claim_history.get(key, ())):
@@ -993,6 +1043,11 @@ class Simulation:
             if (pod.get("status") or {}).get("phase") not in model.TERMINAL_PHASES:
                 options.append(("finish-pod", 1.0, functools.partial(self._finish_pod, key)))
             options.append(("delete-pod", 0.5, functools.partial(self._delete_pod, key)))
+        if self._fit_rng is not None:
+            for key, pod in sorted(server.objects["pods"].items()):
+                if _waits_for_the_scheduler(pod, refused=True):  # kube-scheduler tries it again
+                    options.append(("schedule-pod", 0.5, functools.partial(self._schedule_pod, key)))
+            options.append(("cpu-pod", 0.4, self._create_cpu_pod))
         for key in sorted(server.objects["leases"]):
             options.append(("admin-delete-lease", 0.3, functools.partial(self._admin_delete_lease, key)))
         for node in self.scenario.nodes:
@@ -1035,6 +1090,10 @@ class Simulation:
             most = self._shared_rng.choice((None, None, self._shared_slots, 1))
             sharing = {} if most is None else {"maxClaimsPerGPU": most}
             spec["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": sharing}
+        if self._fit_rng is not None:
+            spec["unschedulableGracePeriodSeconds"] = self._fit_rng.randint(0, 3)
+            if self._fit_rng.random() < 0.5:
+                spec["podResources"] = {"cpu": str(self._fit_rng.randint(1, 3))}
         obj = self.server.create_claim(namespace, name, spec)
         count = spec["devices"]["count"]  # type: ignore[index]
         release = f", release {spec['release']}" if "release" in spec else ""
@@ -1047,6 +1106,8 @@ class Simulation:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
         if "priority" in spec:
             release += f", priority {spec['priority']}"
+        if "podResources" in spec:
+            release += f", pods ask {spec['podResources']['cpu']} CPU"  # type: ignore[index]
         self.log("user", f"creates claim {key} ({model.meta(obj)['uid']}) for {count} GPUs{release}")
 
     def _delete_claim(self, key: str) -> None:
@@ -1082,16 +1143,31 @@ class Simulation:
             spec["containers"][0]["env"] = [_device_env(devices)]
             spec["nodeSelector"] = {constants.HOSTNAME_LABEL: alloc["nodeName"]}
             phase = "Running"
-        body = {
-            "metadata": {
-                "name": name,
-                "namespace": m["namespace"],
-                "labels": labels,
-                "annotations": annotations,
-            },
-            "spec": spec,
-            "status": {"phase": phase},
+        metadata: Obj = {
+            "name": name,
+            "namespace": m["namespace"],
+            "labels": labels,
+            "annotations": annotations,
         }
+        if self._fit_rng is not None:
+            cpu = str(
+                ((claim.get("spec") or {}).get("podResources") or {}).get("cpu")
+                or self._fit_rng.randint(1, 2)
+            )
+            spec["containers"][0]["resources"] = {"requests": {"cpu": cpu}}
+            if self._fit_rng.random() < 0.5:
+                metadata["ownerReferences"] = [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": "job",
+                        "uid": "job-uid",
+                        "controller": True,
+                    }
+                ]
+            if not gated:
+                phase = "Pending"  # released from the gate onto its claim's node: kube-scheduler's turn
+        body = {"metadata": metadata, "spec": spec, "status": {"phase": phase}}
         self.server.create_pod(body, claim_uid=m["uid"])
         shown = [self._labels.get(u, u) for u in devices]
         what = "a gated pod" if gated else f"pod using {shown}"
@@ -1137,6 +1213,47 @@ class Simulation:
             f"a webhook admits gated pod {m['namespace']}/{name} with {shown} from claim {m['name']} "
             f"({m['uid']}) at rv {m['resourceVersion']}",
         )
+
+    def _schedule_pod(self, key: str) -> None:
+        """kube-scheduler on an un-gated pod: bound to the node its nodeSelector names when that
+        node's CPU takes it, else Unschedulable (once)."""
+        pod = self.server.objects["pods"][key]
+        node = str(((pod.get("spec") or {}).get("nodeSelector") or {}).get(constants.HOSTNAME_LABEL, ""))
+        asked = requests.pod_requests(pod).get("cpu", 0)
+        free = 4000 - sum(
+            requests.pod_requests(other).get("cpu", 0)
+            for other in self.server.objects["pods"].values()
+            if (other.get("spec") or {}).get("nodeName") == node
+            and (other.get("status") or {}).get("phase") not in model.TERMINAL_PHASES
+        )
+        if node in self.scenario.nodes and asked <= free:
+            self.server.bind_pod(key, node)
+            self.count("bound_pods")
+            self.log("kube", f"binds pod {key} to {node}")
+            return
+        if (pod.get("status") or {}).get("conditions"):
+            return  # refused already: still refused
+        message = f"0/{len(self.scenario.nodes)} nodes are available: 1 Insufficient cpu"
+        self.server.refuse_pod(key, message)
+        self.count("unschedulable_pods")
+        self.log(
+            "kube", f"pod {key} is Unschedulable on {node or '(no node)'}: {asked}m CPU asked, {free}m free"
+        )
+
+    def _create_cpu_pod(self) -> None:
+        """A pod of no claim that takes CPU on a node (a DaemonSet's, another team's)."""
+        assert self._fit_rng is not None
+        self._pods += 1
+        name, node = f"p{self._pods}", self._fit_rng.choice(self.scenario.nodes)
+        cpu = str(self._fit_rng.randint(1, 3))
+        container = {"name": "main", "image": "cpu", "resources": {"requests": {"cpu": cpu}}}
+        body = {
+            "metadata": {"name": name, "namespace": "ns-c", "labels": {}, "annotations": {}},
+            "spec": {"containers": [container], "nodeName": node},
+            "status": {"phase": "Running"},
+        }
+        self.server.create_pod(body, claim_uid="")
+        self.log("user", f"runs pod ns-c/{name} asking {cpu} CPU on {node}")
 
     def _finish_pod(self, key: str) -> None:
         self.server.set_pod_phase(key, "Succeeded")

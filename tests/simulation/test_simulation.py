@@ -12,6 +12,7 @@ choices or the scenarios changes what every seed does, and the seeds then need f
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -20,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from gpualloc.api import constants
+from controller import gates
+from gpualloc.api import constants, models
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model, scheduler
 
@@ -374,7 +376,9 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # from an RNG of its own).
 # Seeds found before the simulation had tenants who strip a claim's finalizers, and preemption
 # across namespaces, run without them.
-_BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"})
+# Seeds found before nodes had CPU and kube-scheduler placed pods (issue 41) run without them too.
+_BEFORE_FIT = frozenset({"unplaceable"})
+_BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"}) | _BEFORE_FIT
 _PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
 # Seeds found before the simulation had stale webhooks (the "stale-pod" action) run without them.
 _BEFORE_STALE_PODS = frozenset({"stale-pod"}) | _BEFORE_STRIPS
@@ -572,8 +576,8 @@ def test_a_stale_webhook_without_the_gate_starts_a_pod_on_devices_no_claim_holds
 # the preemptor is entered in its ledgers, by writes conditional on their versions, before any
 # victim is marked.
 def test_a_stale_ledger_does_not_preempt_for_a_claim_its_quota_then_refuses(runner: scheduler.Runner) -> None:
-    result = runner.run(7012999)
-    assert result.violation is None, _failure(runner, 7012999)
+    result = runner.run(7012999, without=_BEFORE_FIT)
+    assert result.violation is None, _failure(runner, 7012999, _BEFORE_FIT)
 
 
 # Found by the long run at ff02aab / 8945e5f: neither was a double-booking, both were the model's
@@ -585,8 +589,8 @@ def test_a_stale_ledger_does_not_preempt_for_a_claim_its_quota_then_refuses(runn
 def test_a_stripped_claims_name_reused_is_read_as_the_claim_that_acted(
     runner: scheduler.Runner, seed: int
 ) -> None:
-    result = runner.run(seed)
-    assert result.violation is None, _failure(runner, seed)
+    result = runner.run(seed, without=_BEFORE_FIT)
+    assert result.violation is None, _failure(runner, seed, _BEFORE_FIT)
 
 
 # Found by the long run at 02f77da (seed 9,358,316): ns-a/c2 was admitted and began locking; its
@@ -596,9 +600,11 @@ def test_a_stripped_claims_name_reused_is_read_as_the_claim_that_acted(
 # deleted preempts nobody; the model passes a preemptor deleted after it was admitted, as no write
 # can rule out a deletion between the controller's last look and a victim's write.
 def test_a_claim_deleted_while_it_planned_preempts_nobody(runner: scheduler.Runner) -> None:
-    result = runner.run(9358316)
-    assert result.violation is None, _failure(runner, 9358316)
-    assert not [line for line in result.trace if "phase=Preempted" in line], _failure(runner, 9358316)
+    result = runner.run(9358316, without=_BEFORE_FIT)
+    assert result.violation is None, _failure(runner, 9358316, _BEFORE_FIT)
+    assert not [line for line in result.trace if "phase=Preempted" in line], _failure(
+        runner, 9358316, _BEFORE_FIT
+    )
 
 
 # Found by the long run at 887fea8 (seed 10,395,109; also on 332c6e7): an admin deleted ns-a/c0's
@@ -610,8 +616,8 @@ def test_a_claim_deleted_while_it_planned_preempts_nobody(runner: scheduler.Runn
 def test_a_deleted_claim_leaves_its_quota_only_after_every_lease_the_api_server_holds_for_it(
     runner: scheduler.Runner,
 ) -> None:
-    result = runner.run(10395109)
-    assert result.violation is None, _failure(runner, 10395109)
+    result = runner.run(10395109, without=_BEFORE_FIT)
+    assert result.violation is None, _failure(runner, 10395109, _BEFORE_FIT)
 
 
 # Found by the long run at b057db8 (seed 11,326,617): c0 planned ns-a/c1 on the claim as read while
@@ -621,5 +627,32 @@ def test_a_deleted_claim_leaves_its_quota_only_after_every_lease_the_api_server_
 # alone): the model passes a preemptor admitted once that has moved on (no longer Pending), and
 # the controller preempts nobody for a claim its cache shows moved on.
 def test_a_preemptor_released_after_its_admission_is_read_as_admitted(runner: scheduler.Runner) -> None:
-    result = runner.run(11326617)
-    assert result.violation is None, _failure(runner, 11326617)
+    result = runner.run(11326617, without=_BEFORE_FIT)
+    assert result.violation is None, _failure(runner, 11326617, _BEFORE_FIT)
+
+
+# Issue 41: nodes have CPU, kube-scheduler places the claim pods the controller releases from the
+# gate, and claims whose pods it cannot place move.
+def test_the_simulated_scheduler_binds_refuses_and_claims_move(runner: scheduler.Runner) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(5000, 5800):
+        for what, n in runner.run(seed, keep_trace=False).stats.items():
+            totals[what] = totals.get(what, 0) + n
+    assert totals.get("bound_pods", 0) > 50 and totals.get("unschedulable_pods", 0) > 5, totals
+
+
+def test_invariant_8_catches_a_pod_released_onto_another_node(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = gates.ungate_patch
+
+    def elsewhere(pod: dict[str, Any], allocation: models.Allocation) -> list[dict[str, Any]]:
+        other = "n1" if allocation.node_name == "n0" else "n0"
+        return real(pod, dataclasses.replace(allocation, node_name=other))
+
+    monkeypatch.setattr(gates, "ungate_patch", elsewhere)
+    found = next(
+        (r.violation for seed in range(5000, 5800) if (r := runner.run(seed, keep_trace=False)).violation),
+        None,
+    )
+    assert found is not None and found.number == 8, found
