@@ -463,14 +463,18 @@ def plot(result: dict[str, Any], trace: str, out: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (alloc_ax, frag_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours: dict[str, Any] = {}
     for name, entry in result["policies"].items():
         for ax, key in ((alloc_ax, "allocation_pct"), (frag_ax, "fragmentation_pct")):
             curve = entry[key]
             xs = sorted(int(p) for p in curve)
-            ax.plot(xs, [curve[str(x)] for x in xs], label=name)
+            (line,) = ax.plot(xs, [curve[str(x)] for x in xs], label=name, color=colours.get(name))
+            colours[name] = line.get_color()
     for name, (at100, at130) in PUBLISHED.get(trace, {}).items():
         if name in result["policies"]:
-            alloc_ax.scatter([100, 130], [at100, at130], marker="x", s=30, label=f"{name} (published)")
+            alloc_ax.scatter(
+                [100, 130], [at100, at130], marker="x", s=30, color=colours[name], label=f"{name} (published)"
+            )
     seeds = result["seeds"]
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds, {seeds[0]}-{seeds[-1]}"
     alloc_ax.set(
