@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "dev": ("gpualloc.devcluster.cli", "main", "build, start and stop the local control plane"),
     "get": ("gpualloc.views", "get_main", "list GPU nodes, claims or quotas"),
     "explain": ("controller.explaining", "main", "say why a claim is pending, node by node"),
+    "simulate": ("controller.simulating", "main", "say where a claim would land (and whom it would preempt)"),
     "topo": ("gpualloc.views", "topo_main", "print a node's GPU topology matrix"),
 }
 
