@@ -80,11 +80,9 @@ class Cluster(Protocol):
 
     async def list_claim_leases(self, uid: str) -> list[Obj]: ...
 
-    async def delete_pod(self, namespace: str, name: str, *, uid: str) -> None: ...
-
     async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj: ...
 
-    async def evict_pod(self, namespace: str, name: str) -> None: ...
+    async def evict_pod(self, namespace: str, name: str, *, uid: str = "") -> None: ...
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj: ...
 
@@ -136,12 +134,16 @@ class KubeCluster:
         result: Obj = await transport.request(self.api, "GET", path)
         return result
 
-    async def evict_pod(self, namespace: str, name: str) -> None:
-        body = {
+    async def evict_pod(self, namespace: str, name: str, *, uid: str = "") -> None:
+        """Evict the pod (if it is still the one with ``uid``, when given: a StatefulSet re-creates
+        its name). A pod that is not running yet is evicted whatever its PodDisruptionBudget."""
+        body: Obj = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
             "metadata": {"name": name, "namespace": namespace},
         }
+        if uid:
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
         path = transport.collection_path("", "v1", "pods", namespace, name) + "/eviction"
         await transport.request(self.api, "POST", path, body=body)
 
@@ -165,12 +167,6 @@ class KubeCluster:
         query = [("labelSelector", f"{constants.LABEL_CLAIM_UID}={uid}")]
         page = await transport.request(self.api, "GET", path, query=query)
         return list(page.get("items") or [])
-
-    async def delete_pod(self, namespace: str, name: str, *, uid: str) -> None:
-        """Delete the pod if it is still the one with this uid (a StatefulSet re-creates its name)."""
-        path = transport.collection_path("", "v1", "pods", namespace, name)
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
-        await transport.request(self.api, "DELETE", path, body=body)
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
         path = transport.collection_path("", "v1", "pods", namespace, name)

@@ -387,7 +387,7 @@ class Reconciler:
         Once a pod has been Unschedulable for the grace period and no pod of the claim is bound
         (judged on the cache), the claim is fenced (``Releasing``, reason ``Unplaceable``: the
         webhook admits no pod of it). Behind the fence, on an authoritative list, the stuck pods
-        are deleted (each on its uid: a pod the scheduler bound meanwhile lifts the fence
+        are evicted (each on its uid: a pod the scheduler bound meanwhile lifts the fence
         instead), and only once no pod uses the claim does it go back to Pending without those
         nodes and release its Leases, as a release does: no GPU is let go while a pod may run on
         it. Their owners re-create the pods, which wait at the gate for the new node. A bare pod
@@ -448,15 +448,15 @@ class Reconciler:
             meta = pod.get("metadata") or {}
             if meta.get("name") in stuck:
                 with contextlib.suppress(errors.NotFound, errors.Conflict):
-                    await self.writer.delete_pod(
+                    await self.writer.evict(
                         claim.metadata.namespace, str(meta["name"]), uid=str(meta.get("uid", ""))
                     )
         log.info(
-            "deleted pods that could not be scheduled",
+            "evicted pods that could not be scheduled",
             extra={"claim": claim.key, "pods": ",".join(sorted(stuck))},
         )
         # Pods of the claim that are neither bound nor refused (just released from the gate) are
-        # waited for; the deleted ones are gone at the next look.
+        # waited for; the evicted ones are gone at the next look.
         self.requeue(claim.key, 0.5 if names <= stuck else self.settings.in_use_poll)
         return True
 

@@ -12,7 +12,7 @@ says what to do:
 * a pod no workload controller owns (a bare pod) cannot change its node: the claim stays, and
   says so (``Unplaceable``, reason ``BarePod``) until the pod is deleted;
 * else the claim moves: back to ``Pending`` without devices, the nodes recorded in
-  ``status.unplaceableNodes`` (the allocator passes over them), and the pods deleted so that
+  ``status.unplaceableNodes`` (the allocator passes over them), and the pods evicted so that
   their owners re-create them onto the new node.
 """
 

@@ -177,10 +177,6 @@ class Writer:
         """A JSON patch of a pod (its own watch brings the change in)."""
         await self.cluster.patch_pod(namespace, name, operations)
 
-    async def delete_pod(self, namespace: str, name: str, *, uid: str) -> None:
-        """Delete a pod if it is still the one with this uid (NotFound and Conflict propagate)."""
-        await self.cluster.delete_pod(namespace, name, uid=uid)
-
-    async def evict(self, namespace: str, name: str) -> None:
+    async def evict(self, namespace: str, name: str, *, uid: str = "") -> None:
         """Evict a pod through the Eviction API (its PodDisruptionBudgets hold)."""
-        await self.cluster.evict_pod(namespace, name)
+        await self.cluster.evict_pod(namespace, name, uid=uid)

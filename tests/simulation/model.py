@@ -669,20 +669,14 @@ class ApiServer:
     def delete_pod(self, key: str) -> None:
         self._write("pods", key, None)
 
-    def evict_pod(self, namespace: str, name: str) -> None:
-        """The Eviction API, with no PodDisruptionBudget in the simulation: the pod is deleted."""
-        key = f"{namespace}/{name}"
-        if key not in self.objects["pods"]:
-            raise _not_found("pods", name)
-        self.delete_pod(key)
-
-    def delete_pod_at(self, namespace: str, name: str, *, uid: str) -> None:
-        """DELETE with a uid precondition (the controller's move of an unplaceable claim)."""
+    def evict_pod(self, namespace: str, name: str, *, uid: str = "") -> None:
+        """The Eviction API, with no PodDisruptionBudget in the simulation: the pod is deleted (if it
+        is still the one with ``uid``, when given)."""
         key = f"{namespace}/{name}"
         obj = self.objects["pods"].get(key)
         if obj is None:
             raise _not_found("pods", name)
-        if str(meta(obj).get("uid")) != uid:
+        if uid and str(meta(obj).get("uid")) != uid:
             raise errors.Conflict(409, "Conflict", f"Precondition failed: UID in precondition: {uid}")
         self.delete_pod(key)
 

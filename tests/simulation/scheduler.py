@@ -483,18 +483,13 @@ class SimCluster:
         result: list[Obj] = await self._call(describe, self.server.list_claim_leases, uid)
         return result
 
-    async def delete_pod(self, namespace: str, name: str, *, uid: str) -> None:
+    async def evict_pod(self, namespace: str, name: str, *, uid: str = "") -> None:
         def describe() -> str:
-            return f"delete_pod {namespace}/{name} uid={uid}"
+            return f"evict_pod {namespace}/{name}" + (f" uid={uid}" if uid else "")
 
-        await self._call(describe, functools.partial(self.server.delete_pod_at, uid=uid), namespace, name)
-        self.sim.count("moved_pods")
-
-    async def evict_pod(self, namespace: str, name: str) -> None:
-        def describe() -> str:
-            return f"evict_pod {namespace}/{name}"
-
-        await self._call(describe, self.server.evict_pod, namespace, name)
+        await self._call(describe, functools.partial(self.server.evict_pod, uid=uid), namespace, name)
+        if uid:
+            self.sim.count("moved_pods")
 
     async def get_workload(self, namespace: str, api_version: str, resource: str, name: str) -> Obj:
         raise errors.NotFound(message="the simulation has no workloads (no claim draws OnOwnerCompleted)")

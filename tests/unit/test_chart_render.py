@@ -593,7 +593,7 @@ def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace(
     expected |= {("*", "gpu.scheduling", "gpuquotas/status", v, ()) for v in ("get", "update", "patch")}
     expected |= {("*", "", "nodes", v, ()) for v in ("get", "list", "watch")}
     # patch: it lifts the scheduling gate the webhook holds every claim pod at.
-    expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch", "patch", "delete")}
+    expected |= {("*", "", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
     expected |= {("*", "batch", "jobs", "get", ()), ("*", "jobset.x-k8s.io", "jobsets", "get", ())}
     expected |= {("*", "", "pods/eviction", "create", ())}
     expected |= {("*", g, "events", v, ()) for g in ("", "events.k8s.io") for v in ("create", "patch")}
