@@ -64,6 +64,7 @@ class Outcome:
     taint: str = ""  # the refused tolerations that would have let it on a node
     victims: tuple[models.GpuClaim, ...] = ()  # whom it would preempt to land
     preemption: str = ""  # what preemption would do, in words ("" when not asked)
+    ahead: tuple[str, ...] = ()  # pending claims the controller would try first (not placed here)
 
     @property
     def fits(self) -> bool:
@@ -113,6 +114,7 @@ def simulate(
     if snapshot.pods is not None:
         requested = node_views_.requested_by_node(snapshot.pods)
     taken = {uuid for other in snapshot.claims for uuid in locks.listed_devices(other)}
+    ahead = pending_ahead(claim, snapshot.claims)
     landed: list[tuple[models.Allocation, ...]] = []
     notes: list[str] = []
     for number in range(count):
@@ -143,6 +145,7 @@ def simulate(
                 taint=note,
                 victims=victims,
                 preemption=said,
+                ahead=ahead,
             )
         product = quotas.products_of(decision.allocations, snapshot.statuses)
         held_back = quotas.admissible(ledger, copy, product)
@@ -153,6 +156,7 @@ def simulate(
                 notes=tuple(notes),
                 reason=f"it would fit, but is held back by its quota: {held_back}",
                 quota=held_back,
+                ahead=ahead,
             )
         landed.append(decision.allocations)
         notes.append(decision.note)
@@ -161,7 +165,20 @@ def simulate(
             for allocation in decision.allocations:
                 requests.add(requested.setdefault(allocation.node_name, {}), copy.spec.pod_resources)
         ledger = [_entered(q, copy, product) for q in ledger]
-    return Outcome(asked=count, landed=tuple(landed), notes=tuple(notes))
+    return Outcome(asked=count, landed=tuple(landed), notes=tuple(notes), ahead=ahead)
+
+
+def pending_ahead(claim: models.GpuClaim, claims: Sequence[models.GpuClaim]) -> tuple[str, ...]:
+    """The pending claims (not being deleted) that the controller's queue would take before a claim
+    submitted now (``allocator.order_key``: higher priority first, then older): the simulation does
+    not place them first, so they may take GPUs it counts as free."""
+    return tuple(
+        other.key
+        for other in allocator.order_pending(claims)
+        if other.status.phase in ("", constants.PHASE_PENDING)
+        and not other.metadata.deletion_timestamp
+        and other.spec.priority >= claim.spec.priority
+    )
 
 
 def _preemption(
@@ -223,6 +240,11 @@ def render_text(claim: models.GpuClaim, outcome: Outcome, snapshot: Snapshot) ->
         lines.append(f"  not:     {which} does not land: {verdict}")
     if outcome.preemption:
         lines.append(f"  preempt: {outcome.preemption}")
+    if outcome.ahead:
+        listed = ", ".join(outcome.ahead[:5]) + (", ..." if len(outcome.ahead) > 5 else "")
+        lines.append(
+            f"  queue:   {len(outcome.ahead)} pending claims come first and were not placed: {listed}"
+        )
     if outcome.per_node:
         lines.append("")
         lines.append(views.table(["NODE", "VERDICT"], explaining.verdict_rows(outcome.per_node)))
@@ -251,6 +273,7 @@ def render_json(claim: models.GpuClaim, outcome: Outcome, snapshot: Snapshot) ->
         "taint": outcome.taint,
         "preemption": outcome.preemption,
         "victims": [v.key for v in outcome.victims],
+        "pendingAhead": list(outcome.ahead),
         "perNode": dict(outcome.per_node),
         "notCounted": list(snapshot.unseen),
     }

@@ -211,6 +211,18 @@ def test_a_large_cluster_groups_nodes_that_share_a_verdict() -> None:
     assert "(60 nodes)" in text and "node-001" not in text
 
 
+def test_pending_claims_of_equal_or_higher_priority_are_named_as_coming_first() -> None:
+    a = _node("node-a")
+    waiting = [_claim("urgent", 8, priority=5), _claim("peer", 8), _claim("later", 8, priority=-1)]
+    failed = dataclasses.replace(_claim("gone", 8, priority=9), status=models.GpuClaimStatus(phase="Failed"))
+    snapshot = _snapshot([a], [*waiting, failed])
+    claim = _claim("new", 2)
+    outcome = simulating.simulate(claim, snapshot)
+    assert outcome.fits and outcome.ahead == ("team/urgent", "team/peer")
+    text = simulating.render_text(claim, outcome, snapshot)
+    assert "queue:   2 pending claims come first and were not placed: team/urgent, team/peer" in text
+
+
 CLAIM_YAML = """
 apiVersion: gpu.scheduling/v1
 kind: GpuClaim
