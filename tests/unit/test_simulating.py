@@ -72,13 +72,13 @@ def _snapshot(
     statuses: list[models.GpuNodeStatus],
     claims: list[models.GpuClaim] | None = None,
     quotas: list[models.GpuQuota] | None = None,
-    **facts: node_views.NodeFacts,
+    facts: dict[str, node_views.NodeFacts] | None = None,
 ) -> simulating.Snapshot:
     nodes = {
         s.spec.node_name: node_views.NodeFacts(name=s.spec.node_name, labels={}, unschedulable=False)
         for s in statuses
     }
-    nodes.update(facts)
+    nodes.update(facts or {})
     return simulating.Snapshot(
         claims=claims or [],
         statuses={s.spec.node_name: s for s in statuses},
@@ -178,11 +178,11 @@ def test_a_toleration_its_quotas_do_not_allow_is_named_as_what_holds_it_back() -
     tainted = node_views.NodeFacts(name="node-a", labels={}, unschedulable=False, taints=(taint,))
     toleration = models.Toleration(key="pool", operator="Equal", value="research", effect="NoSchedule")
     new = _claim("new", 1, tolerations=(toleration,))
-    refused = simulating.simulate(new, _snapshot([a], quotas=[_quota(8)], **{"node-a": tainted}))
+    refused = simulating.simulate(new, _snapshot([a], quotas=[_quota(8)], facts={"node-a": tainted}))
     assert not refused.fits
     assert "toleration pool=research:NoSchedule is not allowed in namespace team" in refused.taint
     allowed = _quota(8, allowed_tolerations=(toleration,))
-    assert simulating.simulate(new, _snapshot([a], quotas=[allowed], **{"node-a": tainted})).fits
+    assert simulating.simulate(new, _snapshot([a], quotas=[allowed], facts={"node-a": tainted})).fits
 
 
 def test_the_text_report_says_where_it_lands_and_what_was_not_counted() -> None:
