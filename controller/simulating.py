@@ -422,10 +422,7 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         raw = asyncio.run(fetch(args.kubeconfig, claim.metadata.namespace, args.heartbeat_namespace))
-    except Unlistable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
-    except errors.KubeError as exc:
+    except (Unlistable, errors.KubeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     snapshot = snapshot_of(raw, dt.datetime.now(dt.UTC))
