@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from controller import allocator, asks, explaining, locks, preemption, quotas
+from controller import allocator, asks, explaining, locks, preemption, quotas, waking
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
@@ -117,7 +117,16 @@ def simulate(
     ahead = pending_ahead(claim, snapshot.claims)
     landed: list[tuple[models.Allocation, ...]] = []
     notes: list[str] = []
+    # GpuQuota.spec.maxClaims: the controller considers only the namespace's oldest claims, and a
+    # claim submitted now is the newest.
+    limit = waking.max_claims(list(ledger))
+    existing = sum(1 for c in snapshot.claims if c.metadata.namespace == namespace)
     for number in range(count):
+        if limit is not None and existing + number >= limit[0]:
+            why = waking.too_many_message(namespace, limit[1], limit[0], existing + number + 1)
+            return Outcome(
+                asked=count, landed=tuple(landed), notes=tuple(notes), reason=why, quota=why, ahead=ahead
+            )
         copy = _copy(claim, number)
         node_views = node_views_.build_node_views(
             statuses=snapshot.statuses,

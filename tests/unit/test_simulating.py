@@ -118,6 +118,14 @@ def test_count_stops_when_the_quota_is_full_and_names_the_quota() -> None:
     assert "held back by its quota" in outcome.reason
 
 
+def test_max_claims_counts_the_namespaces_claims_and_each_copy_as_the_newest() -> None:
+    a = _node("node-a")
+    mine = [_claim("one", 1), _claim("two", 1), _claim("theirs", 1, namespace="other")]
+    outcome = simulating.simulate(_claim("new", 1), _snapshot([a], mine, [_quota(8, max_claims=3)]), count=4)
+    assert len(outcome.landed) == 1
+    assert outcome.quota.startswith("namespace team has 4 GpuClaims and GpuQuota q allows 3 (spec.maxClaims)")
+
+
 def test_a_quota_that_holds_the_first_claim_back_means_it_does_not_fit() -> None:
     a = _node("node-a")
     mine = _holding(_claim("mine", 3), a, range(3))
