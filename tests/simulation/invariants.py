@@ -38,7 +38,10 @@
    admitted passes.
 8. A claim pod is never bound to a node other than the one its GPUs are on:
    the un-gated pod's nodeSelector names its claim's node, and a claim that
-   moves off a node its pods cannot be scheduled on deletes them first.
+   moves off a node its pods cannot be scheduled on evicts them first.
+9. Once settled, no Allocated claim keeps its GPUs for a pod kube-scheduler has
+   refused on its node for longer than the claim's grace period, when no pod of the
+   claim is bound and no refused one is bare (``check_placed``).
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -51,12 +54,13 @@ That another claim then takes the GPU is not exempt (1, or 2's "held by").
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import re
 from collections.abc import Iterator
 from typing import Any
 
-from gpualloc.api import constants
+from gpualloc.api import constants, timestamps
 from tests.simulation import model
 
 _SLOT = re.compile(r"GPU-[0-9a-f-]+-s[0-9]+")  # a slot's lock id (``constants.slot_id``)
@@ -326,3 +330,41 @@ def check_settled(server: model.ApiServer) -> None:
                 continue  # the quota counts the GPUs its pods still use
             if uid not in uids:
                 raise Violation(4, f"settled, yet quota {key}'s ledger counts {uid}, a claim that is gone")
+
+
+def _refused_since(pod: dict[str, Any]) -> datetime.datetime | None:
+    """When kube-scheduler found the pod Unschedulable (None: it has not)."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    found = next((c for c in conditions if c.get("reason") == "Unschedulable"), None)
+    return timestamps.parse_time(str(found.get("lastTransitionTime") or "")) if found else None
+
+
+def check_placed(server: model.ApiServer, *, now: datetime.datetime) -> None:
+    """Invariant 9, once settled (issue 41's liveness): no Allocated claim keeps its GPUs on a node
+    for a pod kube-scheduler has refused there for longer than the claim's grace period, while no
+    pod of the claim is bound and none of the refused ones is bare (a bare pod keeps its claim)."""
+    for key, claim in sorted(server.objects["claims"].items()):
+        phase = (claim.get("status") or {}).get("phase")
+        if phase != constants.PHASE_ALLOCATED or model.meta(claim).get("deletionTimestamp"):
+            continue
+        grace = int((claim.get("spec") or {}).get("unschedulableGracePeriodSeconds", 60))
+        namespace, name = key.split("/", 1)
+        pods = [
+            p
+            for p in server.objects["pods"].values()
+            if model.meta(p).get("namespace") == namespace
+            and (model.meta(p).get("annotations") or {}).get(constants.ANNOTATION_CLAIM) == name
+            and (p.get("status") or {}).get("phase") not in model.TERMINAL_PHASES
+        ]
+        if any((p.get("spec") or {}).get("nodeName") for p in pods):
+            continue  # a pod of it runs: it stays
+        refused = [(p, since) for p in pods if (since := _refused_since(p)) is not None]
+        if any(not model.meta(p).get("ownerReferences") for p, _ in refused):
+            continue  # a bare pod cannot change its node: the claim stays, and says so
+        for pod, since in refused:
+            if (now - since).total_seconds() > grace:
+                raise Violation(
+                    9,
+                    f"settled, yet {key} keeps its GPUs for pod {model.meta(pod).get('name')}, Unschedulable "
+                    f"for {(now - since).total_seconds():.0f} s (grace {grace} s)",
+                )

@@ -1310,6 +1310,8 @@ class Simulation:
         self.clock.advance(61.0)  # expectations, grace periods and backoffs run out
         await self._drain()
         for round_ in range(SETTLE_ROUNDS):
+            if round_ == 1 and self._fit_rng is not None:
+                self.clock.advance(4.0)  # past the grace of the pods kube-scheduler refused in round 0
             before = self.server.rv
             together = round_ == 0  # the first round concurrently, then one process at a time
             groups = [list(self.processes.values())] if together else [[p] for p in self.processes.values()]
@@ -1328,6 +1330,8 @@ class Simulation:
         self.log("sched", "settled" if self.settled else f"still changing after {SETTLE_ROUNDS} rounds")
         self.count("settled" if self.settled else "unsettled")
         invariants.check_settled(self.server)
+        if self._fit_rng is not None:
+            invariants.check_placed(self.server, now=self.clock.now())
 
 
 async def run_schedule(

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from controller import gates
+from controller import gates, reconciling
 from gpualloc.api import constants, models
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model, scheduler
@@ -635,10 +635,24 @@ def test_a_preemptor_released_after_its_admission_is_read_as_admitted(runner: sc
 # gate, and claims whose pods it cannot place move.
 def test_the_simulated_scheduler_binds_refuses_and_claims_move(runner: scheduler.Runner) -> None:
     totals: dict[str, int] = {}
-    for seed in range(5000, 5800):
+    for seed in [*range(5000, 5800), 6220]:
         for what, n in runner.run(seed, keep_trace=False).stats.items():
             totals[what] = totals.get(what, 0) + n
     assert totals.get("bound_pods", 0) > 50 and totals.get("unschedulable_pods", 0) > 5, totals
+    assert totals.get("moved_pods", 0) >= 2, totals  # seeds 5464 and 6220 move a claim
+
+
+def test_invariant_9_catches_a_claim_that_keeps_its_gpus_for_pods_that_cannot_run(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never_moves(self: object, claim: models.GpuClaim) -> bool:
+        return False
+
+    monkeypatch.setattr(reconciling.Reconciler, "_move_if_unplaceable", never_moves)
+    found = runner.run(5464, keep_trace=False).violation
+    assert found is not None and found.number == 9, found
+    monkeypatch.undo()
+    assert runner.run(5464, keep_trace=False).violation is None
 
 
 def test_invariant_8_catches_a_pod_released_onto_another_node(
