@@ -637,6 +637,34 @@ def test_tenant_roles_write_claims_and_only_read_quotas() -> None:
     assert not [o for o in off if "aggregate-to-view" in str(o["metadata"].get("labels"))]
 
 
+def test_nobody_but_admins_reads_the_gpu_inventory_unless_inventory_readers_names_them() -> None:
+    assert not [o for o in render() if o["metadata"]["name"].endswith("-inventory-reader")]
+    objs = render(
+        **{
+            "rbac__inventoryReaders[0]__kind": "Group",
+            "rbac__inventoryReaders[0]__name": "system:authenticated",
+            "rbac__inventoryReaders[0]__apiGroup": "rbac.authorization.k8s.io",
+        }
+    )
+    role = one(objs, "ClusterRole", f"{FULLNAME}-inventory-reader")
+    granted = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert granted == {
+        (g, r, v)
+        for g, r in (("gpu.scheduling", "gpunodestatuses"), ("", "nodes"))
+        for v in ("get", "list", "watch")
+    }
+    binding = one(objs, "ClusterRoleBinding", f"{FULLNAME}-inventory-reader")
+    assert binding["subjects"] == [
+        {"kind": "Group", "name": "system:authenticated", "apiGroup": "rbac.authorization.k8s.io"}
+    ]
+
+
 def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_can_be_turned_off() -> None:
     objs = render()
     name = f"{RELEASE}-gpualloc-pod-annotations"
