@@ -394,26 +394,41 @@ def lost_for(claim: models.GpuClaim, now: datetime.datetime) -> float:
     return 0.0
 
 
-def reallocating_status(claim: models.GpuClaim, lost: Sequence[str], *, now: datetime.datetime) -> Obj:
-    """The merge patch that sends a claim that lost ``lost`` back to Pending, without devices."""
-    message = f"allocating afresh: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost"
+def _afresh(
+    claim: models.GpuClaim,
+    *,
+    reason: str,
+    message: str,
+    settled: Sequence[str],
+    now: datetime.datetime,
+    **more: Any,
+) -> Obj:
+    """The merge patch that sends an allocated claim back to Pending without devices, to be
+    allocated afresh: the conditions ``settled`` (Allocated among them) False with ``reason``,
+    ``DevicesLost`` and ``Unplaceable`` dropped; ``more`` status fields besides."""
     conditions = claim.status.conditions
-    for type_ in (constants.CONDITION_ALLOCATED, CONDITION_NODE_LOST, constants.CONDITION_RELEASING):
-        conditions = set_condition(
-            conditions, _condition(claim, type_, "False", REASON_REALLOCATED, message, now=now)
-        )
-    conditions = tuple(c for c in conditions if c.type != constants.CONDITION_DEVICES_LOST)
+    for type_ in settled:
+        conditions = set_condition(conditions, _condition(claim, type_, "False", reason, message, now=now))
+    dropped = (constants.CONDITION_DEVICES_LOST, CONDITION_UNPLACEABLE)
     return {
         "status": {
             "phase": constants.PHASE_PENDING,
             "allocations": None,
-            "conditions": _conditions_json(conditions),
+            "conditions": _conditions_json(c for c in conditions if c.type not in dropped),
             "message": message,
+            **more,
             "observedGeneration": claim.metadata.generation,
             "nodes": "",
             "devices": "",
         }
     }
+
+
+def reallocating_status(claim: models.GpuClaim, lost: Sequence[str], *, now: datetime.datetime) -> Obj:
+    """The merge patch that sends a claim that lost ``lost`` back to Pending, without devices."""
+    message = f"allocating afresh: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost"
+    settled = (constants.CONDITION_ALLOCATED, CONDITION_NODE_LOST, constants.CONDITION_RELEASING)
+    return _afresh(claim, reason=REASON_REALLOCATED, message=message, settled=settled, now=now)
 
 
 def preempted_status(victim: models.GpuClaim, *, by: models.GpuClaim, now: datetime.datetime) -> Obj:
@@ -528,22 +543,11 @@ def unplaceable_status(claim: models.GpuClaim, *, now: datetime.datetime) -> Obj
     nodes = sorted({a.node_name for a in claim.status.allocations})
     fence = next((c for c in claim.status.conditions if c.type == constants.CONDITION_RELEASING), None)
     message = fence.message.removesuffix("; its GPUs are being released") if fence else "allocating afresh"
-    conditions = claim.status.conditions
-    for type_ in (constants.CONDITION_ALLOCATED, constants.CONDITION_RELEASING):
-        condition = _condition(claim, type_, "False", REASON_UNPLACEABLE, message, now=now)
-        conditions = set_condition(conditions, condition)
-    conditions = tuple(
-        c for c in conditions if c.type not in (constants.CONDITION_DEVICES_LOST, CONDITION_UNPLACEABLE)
+    return _afresh(
+        claim,
+        reason=REASON_UNPLACEABLE,
+        message=message,
+        settled=(constants.CONDITION_ALLOCATED, constants.CONDITION_RELEASING),
+        now=now,
+        unplaceableNodes=unplaceable.recorded_nodes(claim.status.unplaceable_nodes, nodes),
     )
-    return {
-        "status": {
-            "phase": constants.PHASE_PENDING,
-            "allocations": None,
-            "conditions": _conditions_json(conditions),
-            "message": message,
-            "unplaceableNodes": unplaceable.recorded_nodes(claim.status.unplaceable_nodes, nodes),
-            "observedGeneration": claim.metadata.generation,
-            "nodes": "",
-            "devices": "",
-        }
-    }
