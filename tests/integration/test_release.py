@@ -32,23 +32,6 @@ async def sweeping(kubeconfig: str, namespace: str, kcm_node: tuple[str, str]) -
         yield run
 
 
-def indexed_job(name: str, claim: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": 2,
-            "parallelism": 2,
-            "template": {
-                "metadata": {"annotations": {constants.ANNOTATION_CLAIM: claim}},
-                "spec": {"restartPolicy": "Never", "containers": [{"name": "train", "image": "cuda"}]},
-            },
-        },
-    }
-
-
 async def job_pods(api: Api, namespace: str, job: str) -> list[dict[str, Any]]:
     listing = await transport.request(
         api,
@@ -61,15 +44,15 @@ async def job_pods(api: Api, namespace: str, job: str) -> list[dict[str, Any]]:
 
 async def succeed(api: Api, pod: dict[str, Any]) -> None:
     """What the kubelet would write when the pod's containers exited 0."""
-    meta = pod["metadata"]
+    meta, container = pod["metadata"], pod["spec"]["containers"][0]
     now = "2026-11-25T00:00:00Z"
     status = {
         "phase": "Succeeded",
         "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted"}],
         "containerStatuses": [
             {
-                "name": "train",
-                "image": "cuda",
+                "name": container["name"],
+                "image": container["image"],
                 "imageID": "",
                 "ready": False,
                 "restartCount": 0,
@@ -94,7 +77,10 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
     run = sweeping
     crs = resources.CustomResources(api)
     job = await transport.request(
-        api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("train", "train")
+        api,
+        "POST",
+        f"/apis/batch/v1/namespaces/{namespace}/jobs",
+        body=support.claim_job("train", "train", run=run, replicas=2),
     )
     body = support.claim_body("train", 4, run=run, replicas=2)
     body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
@@ -153,7 +139,10 @@ async def test_an_owner_completed_claim_follows_its_job(api: Api, namespace: str
     run = sweeping
     crs = resources.CustomResources(api)
     job = await transport.request(
-        api, "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=indexed_job("owner", "owned")
+        api,
+        "POST",
+        f"/apis/batch/v1/namespaces/{namespace}/jobs",
+        body=support.claim_job("owner", "owned", run=run, replicas=2),
     )
     body = support.claim_body("owned", 2, run=run)
     body["spec"]["release"] = constants.RELEASE_ON_OWNER_COMPLETED
