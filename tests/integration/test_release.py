@@ -76,12 +76,7 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
 ) -> None:
     run = sweeping
     crs = resources.CustomResources(api)
-    job = await transport.request(
-        api,
-        "POST",
-        f"/apis/batch/v1/namespaces/{namespace}/jobs",
-        body=support.claim_job("train", "train", run=run, replicas=2),
-    )
+    job = await support.create_job(api, namespace, support.claim_job("train", "train", run=run, replicas=2))
     body = support.claim_body("train", 4, run=run, replicas=2)
     body["spec"]["release"] = constants.RELEASE_ON_PODS_COMPLETED
     body["metadata"]["ownerReferences"] = [
@@ -138,12 +133,7 @@ async def test_an_indexed_jobs_claim_is_released_when_its_pods_complete_and_goes
 async def test_an_owner_completed_claim_follows_its_job(api: Api, namespace: str, sweeping: str) -> None:
     run = sweeping
     crs = resources.CustomResources(api)
-    job = await transport.request(
-        api,
-        "POST",
-        f"/apis/batch/v1/namespaces/{namespace}/jobs",
-        body=support.claim_job("owner", "owned", run=run, replicas=2),
-    )
+    job = await support.create_job(api, namespace, support.claim_job("owner", "owned", run=run, replicas=2))
     body = support.claim_body("owned", 2, run=run)
     body["spec"]["release"] = constants.RELEASE_ON_OWNER_COMPLETED
     body["metadata"]["ownerReferences"] = [
