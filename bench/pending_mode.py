@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -143,6 +145,7 @@ class Recorder:
 
 
 def summarise_trial(rec: Recorder, namespace: str, variant: str, start: float) -> Obj:
+    """One trial's figures from what the watches saw in ``namespace``, in seconds from ``start``."""
     claims = rec.claims.get(namespace, [])
     pods = [(t, p) for t, p in rec.pods.get(namespace, []) if p["job"]]
     allocated = [(t, c) for t, c in claims if c["phase"] == constants.PHASE_ALLOCATED]
@@ -208,8 +211,7 @@ def snapshot_tree(workdir: Path) -> tuple[Path, str]:
 
 
 def python_env(tree: Path) -> dict[str, str]:
-    import os
-
+    """The processes' environment: ``tree``'s packages first on the path."""
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
@@ -244,8 +246,6 @@ def start_webhook(
 
 def webhook_configuration(mode: str, port: int, ca_pem: bytes) -> Obj:
     """The chart's MutatingWebhookConfiguration in substance, for the namespaces of ``mode`` only."""
-    import base64
-
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
