@@ -21,7 +21,8 @@ Node choice
       ``(1 - (cpu_left'/128,000 + gpu_milli_left'/8,000) / 2) * 100`` (the largest node's CPU and
       GPU milli as the scale), truncated.
     * ``fgd``: the node whose GPU fragmentation grows least: ``sigmoid((F(n) - F(n'))/1000) * 100``
-      truncated, where ``F`` is the node's fragmentation before and after the placement.
+      truncated, where ``F`` is the node's fragmentation before and after the placement (for a
+      share, after its placement on the node's best GPU for it).
 
 Fragmentation (``Fragmentation``)
     Measured against the *typical tasks*: the most frequent task shapes (milli-CPU, milli-GPU per

@@ -443,7 +443,9 @@ def parse_seeds(text: str) -> list[int]:
 def table(result: dict[str, Any], trace: str) -> str:
     published = PUBLISHED.get(trace, {})
     lines = [
-        "| policy | " + " | ".join(f"{p}%" for p in range(10, 131, 10)) + " | 100% / 130% | published |",
+        "| policy | "
+        + " | ".join(f"{p}%" for p in range(10, 131, 10))
+        + " | 100% / 130% | published (the paper's, on the GPU nodes) |",
         "|---|" + "---|" * 13 + "---|---|",
     ]
     for name, entry in result["policies"].items():
