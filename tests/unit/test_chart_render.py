@@ -401,11 +401,11 @@ def test_webhook_replicas_spread_over_nodes_and_probe_through_tls() -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
     for flag in ("--tls-cert-file=/tls/tls.crt", "--tls-key-file=/tls/tls.key", "--port=8443"):
         assert flag in c["args"]
-    assert "--pending=deny" in c["args"]
+    assert "--pending=gate" in c["args"]  # the default: bench/pending_mode.py
     assert "--device-ids=uuid" in c["args"]
     assert (
-        "--pending=gate"
-        in one(render(webhook__pendingMode="gate"), "Deployment", f"{FULLNAME}-webhook")["spec"]["template"][
+        "--pending=deny"
+        in one(render(webhook__pendingMode="deny"), "Deployment", f"{FULLNAME}-webhook")["spec"]["template"][
             "spec"
         ]["containers"][0]["args"]
     )
@@ -850,7 +850,7 @@ def test_each_component_parses_the_flags_the_chart_gives_it(
         assert parsed.leader_elect is True
         assert parsed.metrics_port == 9400
     if component == "webhook":
-        assert (parsed.port, parsed.pending, parsed.device_ids) == (8443, "deny", "uuid")
+        assert (parsed.port, parsed.pending, parsed.device_ids) == (8443, "gate", "uuid")
         assert parsed.tls_cert_file == "/tls/tls.crt"
     if component == "agent":
         assert parsed.node_name == "gpu-node-1"
