@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import collections
 import contextlib
 import datetime
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integration's webhook config
 import local_plane
 import procfs
 import webhook_request
@@ -65,6 +65,7 @@ from gpualloc.api import constants
 from gpualloc.devcluster import binaries, cluster
 from gpualloc.kube import client, errors, resources, transport, watching
 from gpualloc.kube.client import Api
+from tests.integration import test_webhook_cluster as webhook_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -245,43 +246,11 @@ def start_webhook(
 
 
 def webhook_configuration(mode: str, port: int, ca_pem: bytes) -> Obj:
-    """The chart's MutatingWebhookConfiguration in substance, for the namespaces of ``mode`` only."""
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": f"gpualloc-bench-{mode}"},
-        "webhooks": [
-            {
-                "name": "claim-pods.gpu.scheduling",
-                "admissionReviewVersions": ["v1"],
-                "sideEffects": "None",
-                "failurePolicy": "Fail",
-                "reinvocationPolicy": "IfNeeded",
-                "timeoutSeconds": 5,
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{port}/mutate",
-                    "caBundle": base64.b64encode(ca_pem).decode(),
-                },
-                "rules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE"],
-                        "resources": ["pods"],
-                        "scope": "Namespaced",
-                    }
-                ],
-                "namespaceSelector": {"matchLabels": {BENCH_LABEL: mode}},
-                "matchConditions": [
-                    {
-                        "name": "has-claim-annotation",
-                        "expression": "has(object.metadata.annotations) && "
-                        "'gpu.scheduling/claim' in object.metadata.annotations",
-                    }
-                ],
-            }
-        ],
-    }
+    """The integration tests' MutatingWebhookConfiguration (the chart's in substance), for the
+    namespaces of ``mode`` only."""
+    config: Obj = webhook_cluster.webhook_configuration(f"gpualloc-bench-{mode}", "", port, ca_pem)
+    config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {BENCH_LABEL: mode}}
+    return config
 
 
 # ---------------------------------------------------------------------------------------- objects
