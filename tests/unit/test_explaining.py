@@ -12,6 +12,7 @@ import pytest
 from controller import explaining, views
 from gpualloc import views as cli_views
 from gpualloc.api import codecs, leases, models
+from tests.unit.test_controller_pure import status
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 READY = models.Condition(type="Ready", status="True", reason="Heartbeat")
@@ -52,9 +53,7 @@ def _node(
         last_heartbeat_time="2026-11-23T11:59:50Z",
         conditions=(READY,),
     )
-    return models.GpuNodeStatus(
-        metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name), status=inv
-    )
+    return status(name, inv)
 
 
 def _claim(name: str, uid: str, **devices: object) -> models.GpuClaim:

@@ -11,6 +11,7 @@ import pytest
 from controller import simulating
 from controller import views as node_views
 from gpualloc.api import models
+from tests.unit.test_controller_pure import status
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, 0, tzinfo=dt.UTC)
 READY = models.Condition(type="Ready", status="True", reason="Heartbeat")
@@ -38,9 +39,7 @@ def _node(name: str, n: int = 8, product: str = H100) -> models.GpuNodeStatus:
         last_heartbeat_time="2026-11-27T11:59:50Z",
         conditions=(READY,),
     )
-    return models.GpuNodeStatus(
-        metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name), status=inv
-    )
+    return status(name, inv)
 
 
 def _claim(

@@ -11,6 +11,7 @@ import pytest
 
 from gpualloc import views
 from gpualloc.api import codecs, constants, leases, models
+from tests.unit.test_controller_pure import status
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -50,9 +51,7 @@ def _node(name: str, n: int, *, unhealthy: int = -1) -> models.GpuNodeStatus:
         product=f"{n}x NVIDIA H100",
         last_heartbeat_time="2026-11-23T11:59:30Z",
     )
-    return models.GpuNodeStatus(
-        metadata=models.ObjectMeta(name=name), spec=models.GpuNodeStatusSpec(node_name=name), status=inv
-    )
+    return status(name, inv)
 
 
 def test_age_uses_kubectl_units() -> None:
