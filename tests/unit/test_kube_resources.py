@@ -38,6 +38,13 @@ class Recorder:
         self.requests.append({"method": method, "url": url, **kwargs})
         return FakeResponse(self.status, self.body)
 
+    def only(self, method: str, path: str) -> Any:
+        """The JSON body of the one request made, once it is checked to be ``method`` on ``path``."""
+        (sent,) = self.requests
+        assert sent["method"] == method
+        assert sent["url"].endswith(path)
+        return json.loads(sent["data"])
+
 
 @pytest.fixture
 async def recorded() -> AsyncIterator[tuple[Api, Recorder]]:
@@ -56,11 +63,9 @@ async def test_patch_claim_status_is_sent_as_a_json_merge_patch_on_the_status_su
     api, recorder = recorded
     crs = resources.CustomResources(api)
     await crs.patch_claim_status("team-a", "train", {"status": {"phase": "Allocated"}})
-    (sent,) = recorder.requests
-    assert sent["method"] == "PATCH"
-    assert sent["headers"]["Content-Type"] == "application/merge-patch+json"
-    assert sent["url"].endswith("/apis/gpu.scheduling/v1/namespaces/team-a/gpuclaims/train/status")
-    assert json.loads(sent["data"]) == {"status": {"phase": "Allocated"}}
+    sent = recorder.only("PATCH", "/apis/gpu.scheduling/v1/namespaces/team-a/gpuclaims/train/status")
+    assert sent == {"status": {"phase": "Allocated"}}
+    assert recorder.requests[0]["headers"]["Content-Type"] == "application/merge-patch+json"
 
 
 async def test_every_patch_method_sends_merge_patch_not_json_patch(
@@ -118,10 +123,7 @@ async def test_create_lease_sends_holder_labels_and_duration_in_camel_case(
         duration_seconds=30,
     )
     assert out == {"kind": "Lease", "metadata": {"name": "gpu-x", "resourceVersion": "7"}}
-    sent = recorder.requests[0]
-    assert sent["method"] == "POST"
-    assert sent["url"].endswith("/apis/coordination.k8s.io/v1/namespaces/gpualloc-system/leases")
-    body = json.loads(sent["data"])
+    body = recorder.only("POST", "/apis/coordination.k8s.io/v1/namespaces/gpualloc-system/leases")
     assert body["metadata"] == {
         "name": "gpu-x",
         "namespace": "gpualloc-system",
@@ -138,9 +140,8 @@ async def test_delete_lease_sends_uid_and_resource_version_preconditions(
     api, recorder = recorded
     recorder.body = {"kind": "Status", "status": "Success"}
     await leases.delete_lease(api, "ns", "gpu-x", uid="u-1", resource_version="9")
-    sent = recorder.requests[0]
-    assert sent["method"] == "DELETE"
-    assert json.loads(sent["data"])["preconditions"] == {"uid": "u-1", "resourceVersion": "9"}
+    sent = recorder.only("DELETE", "/apis/coordination.k8s.io/v1/namespaces/ns/leases/gpu-x")
+    assert sent["preconditions"] == {"uid": "u-1", "resourceVersion": "9"}
 
 
 async def test_emit_posts_a_core_event_on_the_object_and_swallows_errors(
@@ -157,10 +158,7 @@ async def test_emit_posts_a_core_event_on_the_object_and_swallows_errors(
     await events.emit(
         api, obj=obj, reason="Allocated", message="ok", type_="Normal", component="gpualloc-controller"
     )
-    (sent,) = recorder.requests
-    assert sent["method"] == "POST"
-    assert sent["url"].endswith("/api/v1/namespaces/team-a/events")
-    body = json.loads(sent["data"])
+    body = recorder.only("POST", "/api/v1/namespaces/team-a/events")
     assert body["involvedObject"] == {
         "apiVersion": "gpu.scheduling/v1",
         "kind": "GpuClaim",
