@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # node, state (free | allocated | unhealthy), count
@@ -15,6 +15,9 @@ DEVICE_STATES = ("free", "allocated", "unhealthy")
 
 # namespace, quota name, used, hard
 QuotaFigures = Iterable[tuple[str, str, int, int]]
+
+# (namespace, claim, product, profile), GPU-seconds
+UsageFigures = Iterable[tuple[tuple[str, str, str, str], float]]
 
 
 class _DeviceCollector(Collector):
@@ -51,6 +54,25 @@ class _QuotaCollector(Collector):
             hard.add_metric([namespace, name], limit)
         yield used
         yield hard
+
+
+class _UsageCollector(Collector):
+    """``gpualloc_gpu_seconds_total{namespace,claim,product,profile}``, from the device Leases when
+    scraped (``controller.usage``)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], UsageFigures] = lambda: ()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "gpualloc_gpu_seconds",
+            "Seconds each claim held a device (a GPU, MIG instance or share: see profile), from its"
+            " Lease's acquireTime to its release",
+            labels=["namespace", "claim", "product", "profile"],
+        )
+        for labels, seconds in self.source():
+            family.add_metric(list(labels), seconds)
+        yield family
 
 
 class Metrics:
@@ -90,12 +112,17 @@ class Metrics:
         r.register(self._devices)
         self._quotas = _QuotaCollector()
         r.register(self._quotas)
+        self._usage = _UsageCollector()
+        r.register(self._usage)
 
     def set_device_source(self, source: Callable[[], DeviceCounts]) -> None:
         self._devices.source = source
 
     def set_quota_source(self, source: Callable[[], QuotaFigures]) -> None:
         self._quotas.source = source
+
+    def set_usage_source(self, source: Callable[[], UsageFigures]) -> None:
+        self._usage.source = source
 
     def set_pending_source(self, source: Callable[[], int]) -> None:
         self.pending_claims.set_function(lambda: float(source()))

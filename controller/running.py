@@ -24,6 +24,7 @@ from controller import allocator, quotas
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
+from controller import usage as gpu_seconds
 from controller.gating import PodGate
 from controller.ledger import Ledger
 from controller.reconciling import Reconciler
@@ -31,6 +32,8 @@ from controller.settings import Settings
 from controller.state import Feed, State, reflectors
 from controller.sweeping import Sweeper
 from controller.writer import Writer
+from gpualloc import usage
+from gpualloc.api import leases
 from gpualloc.kube import errors, watching
 from gpualloc.runtime import backoff
 
@@ -111,6 +114,30 @@ class Controller:
         self.metrics.set_device_source(self.state.device_counts)
         self.metrics.set_quota_source(self.state.quota_figures)
         self.metrics.set_pending_source(lambda: len(self.state.pending))
+        self.usage = gpu_seconds.Tally()
+        self._count_releases(now)
+        self.metrics.set_usage_source(lambda: self.usage.totals(self._holdings(), now()).items())
+
+    def _holdings(self) -> list[usage.Holding]:
+        kinds = usage.device_kinds(self.state.statuses.values())
+        return usage.holdings(self.state.feeds["leases"].cache.values(), kinds)
+
+    def _count_releases(self, now: Callable[[], datetime.datetime]) -> None:
+        """Every device Lease seen DELETED is counted as released (``controller.usage``), then
+        handed to the State."""
+        feed = self.state.feeds["leases"]
+        handler = feed.on_event
+
+        def on_lease(type_: str, raw: Obj) -> None:
+            if type_ == watching.DELETED:
+                status = self.state.statuses.get(leases.parse(raw).node)
+                held = usage.holding(raw, usage.device_kinds([status] if status is not None else []))
+                if held is not None:
+                    self.usage.release(held, now())
+            if handler is not None:
+                handler(type_, raw)
+
+        feed.on_event = on_lease
 
     # ------------------------------------------------------------------ what the simulation drives
 

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "webhook": ("webhook.main", "main", "run the TLS mutating admission webhook"),
     "certs": ("certs.main", "main", "create or renew the webhook's serving certificate"),
     "dev": ("gpualloc.devcluster.cli", "main", "build, start and stop the local control plane"),
-    "get": ("gpualloc.views", "get_main", "list GPU nodes, claims or quotas"),
+    "get": ("gpualloc.views", "get_main", "list GPU nodes, claims, quotas or usage"),
     "explain": ("controller.explaining", "main", "say why a claim is pending, node by node"),
     "simulate": ("controller.simulating", "main", "say where a claim would land (and whom it would preempt)"),
     "topo": ("gpualloc.views", "topo_main", "print a node's GPU topology matrix"),

@@ -224,7 +224,7 @@ def kubeconfig_path(explicit: str | None) -> str | None:
 
 
 # Lists a user may lack the right to read, and what they read as then.
-OPTIONAL_LISTS: dict[str, list[Any] | None] = {"heartbeats": [], "pods": None}
+OPTIONAL_LISTS: dict[str, list[Any] | None] = {"heartbeats": [], "pods": None, "leases": None}
 
 
 async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict[str, Any]:
@@ -241,6 +241,7 @@ async def fetch(kubeconfig: str | None, lists: Mapping[str, str | None]) -> dict
         "nodes": watching.NODES,
         "quotas": watching.QUOTAS,
         "heartbeats": watching.LEASES,
+        "leases": watching.LEASES,  # the device Leases (`gpualloc get usage`)
         "pods": watching.PODS,
     }
     api = await client.connect(kubeconfig_path(kubeconfig))
@@ -301,8 +302,12 @@ KINDS = {
 
 
 def get_main(argv: Sequence[str]) -> int:
+    if list(argv[:1]) == ["usage"]:  # its own flags: `gpualloc get usage [-n NS | -A] [--since 24h]`
+        from gpualloc import usage_view
+
+        return usage_view.main(argv[1:])
     parser = _parser("gpualloc get")
-    parser.add_argument("what", choices=list(KINDS), help="what to list")
+    parser.add_argument("what", choices=[*KINDS, "usage"], help="what to list (usage: GPU-hours)")
     parser.add_argument("-n", "--namespace", default="default", help="namespace of the claims or quotas")
     parser.add_argument("-A", "--all-namespaces", action="store_true", help="in every namespace")
     add_heartbeat_namespace(parser)
