@@ -383,11 +383,11 @@ def test_problems_name_unhealthy_and_vanished_devices_and_nodes() -> None:
 def test_devices_lost_condition_turns_true_then_false_and_is_none_when_nothing_changes() -> None:
     c = claim(status_=models.GpuClaimStatus(phase="Allocated", allocations=(alloc(0, "n1", 1, (0,)),)))
     assert statuses.devices_lost_condition(c, [], now=NOW) is None  # healthy, never had a problem
-    problem = statuses.Problem(
-        node="n1", uuid=uuid(1, 0), reason=statuses.REASON_DEVICE_UNHEALTHY, detail="d"
-    )
+    sick = statuses.Problem(node="n1", uuid=uuid(1, 0), reason=statuses.REASON_DEVICE_UNHEALTHY, detail="d")
+    assert statuses.devices_lost_condition(c, [sick], now=NOW) is None  # unhealthy is DevicesUnhealthy's
+    problem = statuses.Problem(node="n1", uuid=uuid(1, 0), reason=statuses.REASON_DEVICES_MISSING, detail="d")
     cond = statuses.devices_lost_condition(c, [problem], now=NOW)
-    assert cond is not None and cond.status == "True" and cond.reason == "DeviceUnhealthy"
+    assert cond is not None and cond.status == "True" and cond.reason == "DevicesMissing"
     c2 = dataclasses.replace(c, status=dataclasses.replace(c.status, conditions=(cond,)))
     assert statuses.devices_lost_condition(c2, [problem], now=NOW) is None
     taken = {"gpu-x": "gpu-0/GPU-x is held by claim ns/other"}
@@ -598,13 +598,17 @@ def state_on_fake_feeds(monotonic: Callable[[], float] = lambda: 0.0) -> tuple[A
     return st, feeds
 
 
-@pytest.mark.parametrize("skew_hours", [-5.0, 0.0, 5.0])
+@pytest.fixture(params=[-5.0, 0.0, 5.0], ids=lambda hours: f"{hours:+.0f}h")
+def agent_clock(request: pytest.FixtureRequest) -> datetime.datetime:
+    """The agent's clock, hours off the controller's: what counts as fresh must not depend on it."""
+    return NOW + datetime.timedelta(hours=request.param)
+
+
 def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_whatever_the_agent_clock(
-    skew_hours: float,
+    agent_clock: datetime.datetime,
 ) -> None:
     mono = [1000.0]
     st, feeds = state_on_fake_feeds(monotonic=lambda: mono[0])
-    agent_clock = NOW + datetime.timedelta(hours=skew_hours)
 
     def beat(at: datetime.datetime) -> None:
         raw = codecs.encode(status("n1", inventory(1, heartbeat=at)))
@@ -623,13 +627,11 @@ def test_freshness_counts_from_when_the_controller_saw_the_heartbeat_change_what
     assert st.node_ready("n1")
 
 
-@pytest.mark.parametrize("skew_hours", [-5.0, 5.0])
 def test_a_renewed_heartbeat_lease_keeps_a_node_fresh_while_its_status_stands_still(
-    skew_hours: float,
+    agent_clock: datetime.datetime,
 ) -> None:
     mono = [1000.0]
     st, feeds = state_on_fake_feeds(monotonic=lambda: mono[0])
-    agent_clock = NOW + datetime.timedelta(hours=skew_hours)
     feeds["node_statuses"].put(codecs.encode(status("n1", inventory(1, heartbeat=agent_clock))))
     parsed = st.statuses["n1"]
 
