@@ -341,28 +341,22 @@ def plan_faults(rng: random.Random) -> list[Fault]:
     return sorted(plan, key=lambda f: f.at)
 
 
+@dataclasses.dataclass
 class Chaos:
     """Carries out a plan of faults against the controllers, the proxies and the API server."""
 
-    def __init__(
-        self,
-        control_plane: Any,
-        api: Api,
-        namespace: str,
-        controllers: Controllers,
-        toxiproxy: Toxiproxy,
-        timeline: Timeline,
-    ) -> None:
-        self.control_plane = control_plane
-        self.api = api
-        self.namespace = namespace
-        self.controllers = controllers
-        self.toxiproxy = toxiproxy
-        self.timeline = timeline
-        self.overlaps: list[dict[str, Any]] = []
-        self._toxics = 0
-        # One SIGKILL at a time per slot: two would race to restart it.
-        self._killing: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+    control_plane: Any
+    api: Api
+    namespace: str
+    controllers: Controllers
+    toxiproxy: Toxiproxy
+    timeline: Timeline
+    overlaps: list[dict[str, Any]] = dataclasses.field(default_factory=list, init=False)
+    _toxics: int = dataclasses.field(default=0, init=False)
+    # One SIGKILL at a time per slot: two would race to restart it.
+    _killing: dict[int, asyncio.Lock] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(asyncio.Lock), init=False
+    )
 
     async def run(self, plan: list[Fault], started: float) -> None:
         async def at(fault: Fault) -> None:

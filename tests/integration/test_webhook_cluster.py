@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import ssl
 import tempfile
@@ -35,21 +36,14 @@ UUIDS = ["GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-999
 IMAGE = "registry.k8s.io/pause:3.10"
 
 
+@dataclasses.dataclass
 class RunningWebhook:
-    def __init__(
-        self,
-        webhook: server.Webhook,
-        runner: web.BaseRunner,
-        reflector: watching.Reflector,
-        metrics: metrics_.Metrics,
-        port: int,
-    ) -> None:
-        self.webhook = webhook
-        self.runner = runner
-        self.reflector = reflector
-        self.metrics = metrics
-        self.port = port
-        self.stopped = False
+    webhook: server.Webhook
+    runner: web.BaseRunner
+    reflector: watching.Reflector
+    metrics: metrics_.Metrics
+    port: int
+    stopped: bool = False
 
     async def stop(self) -> None:
         if not self.stopped:
