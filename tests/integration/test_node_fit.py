@@ -86,6 +86,32 @@ async def take_gpus_and_cpu(api: Api, namespace: str, node: str, *, run: str, gp
     assert hog["spec"]["nodeName"] == node
 
 
+@contextlib.asynccontextmanager
+async def controller_and_pods(
+    api: Api, kubeconfig: str, namespace: str, run: str
+) -> AsyncIterator[support.PodHistory]:
+    """The controller running for this test's nodes, and a watch of the namespace's pods."""
+    async with (
+        support.running_controller(kubeconfig, controller_argv(namespace, run)),
+        support.watching_pods(api, namespace) as pods,
+    ):
+        yield pods
+
+
+@contextlib.asynccontextmanager
+async def a_busy_b_roomy(
+    api: Api, kubeconfig: str, namespace: str, kwok_gpu_nodes: KwokGpuNodes
+) -> AsyncIterator[tuple[str, str, support.PodHistory]]:
+    """Node A (4 CPU), binpack's choice with 4 of its GPUs held, its CPU all taken by a running pod
+    (``take_gpus_and_cpu``), and node B (64 CPU), under ``controller_and_pods``; (A, B, the pods)."""
+    run = kwok_gpu_nodes.run
+    a = await kwok_gpu_nodes.add("a", cpu="4")
+    b = await kwok_gpu_nodes.add("b", cpu="64")
+    async with controller_and_pods(api, kubeconfig, namespace, run) as pods:
+        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
+        yield a, b, pods
+
+
 def assert_ran_with_claims_devices(ran: list[support.PodSighting], claim: dict[str, Any]) -> None:
     """Each pod ran on its replica's node, with that replica's devices (the webhook's annotation)."""
     by_replica = {a["replica"]: a for a in claim["status"]["allocations"]}
@@ -146,13 +172,7 @@ async def test_a_claim_whose_pods_need_cpu_is_allocated_on_the_node_with_free_cp
     choice) and its CPU all taken; the 1-GPU claim asking 1 CPU a pod goes to B at once, and its
     Job's pod runs on B with the claim's GPU."""
     run = kwok_gpu_nodes.run
-    a = await kwok_gpu_nodes.add("a", cpu="4")
-    b = await kwok_gpu_nodes.add("b", cpu="64")
-    async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as history,
-    ):
-        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
+    async with a_busy_b_roomy(api, kubeconfig, namespace, kwok_gpu_nodes) as (_, b, history):
         await create_claim(api, namespace, fit_claim("train", 1, run=run, pod_resources={"cpu": "1"}))
         claim = await support.wait_phase(api, namespace, "train", constants.PHASE_ALLOCATED)
         assert support.allocated_nodes(claim) == {0: b}
@@ -169,13 +189,7 @@ async def test_in_gate_mode_a_gated_job_pods_own_cpu_request_keeps_its_claim_off
     """Issue 41's case without ``spec.podResources``: the Job comes first, its pod waits at the
     gate, and what that pod requests (1 CPU) keeps the claim off A; the pod runs on B."""
     run = kwok_gpu_nodes.run
-    a = await kwok_gpu_nodes.add("a", cpu="4")
-    b = await kwok_gpu_nodes.add("b", cpu="64")
-    async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as history,
-    ):
-        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
+    async with a_busy_b_roomy(api, kubeconfig, namespace, kwok_gpu_nodes) as (_, b, history):
         await support.create_job(api, namespace, support.claim_job("train", "train", run=run, cpu="1"))
 
         async def gated() -> list[support.PodSighting] | None:
@@ -202,10 +216,7 @@ async def test_a_gang_whose_replicas_fit_only_on_two_nodes_by_cpu_gets_one_node_
     run = kwok_gpu_nodes.run
     a = await kwok_gpu_nodes.add("a", cpu="4")
     b = await kwok_gpu_nodes.add("b", cpu="4")
-    async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as history,
-    ):
+    async with controller_and_pods(api, kubeconfig, namespace, run) as history:
         await create_claim(api, namespace, fit_claim("other", 4, run=run, node=a))
         await support.wait_phase(api, namespace, "other", constants.PHASE_ALLOCATED)
         body = fit_claim("gang", 1, run=run, replicas=2, pod_resources={"cpu": "3"})
@@ -232,10 +243,7 @@ async def test_nodes_without_a_free_pod_slot_or_the_memory_are_passed_over_for_o
     a = await kwok_gpu_nodes.add("a", pods="2", gpus=2)
     b = await kwok_gpu_nodes.add("b", memory="4Gi", gpus=4)
     c = await kwok_gpu_nodes.add("c", gpus=8)
-    async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as history,
-    ):
+    async with controller_and_pods(api, kubeconfig, namespace, run) as history:
         for name, node, memory in (("slot-0", a, None), ("slot-1", a, None), ("mem", b, "3Gi")):
             await support.create_pod(api, namespace, support.plain_pod(name, node, run=run, memory=memory))
         await support.wait_running(history, 3)
@@ -320,10 +328,15 @@ async def watching_claim(api: Api, namespace: str, name: str) -> AsyncIterator[C
         yield history
 
 
-def moving_claim(name: str, *, run: str) -> dict[str, Any]:
+async def create_moving_claim(api: Api, namespace: str, name: str, node: str, *, run: str) -> dict[str, Any]:
+    """A 1-GPU claim that moves after ``GRACE_S``, allocated on ``node`` (binpack's choice: nothing
+    says CPU yet); the claim as allocated."""
     body = fit_claim(name, 1, run=run)
     body["spec"]["unschedulableGracePeriodSeconds"] = GRACE_S
-    return body
+    await create_claim(api, namespace, body)
+    claim = await support.wait_phase(api, namespace, name, constants.PHASE_ALLOCATED)
+    assert support.allocated_nodes(claim) == {0: node}
+    return claim
 
 
 def bare_claim_pod(name: str, claim: str, *, run: str, cpu: str) -> dict[str, Any]:
@@ -370,17 +383,11 @@ async def test_a_claim_whose_job_pod_cannot_be_placed_on_its_node_moves_where_th
     grace period the claim goes back to Pending (Unplaceable, with the scheduler's words), its pod is
     deleted, the claim is allocated on B, and the Job's new pod runs on B with the claim's GPU."""
     run = kwok_gpu_nodes.run
-    a = await kwok_gpu_nodes.add("a", cpu="4")
-    b = await kwok_gpu_nodes.add("b", cpu="64")
     async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as pods,
+        a_busy_b_roomy(api, kubeconfig, namespace, kwok_gpu_nodes) as (a, b, pods),
         watching_claim(api, namespace, "train") as claims,
     ):
-        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
-        await create_claim(api, namespace, moving_claim("train", run=run))
-        first = await support.wait_phase(api, namespace, "train", constants.PHASE_ALLOCATED)
-        assert support.allocated_nodes(first) == {0: a}  # binpack's choice: nothing says CPU yet
+        await create_moving_claim(api, namespace, "train", a, run=run)
         await support.create_job(api, namespace, support.claim_job("train", "train", run=run, cpu="1"))
         refused = await refused_on(pods, a)
         assert "Insufficient cpu" in refused.scheduled["message"]
@@ -420,17 +427,11 @@ async def test_a_bare_pod_that_cannot_be_placed_keeps_its_claim_on_the_node_and_
     period (twice over) the claim is still Allocated on A with the same GPU, the pod is not deleted,
     and a condition of the claim and an Event on the pod, both Unplaceable, say why."""
     run = kwok_gpu_nodes.run
-    a = await kwok_gpu_nodes.add("a", cpu="4")
-    await kwok_gpu_nodes.add("b", cpu="64")
     async with (
-        support.running_controller(kubeconfig, controller_argv(namespace, run)),
-        support.watching_pods(api, namespace) as pods,
+        a_busy_b_roomy(api, kubeconfig, namespace, kwok_gpu_nodes) as (a, _, pods),
         watching_claim(api, namespace, "train") as claims,
     ):
-        await take_gpus_and_cpu(api, namespace, a, run=run, gpus=4, cpu="4")
-        await create_claim(api, namespace, moving_claim("train", run=run))
-        first = await support.wait_phase(api, namespace, "train", constants.PHASE_ALLOCATED)
-        assert support.allocated_nodes(first) == {0: a}
+        first = await create_moving_claim(api, namespace, "train", a, run=run)
         await support.create_pod(api, namespace, bare_claim_pod("solo", "train", run=run, cpu="1"))
         await refused_on(pods, a)
 
