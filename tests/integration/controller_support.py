@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import hashlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NamedTuple, TypeVar
 
@@ -217,6 +218,19 @@ async def delete_gpu_node(api: Api, name: str) -> None:
         await resources.CustomResources(api).delete_node_status(name)
     with contextlib.suppress(errors.NotFound):
         await transport.request(api, "DELETE", f"/api/v1/nodes/{name}")
+
+
+@contextlib.asynccontextmanager
+async def fresh_gpu_node(api: Api, name: str, *, gpus: int = 8) -> AsyncIterator[tuple[str, str]]:
+    """A GPU node labelled with a fresh run tag, deleted on exit; (node name, run tag). ``name`` is
+    a template: ``{run}`` stands for the tag."""
+    run = uuid.uuid4().hex[:8]
+    node = name.format(run=run)
+    await create_gpu_node(api, node, labels={RUN_LABEL: run}, gpus=gpus)
+    try:
+        yield node, run
+    finally:
+        await delete_gpu_node(api, node)
 
 
 def claim_body(

@@ -23,13 +23,11 @@ from gpualloc.kube import resources, transport
 from gpualloc.kube.client import Api
 from tests.conftest import fresh_namespace
 from tests.integration.controller_support import (
-    RUN_LABEL,
     claim_body,
     condition,
     controller_argv,
-    create_gpu_node,
-    delete_gpu_node,
     device_leases,
+    fresh_gpu_node,
     get_claim,
     running_controller,
     status_uuids,
@@ -50,11 +48,8 @@ def other_namespace(control_plane: Any) -> Iterator[str]:
 async def one_gpu_node(api: Api) -> AsyncIterator[tuple[str, str]]:
     """A node with a single GPU (``gpu_node`` has 8): the other namespace's claim can only get the
     GPU the pod holds."""
-    run = uuid.uuid4().hex[:8]
-    name = f"truth-{run}"
-    await create_gpu_node(api, name, labels={RUN_LABEL: run}, gpus=1)
-    yield name, run
-    await delete_gpu_node(api, name)
+    async with fresh_gpu_node(api, "truth-{run}", gpus=1) as node:
+        yield node
 
 
 def pods_path(namespace: str, name: str = "") -> str:
