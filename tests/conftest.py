@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -179,6 +180,28 @@ def fresh_namespace(control_plane: Any, name: str) -> Iterator[str]:
     finally:
         for path in (f"/apis/gpu.scheduling/v1/namespaces/{name}/gpuclaims", f"/api/v1/namespaces/{name}"):
             delete_if_present(control_plane, path)
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], Any],
+    *,
+    within: float = 60.0,
+    every: float = 0.25,
+    logs: Callable[[], str] | None = None,
+) -> Any:
+    """Call ``check`` every ``every`` seconds until it answers something true, and return that; past
+    ``within`` seconds, fail naming ``what``, with ``logs()`` where given. Blocking: for the tests
+    that drive helm and programs from the test's thread."""
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            more = f"; {logs()}" if logs else ""
+            raise AssertionError(f"timed out after {within:.0f} s waiting for {what}{more}")
+        time.sleep(every)
 
 
 def completed_requests(

@@ -27,7 +27,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +36,7 @@ import pytest
 from cryptography import x509
 
 from gpualloc.devcluster import binaries, cluster
+from tests.conftest import wait_until
 from tests.integration.tls_support import http_status
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
@@ -264,17 +264,12 @@ def cert_manager(control_plane: Any, cert_manager_program: Path, tmp_path: Path)
 
 
 def _wait(what: str, check: Callable[[], Any], log: Path, timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-            raise AssertionError(
-                f"timed out after {timeout:.0f} s waiting for {what}; cert-manager log:\n{tail}"
-            )
-        time.sleep(0.5)
+    """``wait_until`` with the end of cert-manager's log in the failure."""
+
+    def tail() -> str:
+        return "cert-manager log:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+
+    return wait_until(what, check, within=timeout, every=0.5, logs=tail)
 
 
 def test_cert_manager_issues_the_chain_and_cainjector_fills_the_ca_bundle_the_webhook_serves_with(

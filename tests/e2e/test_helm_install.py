@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 from gpualloc.devcluster import binaries
-from tests.conftest import completed_requests
+from tests.conftest import completed_requests, wait_until
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
 CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager"
@@ -120,17 +119,6 @@ def _strictly_accepted(
         control_plane.request("POST", paths.collection(obj) + "?dryRun=All&fieldValidation=Strict", obj)
         accepted.append(f"{obj['kind']}/{obj['metadata']['name']}")
     return accepted
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.25)
 
 
 def _job_creates(audit_log: Path, namespace: str, name: str) -> int:
@@ -318,12 +306,12 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
     apps = f"/apis/apps/v1/namespaces/{namespace}"
     for component in ("controller", "webhook"):
         deployment_path = f"{apps}/deployments/{fullname}-{component}"
-        _wait(
+        wait_until(
             f"{component} available",
             lambda p=deployment_path: _status(cluster, p).get("availableReplicas") == 2,
         )
         pdb_path = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{fullname}-{component}"
-        _wait(
+        wait_until(
             f"{component} PDB sees 2 healthy pods",
             lambda p=pdb_path: _status(cluster, p).get("currentHealthy") == 2,
         )
@@ -332,7 +320,7 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
     assert len(webhook_nodes) == 2 and len(set(webhook_nodes)) == 2, webhook_nodes
     gpu_nodes = _gpu_node_count(cluster)
     ds_path = f"{apps}/daemonsets/{fullname}-agent"
-    _wait("agent DaemonSet ready", lambda: _status(cluster, ds_path).get("numberReady") == gpu_nodes)
+    wait_until("agent DaemonSet ready", lambda: _status(cluster, ds_path).get("numberReady") == gpu_nodes)
     ds = cluster.request("GET", ds_path)
     assert ds["status"]["desiredNumberScheduled"] == gpu_nodes
     for pod in _pods(cluster, namespace, "agent"):
@@ -394,7 +382,7 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
             return False
         return True
 
-    _wait("the claim pod created once the release is gone", created, timeout=30)
+    wait_until("the claim pod created once the release is gone", created, within=30)
 
 
 def test_helm_install_with_cert_manager_crds(cluster: Any, helm: Helm, release: str, namespace: str) -> None:
