@@ -88,6 +88,16 @@ def one(objs: list[Obj], kind: str, name: str) -> Obj:
     return found[0]
 
 
+def denying_policy(objs: list[Obj], name: str) -> Obj:
+    """The spec of ValidatingAdmissionPolicy ``name``, once checked to fail closed and to be bound,
+    under its own name, to deny."""
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", name)["spec"]
+    assert binding == {"policyName": name, "validationActions": ["Deny"]}
+    policy: Obj = one(objs, "ValidatingAdmissionPolicy", name)["spec"]
+    assert policy["failurePolicy"] == "Fail"
+    return policy
+
+
 def kinds(objs: list[Obj]) -> set[str]:
     return {o["kind"] for o in objs}
 
@@ -673,13 +683,10 @@ def test_nobody_but_admins_reads_the_gpu_inventory_unless_inventory_readers_name
 def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_can_be_turned_off() -> None:
     objs = render()
     name = f"{RELEASE}-gpualloc-pod-annotations"
-    policy = one(objs, "ValidatingAdmissionPolicy", name)
-    binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
-    assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
-    assert policy["spec"]["failurePolicy"] == "Fail"
-    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"]
+    policy = denying_policy(objs, name)
+    assert policy["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"]
     controller = one(objs, "ServiceAccount", f"{RELEASE}-gpualloc-controller")["metadata"]["name"]
-    exempt = [c["expression"] for c in policy["spec"]["matchConditions"] if "userInfo" in c["expression"]]
+    exempt = [c["expression"] for c in policy["matchConditions"] if "userInfo" in c["expression"]]
     assert exempt == [f"request.userInfo.username != 'system:serviceaccount:{NAMESPACE}:{controller}'"]
     off = render(podAnnotationPolicy__enabled="false")
     assert not [o for o in off if o["metadata"]["name"] == name]
@@ -688,12 +695,9 @@ def test_pod_annotation_policy_exempts_only_the_controller_service_account_and_c
 def test_only_the_controller_and_cluster_admins_may_remove_the_claim_finalizer_and_it_can_be_off() -> None:
     objs = render()
     name = f"{FULLNAME}-claim-finalizer-removal"
-    policy = one(objs, "ValidatingAdmissionPolicy", name)
-    binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
-    assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
-    assert policy["spec"]["failurePolicy"] == "Fail"
+    policy = denying_policy(objs, name)
     # Every write of metadata (patch of any kind, apply, PUT) is an UPDATE of the main resource.
-    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+    assert policy["matchConstraints"]["resourceRules"] == [
         {
             "apiGroups": ["gpu.scheduling"],
             "apiVersions": ["*"],
@@ -701,7 +705,7 @@ def test_only_the_controller_and_cluster_admins_may_remove_the_claim_finalizer_a
             "resources": ["gpuclaims"],
         }
     ]
-    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    conditions = {c["name"]: c["expression"] for c in policy["matchConditions"]}
     assert "'gpu.scheduling/release-devices'" in conditions["had-the-finalizer"]
     controller = one(objs, "ServiceAccount", f"{FULLNAME}-controller")["metadata"]["name"]
     assert conditions["not-the-controller"] == (
@@ -1010,10 +1014,7 @@ def test_pod_devices_policy_accepts_what_the_webhook_writes_in_each_device_id_mo
 
 def test_node_identity_policy_binds_the_agent_to_its_own_node() -> None:
     objs = render()
-    policy = one(objs, "ValidatingAdmissionPolicy", NODE_IDENTITY)["spec"]
-    binding = one(objs, "ValidatingAdmissionPolicyBinding", NODE_IDENTITY)["spec"]
-    assert binding == {"policyName": NODE_IDENTITY, "validationActions": ["Deny"]}
-    assert policy["failurePolicy"] == "Fail"
+    policy = denying_policy(objs, NODE_IDENTITY)
     assert policy["matchConstraints"]["resourceRules"] == [
         {
             "apiGroups": ["gpu.scheduling"],
