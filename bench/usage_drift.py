@@ -120,12 +120,12 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane) -> dict[str
             await asyncio.sleep(1.0)
             second = await usage.scrape(ports[1])
             second_now = dt.datetime.now(dt.UTC)
-            cli_now, cli = await usage.usage_cli(kubeconfig, NAMESPACE, NAMESPACE)
+            answer = await usage.usage_cli(kubeconfig, NAMESPACE, NAMESPACE)
         lost = [n for n, t in deleted.items() if t < second_start]
         after = [(NAMESPACE, n) for n in names if n not in lost]
         held = [(NAMESPACE, n) for n in names if n not in deleted]
         second_drift = compare(second, clock, after, second_now)
-        cli_drift = compare(cli, clock, held, cli_now)
+        cli_drift = compare(answer.seconds, clock, held, answer.now)
         in_gap = [(NAMESPACE, n) for n in lost if deleted[n] >= stopped]
         gap_lost = sum(clock.seconds(k, second_now) - first.get(k, 0.0) for k in in_gap)
         counted = [k for k in after if k in second]

@@ -194,3 +194,71 @@ def claim_usage(
             )
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class IdleClaim:
+    """An Allocated claim none of whose pods has run for a while."""
+
+    namespace: str
+    claim: str
+    gpus: int
+    nodes: tuple[str, ...]
+    idle_since: dt.datetime  # its allocation, or when its last pod's last container finished
+
+
+def _finished_at(pod: Mapping[str, Any]) -> dt.datetime | None:
+    """When the last container of an ended pod finished (None when its status says nothing)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    ends = [
+        timestamps.parse_time(((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+        for s in statuses
+    ]
+    known = [e for e in ends if e is not None]
+    return max(known) if known else None
+
+
+def idle_claims(
+    claims: Iterable[models.GpuClaim],
+    pods: Iterable[Mapping[str, Any]],
+    now: dt.datetime,
+    *,
+    idle_after: dt.timedelta,
+) -> list[IdleClaim]:
+    """The Allocated claims among ``claims`` that hold GPUs with no pod of theirs (``pods`` with
+    their ``gpu.scheduling/claim`` annotation) running or about to, for ``idle_after`` at least:
+    idle since the later of their ``lastScheduleTime`` and their ended pods' last finish. A pod
+    deleted meanwhile is not seen, so a claim whose pods are deleted when they end looks idle
+    since its allocation."""
+    busy: set[tuple[str, str]] = set()
+    finished: dict[tuple[str, str], dt.datetime] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        name = (meta.get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+        if not name:
+            continue
+        key = (str(meta.get("namespace", "")), str(name))
+        if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            busy.add(key)
+            continue
+        end = _finished_at(pod)
+        if end is not None and (key not in finished or end > finished[key]):
+            finished[key] = end
+    out: list[IdleClaim] = []
+    for claim in claims:
+        key = (claim.metadata.namespace, claim.metadata.name)
+        start = timestamps.parse_time(claim.status.last_schedule_time)
+        if claim.status.phase != constants.PHASE_ALLOCATED or start is None or key in busy:
+            continue
+        since = max(start, finished.get(key, start))
+        if now - since >= idle_after:
+            out.append(
+                IdleClaim(
+                    namespace=key[0],
+                    claim=key[1],
+                    gpus=sum(len(a.devices) for a in claim.status.allocations),
+                    nodes=tuple(sorted({a.node_name for a in claim.status.allocations})),
+                    idle_since=since,
+                )
+            )
+    return sorted(out, key=lambda c: (c.namespace, c.claim))

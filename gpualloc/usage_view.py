@@ -5,6 +5,9 @@ their acquireTime, in the controller's namespace, ``--lease-namespace``) and the
 claims in phase Released (from lastScheduleTime to releasedTime). A reader who
 may not list the Leases gets the Allocated claims' statuses instead (whole
 seconds). ``--since`` counts only the hours after that much time ago.
+
+Then the Allocated claims that no pod has used for ``--idle-after`` (``usage.idle_claims``):
+GPUs held for nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ def by_namespace(claims: Sequence[usage.ClaimUsage]) -> dict[str, float]:
     return dict(sorted(totals.items()))
 
 
+def format_idle(idle: Sequence[usage.IdleClaim], now: dt.datetime, idle_after: dt.timedelta) -> str:
+    """The Allocated claims no pod has used for ``idle_after``, or a line saying there is none."""
+    minutes = int(idle_after.total_seconds() // 60)
+    if not idle:
+        return f"No Allocated claim without a running pod for {minutes}m or more."
+    rows = [
+        [c.namespace, c.claim, str(c.gpus), ",".join(c.nodes), views.age(c.idle_since.isoformat(), now)]
+        for c in idle
+    ]
+    title = f"Allocated but idle (no pod running for {minutes}m or more):"
+    return title + "\n" + views.table(["NAMESPACE", "CLAIM", "GPUS", "NODES", "IDLE"], rows)
+
+
 def format_usage(claims: Sequence[usage.ClaimUsage], *, all_namespaces: bool) -> str:
     """The claims' table, then each namespace's total."""
     head = ["CLAIM", "PHASE", "GPUS", "PRODUCT", "GPU-HOURS"]
@@ -57,7 +73,13 @@ def format_usage(claims: Sequence[usage.ClaimUsage], *, all_namespaces: bool) ->
     return views.table(head, rows) + "\n\n" + totals
 
 
-def as_json(claims: Sequence[usage.ClaimUsage], *, now: dt.datetime, since: dt.datetime | None) -> str:
+def as_json(
+    claims: Sequence[usage.ClaimUsage],
+    *,
+    now: dt.datetime,
+    since: dt.datetime | None,
+    idle: Sequence[usage.IdleClaim] | None = None,
+) -> str:
     def stamp(when: dt.datetime | None) -> str | None:
         return None if when is None else when.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
 
@@ -78,6 +100,18 @@ def as_json(claims: Sequence[usage.ClaimUsage], *, now: dt.datetime, since: dt.d
                     "gpuSeconds": round(c.seconds, 3),
                 }
                 for c in claims
+            ],
+            "idle": None
+            if idle is None
+            else [
+                {
+                    "namespace": c.namespace,
+                    "name": c.claim,
+                    "gpus": c.gpus,
+                    "nodes": list(c.nodes),
+                    "idleSince": stamp(c.idle_since),
+                }
+                for c in idle
             ],
         },
         indent=2,
@@ -108,16 +142,22 @@ def main(argv: Sequence[str]) -> int:
         default=constants.DEFAULT_NAMESPACE,
         help=f"the controller's namespace, with the device Leases (default {constants.DEFAULT_NAMESPACE})",
     )
+    parser.add_argument(
+        "--idle-after",
+        default="30m",
+        help="list the Allocated claims without a running pod for this long (default 30m)",
+    )
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
     args = parser.parse_args(argv)
     now = views._now()
     try:
         since = now - parse_duration(args.since) if args.since else None
+        idle_after = parse_duration(args.idle_after)
     except ValueError as exc:
         parser.error(str(exc))
     namespace = None if args.all_namespaces else args.namespace
     raw = views.run_or_exit(
-        views.fetch(args.kubeconfig, {"claims": namespace, "leases": args.lease_namespace})
+        views.fetch(args.kubeconfig, {"claims": namespace, "leases": args.lease_namespace, "pods": namespace})
     )
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
     statuses = [codecs.parse_node_status(s) for s in _statuses(args.kubeconfig) if raw["leases"]]
@@ -129,10 +169,20 @@ def main(argv: Sequence[str]) -> int:
             if namespace is None or h.namespace == namespace
         ]
     found = usage.claim_usage(held, claims, now, since=since)
+    idle = None if raw["pods"] is None else usage.idle_claims(claims, raw["pods"], now, idle_after=idle_after)
     if args.output == "json":
-        print(as_json(found, now=now, since=since))
-    elif found:
-        print(format_usage(found, all_namespaces=args.all_namespaces))
-    else:
-        print(f"No GPU usage found in {'any namespace' if namespace is None else f'namespace {namespace}'}.")
+        print(as_json(found, now=now, since=since, idle=idle))
+        return 0
+    where = "any namespace" if namespace is None else f"namespace {namespace}"
+    print(
+        format_usage(found, all_namespaces=args.all_namespaces)
+        if found
+        else f"No GPU usage found in {where}."
+    )
+    print()
+    print(
+        format_idle(idle, now, idle_after)
+        if idle is not None
+        else "Idle claims not shown: you may not list pods."
+    )
     return 0

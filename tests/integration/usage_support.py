@@ -94,11 +94,15 @@ async def scrape(port: int) -> dict[ClaimKey, float]:
     return out
 
 
-async def usage_cli(
-    kubeconfig: str, namespace: str, lease_namespace: str
-) -> tuple[dt.datetime, dict[ClaimKey, float]]:
-    """``gpualloc get usage -n NAMESPACE -o json``, run as a process: the time it counted to, and
-    GPU-seconds per claim."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class CliAnswer:
+    now: dt.datetime
+    seconds: dict[ClaimKey, float]
+    idle: list[str] | None  # the claims listed idle; None when pods could not be listed
+
+
+async def usage_cli(kubeconfig: str, namespace: str, lease_namespace: str, *extra: str) -> CliAnswer:
+    """``gpualloc get usage -n NAMESPACE -o json [extra]``, run as a process."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -113,6 +117,7 @@ async def usage_cli(
         lease_namespace,
         "-o",
         "json",
+        *extra,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -121,7 +126,9 @@ async def usage_cli(
     found = json.loads(out)
     now = timestamps.parse_time(found["now"])
     assert now is not None
-    return now, {(c["namespace"], c["name"]): float(c["gpuSeconds"]) for c in found["claims"]}
+    seconds = {(c["namespace"], c["name"]): float(c["gpuSeconds"]) for c in found["claims"]}
+    idle = None if found["idle"] is None else [c["name"] for c in found["idle"]]
+    return CliAnswer(now=now, seconds=seconds, idle=idle)
 
 
 def drift(counted: float, lifetime: float) -> float:

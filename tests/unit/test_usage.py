@@ -225,3 +225,58 @@ def test_usage_table_shows_gpu_hours_per_claim_then_per_namespace() -> None:
     out = json.loads(usage_view.as_json(found, now=T0, since=None))
     assert out["namespaces"] == {"ml": {"gpuSeconds": 10800.0}}
     assert out["claims"][0]["products"] == ["NVIDIA H100 80GB HBM3"]
+
+
+def _allocated(name: str, scheduled: str) -> models.GpuClaim:
+    allocation = models.Allocation(
+        replica=0, node_name="gpu-a", devices=(models.DeviceRef(index=0, minor=0, uuid=GPU0),)
+    )
+    return models.GpuClaim(
+        metadata=models.ObjectMeta(name=name, namespace="ml"),
+        spec=models.GpuClaimSpec(devices=models.DeviceRequest(count=1)),
+        status=models.GpuClaimStatus(
+            phase=constants.PHASE_ALLOCATED, allocations=(allocation,), last_schedule_time=scheduled
+        ),
+    )
+
+
+def _pod(claim: str, phase: str, finished: str = "") -> dict[str, Any]:
+    state = {"terminated": {"finishedAt": finished}} if finished else {"running": {}}
+    return {
+        "metadata": {
+            "name": f"{claim}-pod",
+            "namespace": "ml",
+            "annotations": {constants.ANNOTATION_CLAIM: claim},
+        },
+        "status": {"phase": phase, "containerStatuses": [{"name": "main", "state": state}]},
+    }
+
+
+def test_an_allocated_claim_without_a_running_pod_is_idle_since_its_last_pod_finished() -> None:
+    claims = [
+        _allocated("never-used", "2026-11-27T11:00:00Z"),
+        _allocated("running", "2026-11-27T11:00:00Z"),
+        _allocated("done-long-ago", "2026-11-27T11:00:00Z"),
+        _allocated("done-lately", "2026-11-27T11:00:00Z"),
+        _allocated("new", "2026-11-27T11:50:00Z"),
+        _claim("released", constants.PHASE_RELEASED, last_schedule_time="2026-11-27T11:00:00Z"),
+    ]
+    pods = [
+        _pod("running", "Running"),
+        _pod("done-long-ago", "Succeeded", "2026-11-27T11:10:00Z"),
+        _pod("done-lately", "Failed", "2026-11-27T11:45:00Z"),
+    ]
+    idle = usage.idle_claims(claims, pods, T0, idle_after=dt.timedelta(minutes=30))
+    assert [(c.claim, c.idle_since) for c in idle] == [
+        ("done-long-ago", dt.datetime(2026, 11, 27, 11, 10, tzinfo=dt.UTC)),
+        ("never-used", dt.datetime(2026, 11, 27, 11, 0, tzinfo=dt.UTC)),
+    ]
+    assert idle[0].gpus == 1 and idle[0].nodes == ("gpu-a",)
+
+
+def test_idle_table_says_for_how_long_and_says_so_when_there_is_none() -> None:
+    idle = usage.idle_claims([_allocated("nb", "2026-11-27T09:00:00Z")], [], T0, idle_after=dt.timedelta(0))
+    out = usage_view.format_idle(idle, T0, dt.timedelta(minutes=30)).splitlines()
+    assert out[0] == "Allocated but idle (no pod running for 30m or more):"
+    assert out[2].split() == ["ml", "nb", "1", "gpu-a", "3h"]
+    assert usage_view.format_idle([], T0, dt.timedelta(minutes=30)).startswith("No Allocated claim")
