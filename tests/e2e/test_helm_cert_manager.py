@@ -231,20 +231,24 @@ def cert_manager_program() -> Path:
     return program
 
 
-def _cert_manager_crds() -> Path:
+def cert_manager_crds() -> Path:
+    """cert-manager's CRDs, from its Go module (``deploy/crds``) in the Go module cache (``test_helm_install``
+    applies them too)."""
     result = subprocess.run(
         ["go", "mod", "download", "-json", f"{CERT_MANAGER_MODULE}@{CERT_MANAGER_VERSION}"],
         capture_output=True, text=True, timeout=300, check=False, cwd="/",
         env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return Path(json.loads(result.stdout)["Dir"]) / "deploy" / "crds"
+    assert result.returncode == 0, f"go mod download {CERT_MANAGER_MODULE}: {result.stdout}{result.stderr}"
+    directory = Path(json.loads(result.stdout)["Dir"]) / "deploy" / "crds"
+    assert sorted(p.name for p in directory.glob("cert-manager.io_*.yaml")), f"no CRDs in {directory}"
+    return directory
 
 
 @pytest.fixture
 def cert_manager(control_plane: Any, cert_manager_program: Path, tmp_path: Path) -> Iterator[Path]:
     """cert-manager's CRDs applied and the minimal cert-manager running; yields its log file."""
-    control_plane.apply_crds(_cert_manager_crds())
+    control_plane.apply_crds(cert_manager_crds())
     log = tmp_path / "cert-manager.log"
     with log.open("w") as out:
         process = subprocess.Popen(

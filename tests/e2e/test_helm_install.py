@@ -26,10 +26,9 @@ import yaml
 
 from gpualloc.devcluster import binaries
 from tests.conftest import completed_requests, wait_until
+from tests.e2e.test_helm_cert_manager import cert_manager_crds
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "gpualloc"
-CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager"
-CERT_MANAGER_VERSION = "v1.21.2"
 GPU_LABEL = "nvidia.com/gpu.present"
 CLAIM_ANNOTATION = "gpu.scheduling/claim"
 WEBHOOK_NAME = "claim-pods.gpu.scheduling"
@@ -239,23 +238,6 @@ def other_namespace(cluster: Any) -> Iterator[str]:
         cluster.request("DELETE", f"/api/v1/namespaces/{name}")
 
 
-def _cert_manager_crds() -> Path:
-    """cert-manager's CRDs, from its Go module (``deploy/crds``) in the Go module cache."""
-    result = subprocess.run(
-        ["go", "mod", "download", "-json", f"{CERT_MANAGER_MODULE}@{CERT_MANAGER_VERSION}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd="/",
-        env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
-    )
-    assert result.returncode == 0, f"go mod download {CERT_MANAGER_MODULE}: {result.stdout}{result.stderr}"
-    directory = Path(json.loads(result.stdout)["Dir"]) / "deploy" / "crds"
-    assert sorted(p.name for p in directory.glob("cert-manager.io_*.yaml")), f"no CRDs in {directory}"
-    return directory
-
-
 # ----------------------------------------------------------------------------- tests
 
 
@@ -388,7 +370,7 @@ def test_helm_install_without_cert_manager_upgrade_and_uninstall(
 def test_helm_install_with_cert_manager_crds(cluster: Any, helm: Helm, release: str, namespace: str) -> None:
     """cert-manager's CRDs only (not its controller or cainjector): the chart's Issuers and
     Certificates are valid cert-manager objects and the release installs."""
-    crd_names = cluster.apply_crds(_cert_manager_crds())
+    crd_names = cluster.apply_crds(cert_manager_crds())
     assert "certificates.cert-manager.io" in crd_names
     fullname = f"{release}-gpualloc"
     paths = Paths(cluster)
