@@ -123,6 +123,19 @@ def pods_done(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> list[
     ]
 
 
+def replica_index(pod: Mapping[str, Any]) -> int | None:
+    """The replica an admitted pod of a claim is (0 when it names none: a one-replica claim's),
+    or None when its index is malformed (the webhook admits no such pod)."""
+    metadata = pod.get("metadata") or {}
+    try:
+        found = pods.replica_of(
+            {"annotations": metadata.get("annotations") or {}, "labels": metadata.get("labels") or {}}
+        )
+    except pods.ReplicaError:
+        return None
+    return 0 if found is None else found.index
+
+
 def pod_allocation(pod: Mapping[str, Any], claim: models.GpuClaim) -> tuple[models.Allocation | None, str]:
     """The allocation a gated pod gets, or None and the reason it cannot get one."""
     metadata = pod.get("metadata") or {}

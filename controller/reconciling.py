@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from controller import cluster as kube
-from controller import gates, locks, owners, statuses, unplaceable
+from controller import failures, gates, healing, locks, owners, statuses, unplaceable
 from controller import metrics as controller_metrics
 from controller.allocating import PendingReconciler
 from controller.gating import PodGate
@@ -84,6 +84,9 @@ class Reconciler:
         self.pending = PendingReconciler(
             state, writer, ledger, gate, settings, metrics, rng=rng, requeue=requeue
         )
+        self.healer = healing.Healer(
+            cluster=cluster, state=state, writer=writer, ledger=ledger, settings=settings, requeue=requeue
+        )
         self._ownerless: set[str] = set()  # OnOwnerCompleted claims warned about naming no owner
 
     def forget(self, key: str) -> None:
@@ -114,7 +117,12 @@ class Reconciler:
                 return
             if await self._move_if_unplaceable(claim):
                 return
-            if await self._maintain(claim) and not claim.releasing:
+            problems = statuses.allocation_problems(
+                claim.status.allocations, statuses=self.state.statuses, nodes=self.state.facts
+            )
+            if await self.healer.heal(claim, problems):
+                return
+            if await self._maintain(claim, problems) and not claim.releasing:
                 await self.gate.ungate(claim)
             return
         if claim.status.phase == constants.PHASE_PREEMPTED:
@@ -158,9 +166,10 @@ class Reconciler:
 
     # ------------------------------------------------------------------ allocated claims
 
-    async def _maintain(self, claim: models.GpuClaim) -> bool:
-        """Keep an Allocated claim's locks and its DevicesLost condition true; False when its
-        status write did not land (the claim moved on or is gone) and the caller should stop."""
+    async def _maintain(self, claim: models.GpuClaim, problems: Sequence[statuses.Problem]) -> bool:
+        """Keep an Allocated claim's locks and its DevicesLost and DevicesUnhealthy conditions true
+        (an Event on the claim, and on the Node of a failed GPU, when one turns True); False when
+        its status write did not land (the claim moved on or is gone) and the caller should stop."""
         uid = claim.metadata.uid
         recorded = locks.recorded(claim)
         held = self.state.held_by(uid)
@@ -170,19 +179,27 @@ class Reconciler:
         missing = sorted(recorded - held.keys())
         if missing:
             taken = await self._relock(claim, missing)
-        problems = statuses.allocation_problems(
-            claim.status.allocations, statuses=self.state.statuses, nodes=self.state.facts
-        )
-        condition = statuses.devices_lost_condition(claim, problems, taken=taken, now=self.state.now())
-        if condition is None:
+        now = self.state.now()
+        lost = statuses.devices_lost_condition(claim, problems, taken=taken, now=now)
+        failing = failures.condition(claim, problems, now=now)
+        changed = [c for c in (lost, failing) if c is not None]
+        if not changed:
             return True
-        if await self.writer.claim_status(claim, statuses.condition_patch(claim, condition)) is None:
+        conditions: Sequence[models.Condition] = claim.status.conditions
+        for condition in changed:
+            conditions = statuses.set_condition(conditions, condition)
+        if await self.writer.claim_status(claim, statuses.conditions_patch(conditions)) is None:
             return False
-        if condition.status == "True":
+        for condition in changed:
+            if condition.status != "True":
+                log.info("devices recovered", extra={"claim": claim.key, "condition": condition.type})
+                continue
             log.warning("devices lost", extra={"claim": claim.key, "reason": condition.message})
-            self.writer.claim_event(claim, "DeviceUnhealthy", condition.message, "Warning")
-        else:
-            log.info("devices recovered", extra={"claim": claim.key})
+            self.writer.claim_event(claim, condition.reason, condition.message, "Warning")
+        if failing is not None and failing.status == "True":
+            for problem in failures.unhealthy(problems):
+                message = f"{problem.detail}: held by claim {claim.key}"
+                self.writer.emit(healing.node_event_target(problem.node), failing.reason, message, "Warning")
         return True
 
     async def _relock(self, claim: models.GpuClaim, missing: list[str]) -> dict[str, str]:

@@ -101,7 +101,7 @@ def _conditions_json(conditions: Iterable[models.Condition]) -> list[Obj]:
     return [codecs.encode(c) for c in conditions]
 
 
-def _condition(
+def make_condition(
     claim: models.GpuClaim, type_: str, status: str, reason: str, message: str, *, now: datetime.datetime
 ) -> models.Condition:
     """A condition of ``claim`` at its current generation, changed ``now``."""
@@ -128,7 +128,7 @@ def allocated_status(
     message = f"allocated {count} GPU{'s' if count != 1 else ''} on {nodes}"
     conditions = set_condition(
         [c for c in claim.status.conditions if c.type != constants.CONDITION_DEVICES_LOST],
-        _condition(claim, constants.CONDITION_ALLOCATED, "True", REASON_ALLOCATED, message, now=now),
+        make_condition(claim, constants.CONDITION_ALLOCATED, "True", REASON_ALLOCATED, message, now=now),
     )
     return {
         "status": {
@@ -158,7 +158,7 @@ def unallocated_status(
     message = " ".join(message.split()) or "no allocation"
     conditions = set_condition(
         claim.status.conditions,
-        _condition(claim, constants.CONDITION_ALLOCATED, "False", reason, message, now=now),
+        make_condition(claim, constants.CONDITION_ALLOCATED, "False", reason, message, now=now),
     )
     return {
         "status": {
@@ -272,33 +272,33 @@ def devices_lost_condition(
 
     True while there are problems: reason ``DevicesTaken`` when another claim
     holds one of its Leases (``taken``: lease name -> one phrase; the webhook
-    then refuses the claim's new pods), else ``DevicesMissing`` when any device
-    is gone, else ``DeviceUnhealthy``. False (DevicesHealthy) once they are
-    over; no condition at all for a claim that never had a problem.
+    then refuses the claim's new pods), else ``DevicesMissing`` when a device
+    is gone. False (DevicesHealthy) once they are over; no condition at all for
+    a claim that never had a problem. An Unhealthy device is ``failures``'
+    ``DevicesUnhealthy``, not a lost one.
     """
     taken = taken or {}
     current = next((c for c in claim.status.conditions if c.type == constants.CONDITION_DEVICES_LOST), None)
-    details = [taken[name] for name in sorted(taken)] + [p.detail for p in problems]
+    missing = [p.detail for p in problems if p.reason == REASON_DEVICES_MISSING]
+    details = [taken[name] for name in sorted(taken)] + missing
     if details:
         if taken:
             reason = constants.REASON_DEVICES_TAKEN
             details[len(taken) - 1] += "; delete and re-create this claim to get other GPUs"
-        elif any(p.reason == REASON_DEVICES_MISSING for p in problems):
-            reason = REASON_DEVICES_MISSING
         else:
-            reason = REASON_DEVICE_UNHEALTHY
+            reason = REASON_DEVICES_MISSING
         message = join_capped(details)
         if current and current.status == "True" and current.reason == reason and current.message == message:
             return None
-        return _condition(claim, constants.CONDITION_DEVICES_LOST, "True", reason, message, now=now)
+        return make_condition(claim, constants.CONDITION_DEVICES_LOST, "True", reason, message, now=now)
     if current is None or current.status == "False":
         return None
-    return _condition(
+    return make_condition(
         claim,
         constants.CONDITION_DEVICES_LOST,
         "False",
         REASON_DEVICES_HEALTHY,
-        "every allocated device is present and healthy",
+        "every allocated device is present and held by the claim",
         now=now,
     )
 
@@ -328,7 +328,7 @@ def in_use_condition(
     current = next((c for c in claim.status.conditions if c.type == CONDITION_IN_USE), None)
     if current and current.status == "True" and current.message == message:
         return None
-    return _condition(claim, CONDITION_IN_USE, "True", REASON_PODS_RUNNING, message, now=now)
+    return make_condition(claim, CONDITION_IN_USE, "True", REASON_PODS_RUNNING, message, now=now)
 
 
 def condition_patch(claim: models.GpuClaim, condition: models.Condition) -> Obj:
@@ -346,9 +346,9 @@ def released_status(claim: models.GpuClaim, *, why: str, now: datetime.datetime)
     conditions = set_condition(
         set_condition(
             claim.status.conditions,
-            _condition(claim, constants.CONDITION_ALLOCATED, "False", REASON_RELEASED, message, now=now),
+            make_condition(claim, constants.CONDITION_ALLOCATED, "False", REASON_RELEASED, message, now=now),
         ),
-        _condition(claim, CONDITION_IN_USE, "False", REASON_PODS_COMPLETED, message, now=now),
+        make_condition(claim, CONDITION_IN_USE, "False", REASON_PODS_COMPLETED, message, now=now),
     )
     return {
         "status": {
@@ -379,10 +379,12 @@ def node_lost_condition(
         )
         if current and current.status == "True" and current.message == message:
             return None
-        return _condition(claim, CONDITION_NODE_LOST, "True", REASON_NODE_LOST, message, now=now)
+        return make_condition(claim, CONDITION_NODE_LOST, "True", REASON_NODE_LOST, message, now=now)
     if current is None or current.status != "True":
         return None
-    return _condition(claim, CONDITION_NODE_LOST, "False", REASON_NODES_BACK, "its nodes are back", now=now)
+    return make_condition(
+        claim, CONDITION_NODE_LOST, "False", REASON_NODES_BACK, "its nodes are back", now=now
+    )
 
 
 def lost_for(claim: models.GpuClaim, now: datetime.datetime) -> float:
@@ -408,7 +410,9 @@ def _afresh(
     ``DevicesLost`` and ``Unplaceable`` dropped; ``more`` status fields besides."""
     conditions = claim.status.conditions
     for type_ in settled:
-        conditions = set_condition(conditions, _condition(claim, type_, "False", reason, message, now=now))
+        conditions = set_condition(
+            conditions, make_condition(claim, type_, "False", reason, message, now=now)
+        )
     dropped = (constants.CONDITION_DEVICES_LOST, CONDITION_UNPLACEABLE)
     return {
         "status": {
@@ -440,7 +444,7 @@ def preempted_status(victim: models.GpuClaim, *, by: models.GpuClaim, now: datet
     )
     conditions = set_condition(
         victim.status.conditions,
-        _condition(victim, constants.CONDITION_ALLOCATED, "False", REASON_PREEMPTED, message, now=now),
+        make_condition(victim, constants.CONDITION_ALLOCATED, "False", REASON_PREEMPTED, message, now=now),
     )
     return {
         "status": {
@@ -476,9 +480,11 @@ def releasing_condition(
     Off when pods turned up after all."""
     if on:
         message = f"{why}; its GPUs are being released"
-        return _condition(claim, constants.CONDITION_RELEASING, "True", reason, message, now=now)
+        return make_condition(claim, constants.CONDITION_RELEASING, "True", reason, message, now=now)
     message = "pods use the claim again; it keeps its GPUs"
-    return _condition(claim, constants.CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now)
+    return make_condition(
+        claim, constants.CONDITION_RELEASING, "False", REASON_PODS_RUNNING, message, now=now
+    )
 
 
 def fence_reason(claim: models.GpuClaim) -> str:
@@ -511,10 +517,10 @@ def unplaceable_condition(
         )
         if current and current.status == "True" and current.message == message:
             return None
-        return _condition(claim, CONDITION_UNPLACEABLE, "True", REASON_BARE_POD, message, now=now)
+        return make_condition(claim, CONDITION_UNPLACEABLE, "True", REASON_BARE_POD, message, now=now)
     if current is None or current.status != "True":
         return None
-    return _condition(
+    return make_condition(
         claim,
         CONDITION_UNPLACEABLE,
         "False",

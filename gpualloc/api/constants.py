@@ -70,6 +70,11 @@ NODE_LOSS_KEEP = "Keep"  # the default: DevicesLost, until a person acts
 NODE_LOSS_REALLOCATE = "Reallocate"  # after the grace period, once its pods are gone: allocated afresh
 NODE_LOSSES = (NODE_LOSS_KEEP, NODE_LOSS_REALLOCATE)
 NODE_LOSS_GRACE_S = 300
+# spec.onDeviceFailure: what an Allocated claim does when a GPU it holds turns Unhealthy.
+DEVICE_FAILURE_KEEP = "Keep"  # the default: DevicesUnhealthy, until a person acts
+DEVICE_FAILURE_REALLOCATE = "Reallocate"  # after the grace period: the failed replica moves, alone
+DEVICE_FAILURES = (DEVICE_FAILURE_KEEP, DEVICE_FAILURE_REALLOCATE)
+DEVICE_FAILURE_GRACE_S = 30
 # Released when the work is done (the others wait for the claim's deletion).
 RELEASES_WHEN_DONE = (RELEASE_ON_PODS_COMPLETED, RELEASE_ON_OWNER_COMPLETED)
 
@@ -90,6 +95,7 @@ CONDITION_ALLOCATED = "Allocated"
 CONDITION_READY = "Ready"
 CONDITION_NVML_READY = "NvmlReady"
 CONDITION_DEVICES_LOST = "DevicesLost"
+CONDITION_DEVICES_UNHEALTHY = "DevicesUnhealthy"
 REASON_DEVICES_TAKEN = "DevicesTaken"
 
 _LEASE_UNSAFE = re.compile(r"[^a-z0-9-]")

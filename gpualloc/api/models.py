@@ -130,6 +130,9 @@ class GpuClaimSpec:
     pod_resources: Mapping[str, int] = dataclasses.field(default_factory=dict, metadata=resource_list())
     # How long a claim pod may stay Unschedulable on the claim's node before the claim moves.
     unschedulable_grace_period_seconds: int = 60
+    on_device_failure: str = constants.DEVICE_FAILURE_KEEP
+    # How long a GPU must stay Unhealthy before an onDeviceFailure: Reallocate replica moves.
+    device_failure_grace_period_seconds: int = constants.DEVICE_FAILURE_GRACE_S
 
 
 # -------------------------------------------------------------- GpuClaim status

@@ -79,7 +79,7 @@ async def test_the_sweep_deletes_leases_whose_claim_is_gone_and_keeps_those_of_l
         assert ctl.sweeps >= 1
 
 
-async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_reallocating_and_metrics_follow(
+async def test_an_unhealthy_device_marks_the_claim_devices_unhealthy_without_reallocating_and_metrics_follow(
     api: Api, namespace: str, gpu_node: tuple[str, str]
 ) -> None:
     node, run = gpu_node
@@ -119,12 +119,15 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
             async def lost() -> dict[str, Any] | None:
                 claim = await crs.get_claim(namespace, "job")
                 conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
-                cond = conditions.get("DevicesLost")
+                cond = conditions.get("DevicesUnhealthy")
                 return claim if cond and cond["status"] == "True" else None
 
-            after = await support.wait_for(lost, within=20, what="DevicesLost condition")
-            cond = {c["type"]: c for c in after["status"]["conditions"]}["DevicesLost"]
+            after = await support.wait_for(lost, within=20, what="DevicesUnhealthy condition")
+            conditions = {c["type"]: c for c in after["status"]["conditions"]}
+            cond = conditions["DevicesUnhealthy"]
             assert cond["reason"] == "DeviceUnhealthy" and "XID 79" in cond["message"]
+            assert "onDeviceFailure: Keep" in cond["message"]
+            assert "DevicesLost" not in conditions, "an unhealthy GPU is not a lost one"
             assert after["status"]["phase"] == "Allocated"
             assert support.status_uuids(after) == support.status_uuids(before), (
                 "a running claim is never moved"
@@ -136,6 +139,17 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
                 return any(e["reason"] == "DeviceUnhealthy" for e in listing["items"])
 
             await support.wait_for(warned, within=10, what="a DeviceUnhealthy event")
+
+            async def node_warned() -> bool:
+                listing = await transport.request(api, "GET", "/api/v1/namespaces/default/events")
+                return any(
+                    e["reason"] == "DeviceUnhealthy"
+                    and e["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
+                    and f"held by claim {namespace}/job" in e["message"]
+                    for e in listing["items"]
+                )
+
+            await support.wait_for(node_warned, within=10, what="a DeviceUnhealthy event on the Node")
             reasons = {
                 e["reason"]
                 for e in (await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events"))[
@@ -153,9 +167,9 @@ async def test_an_unhealthy_device_marks_the_claim_devices_lost_without_realloca
             async def healed() -> bool:
                 claim = await crs.get_claim(namespace, "job")
                 conditions = {c["type"]: c for c in claim["status"].get("conditions") or []}
-                return bool(conditions["DevicesLost"]["status"] == "False")
+                return bool(conditions["DevicesUnhealthy"]["status"] == "False")
 
-            await support.wait_for(healed, within=20, what="DevicesLost to turn False")
+            await support.wait_for(healed, within=20, what="DevicesUnhealthy to turn False")
             text = prometheus_client.generate_latest(ctl.metrics.registry).decode()
             for name in (
                 "gpualloc_allocation_failures_total",

@@ -209,6 +209,7 @@ async def test_minimal_claim_is_accepted_with_every_default_applied(
     assert spec["priority"] == 0
     assert spec["retryPolicy"] == {"maxRetries": 0, "backoffSeconds": 5}
     assert spec["unschedulableGracePeriodSeconds"] == 60
+    assert (spec["onDeviceFailure"], spec["deviceFailureGracePeriodSeconds"]) == ("Keep", 30)
     assert "podResources" not in spec
     parsed = codecs.parse_claim(created)
     assert parsed.spec.devices.count == 2
@@ -260,6 +261,8 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
             "hugepages-2Mi": "1Gi",
         },
         "unschedulableGracePeriodSeconds": 120,
+        "onDeviceFailure": "Reallocate",
+        "deviceFailureGracePeriodSeconds": 45,
         "tolerations": [
             {
                 "key": "team",
@@ -278,6 +281,10 @@ async def test_claim_using_every_spec_field_is_accepted_and_decodes(
     assert parsed.spec.devices.prefer_ids == (0, 1)
     assert parsed.spec.devices.min_memory_mib == 40000
     assert parsed.spec.topology.min_bandwidth_gbps == 600
+    assert (parsed.spec.on_device_failure, parsed.spec.device_failure_grace_period_seconds) == (
+        "Reallocate",
+        45,
+    )
     assert parsed.spec.retry_policy.max_retries == 3
     assert parsed.spec.release == "OnPodsCompleted"
     assert parsed.spec.topology.same_node_label_mode == "Preferred"
@@ -401,6 +408,16 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "unschedulable-grace-period-too-long",
         {"devices": {"count": 1}, "unschedulableGracePeriodSeconds": 86401},
         "spec.unschedulableGracePeriodSeconds",
+    ),
+    (
+        "unknown-device-failure-policy",
+        {"devices": {"count": 1}, "onDeviceFailure": "Retry"},
+        'spec.onDeviceFailure: Unsupported value: "Retry": supported values: "Keep", "Reallocate"',
+    ),
+    (
+        "device-failure-grace-period-negative",
+        {"devices": {"count": 1}, "deviceFailureGracePeriodSeconds": -1},
+        "spec.deviceFailureGracePeriodSeconds",
     ),
     (
         "unknown-same-node-label-mode",
