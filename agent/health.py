@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -34,6 +35,8 @@ DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
 KIND_XID = "xid"
 KIND_ECC = "ecc"
 KIND_LOST = "lost"
+# The tail of a mark carried over an agent restart: "XID 79 (before the agent restarted; held 600 s)".
+CARRIED_SUFFIX = " (before the agent restarted; held"
 ALL_DEVICES = ""  # an event whose device NVML could not name applies to every device
 
 
@@ -67,10 +70,26 @@ def reason_for(event: HealthEvent, ignored_xids: frozenset[int]) -> str | None:
 class HealthTracker:
     """Sticky Unhealthy marks by UUID. Not thread-safe: use from the event loop."""
 
-    def __init__(self, ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS) -> None:
+    def __init__(
+        self,
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ignored_xids = frozenset(ignored_xids)
         self._marks: dict[str, str] = {}
         self._all: str = ""
+        self._carried: dict[str, tuple[str, float]] = {}  # uuid -> (reason, monotonic time it ends)
+        self._mono = monotonic
+
+    def carry(self, previous: Mapping[str, str], *, hold: float) -> None:
+        """Marks published before this agent started (UUID -> healthReason), kept ``hold`` seconds
+        more: a GPU that failed is not handed out the moment its agent restarts, only once it has
+        been healthy that long. A new event on it makes its mark sticky again."""
+        ends = self._mono() + hold
+        for uuid, reason in previous.items():
+            base = reason.split(CARRIED_SUFFIX, 1)[0]
+            self._carried[uuid] = (f"{base}{CARRIED_SUFFIX} {hold:.0f} s)", ends)
 
     def apply(self, event: HealthEvent) -> bool:
         """Record an event; True when it changed some device's health."""
@@ -93,11 +112,15 @@ class HealthTracker:
     def marks(self, uuids: Iterable[str]) -> Mapping[str, str]:
         """UUID -> reason for the given devices that are marked Unhealthy."""
         out: dict[str, str] = {}
+        now = self._mono()
         for uuid in uuids:
+            carried = self._carried.get(uuid)
             if uuid in self._marks:
                 out[uuid] = self._marks[uuid]
             elif self._all:
                 out[uuid] = self._all
+            elif carried is not None and now < carried[1]:
+                out[uuid] = carried[0]
         return out
 
 

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="application XIDs that do not make a GPU Unhealthy (default 13,31,43,45,68,109)",
     )
     parser.add_argument(
+        "--recovery-seconds",
+        type=float,
+        default=600.0,
+        help="a GPU published Unhealthy before this agent started stays Unhealthy this long (default 600)",
+    )
+    parser.add_argument(
         "--xid-inject-file",
         default=None,
         help="simulated source: a file of '<index> <xid|ecc|lost>' and '<index> process <pid> [<pod>]' lines",
@@ -396,6 +402,36 @@ class Agent:
         except errors.KubeError as exc:
             log.warning("cannot label the Node", extra={"node": self.node_name, "error": str(exc)})
 
+    async def carry_health(self) -> None:
+        """GPUs this node's GpuNodeStatus shows Unhealthy from before this agent started stay
+        Unhealthy for ``--recovery-seconds`` (``HealthTracker.carry``): a restart after an XID
+        does not hand the GPU out at once."""
+        assert self._api is not None
+        try:
+            obj = await resources.CustomResources(self._api).get_node_status(self.node_name)
+        except errors.NotFound:
+            return
+        except errors.KubeError as exc:
+            log.warning(
+                "cannot read the previous GpuNodeStatus", extra={"node": self.node_name, "error": str(exc)}
+            )
+            return
+        before = publishing.read_status(obj.get("status"))
+        previous = {
+            d.uuid: d.health_reason or constants.UNHEALTHY
+            for d in (before.devices if before else ())
+            if d.health != constants.HEALTHY
+        }
+        if not previous:
+            return
+        hold = self.args.recovery_seconds
+        self.tracker.carry(previous, hold=hold)
+        asyncio.get_running_loop().call_later(hold + 0.1, self.wake.set)  # published Healthy then
+        log.warning(
+            "GPUs Unhealthy before this agent started stay so for a while",
+            extra={"node": self.node_name, "devices": ",".join(sorted(previous)), "seconds": hold},
+        )
+
     def ready(self) -> bool:
         return self.publisher is not None and self.publisher.ready()
 
@@ -415,6 +451,7 @@ class Agent:
             if self._api is None:
                 self._api = await client.connect(self.args.kubeconfig)
             await self.read_sharing_label()
+            await self.carry_health()
             beats = self.heartbeat_namespace()
             self.publisher = publishing.Publisher(
                 resources.CustomResources(self._api),

@@ -75,8 +75,15 @@ def _device(obj: dict[str, Any], index: int) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def running_agent(
-    control_plane: Any, kubeconfig: str, node: str, *flags: str, source: inventory.Source | None = None
+    control_plane: Any,
+    kubeconfig: str,
+    node: str,
+    *flags: str,
+    source: inventory.Source | None = None,
+    delete_after: bool = True,
 ) -> AsyncIterator[main.Agent]:
+    """An agent for ``node`` in this process; its Node and GpuNodeStatus deleted after it stops
+    unless ``delete_after`` is False (a restart)."""
     args = main.parse_args(
         [
             "--node-name",
@@ -100,7 +107,7 @@ async def running_agent(
         stop.set()
         rc = await asyncio.wait_for(task, 20)
         assert rc == main.EXIT_OK
-        for path in (f"{GNS}/{node}", f"/api/v1/nodes/{node}"):
+        for path in (f"{GNS}/{node}", f"/api/v1/nodes/{node}") if delete_after else ():
             with contextlib.suppress(cluster.RequestError):
                 await asyncio.to_thread(control_plane.request, "DELETE", path)
 
