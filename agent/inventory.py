@@ -155,7 +155,7 @@ class GpuProcess:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSample:
     """Utilisation and the like, for /metrics, and the processes on the GPU, for the usage audit
-    (``agent.audit``)."""
+    (``agent.audit``) and the idle times (``agent.idleness``)."""
 
     index: int
     uuid: str
@@ -165,6 +165,7 @@ class DeviceSample:
     temperature_celsius: float | None = None
     power_watts: float | None = None
     processes: tuple[GpuProcess, ...] = ()
+    processes_listed: bool = True  # False when the source could not list them (``processes`` is then empty)
 
 
 # A pod's UID in a cgroup path: "pod<uid>" (cgroupfs driver) or "pod<uid with _>.slice" (systemd).
@@ -381,11 +382,13 @@ def derive(
     unhealthy: Mapping[str, str] | None = None,
     held: Collection[str] = (),
     sharing: models.DeviceSharing | None = None,
+    idle: Mapping[str, str] | None = None,
 ) -> models.NodeInventory:
     """The status to publish. ``unhealthy`` maps UUID -> reason (from health events); ``held`` has
     the lock ids (``Device.lock_ids``) whose device Lease exists; every GPU not in MIG mode is
-    offered for ``sharing``, when given."""
+    offered for ``sharing``, when given; ``idle`` maps UUID -> ``idleSince`` (``agent.idleness``)."""
     marks = unhealthy or {}
+    idle_since = idle or {}
     devices: list[models.Device] = []
     for d in sorted(facts.devices, key=lambda d: d.index):
         offered = None
@@ -418,6 +421,7 @@ def derive(
                 pcie_width=d.pcie_width,
                 mig=d.mig,
                 sharing=offered,
+                idle_since=idle_since.get(d.uuid),
             )
         )
     links = derive_links(facts)

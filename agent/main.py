@@ -20,6 +20,10 @@ Tasks of a running agent (``Agent.run``), all in one event loop:
   in ``status.unexpectedProcesses``, counted in
   ``gpualloc_gpu_unexpected_processes`` and, when new, told in a Warning Event
   on the Node.
+* idle times (``idleness``): after every scan the same processes give each
+  GPU's ``idleSince`` (since when it has had none; absent while one runs),
+  which moves only when a GPU goes from busy to idle or back. At start the
+  previous GpuNodeStatus's values are carried over for GPUs still idle.
 * probes and metrics (``gpualloc.runtime.serving``).
 """
 
@@ -29,15 +33,16 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent import audit, health, inventory, publishing, simulated
+from agent import audit, health, idleness, inventory, publishing, simulated
 from agent import metrics as agent_metrics
-from gpualloc.api import constants, models
+from gpualloc.api import constants, models, timestamps
 from gpualloc.api import leases as lease_format
 from gpualloc.kube import client, errors, events, resources, transport, watching
 from gpualloc.runtime import backoff, eventloop, options, serving, signals
@@ -179,6 +184,7 @@ class Agent:
         *,
         source: inventory.Source | None = None,
         api: Any | None = None,
+        wall_clock: Callable[[], dt.datetime] = publishing.utc_now,
     ) -> None:
         self.args = args
         self.node_name: str = args.node_name
@@ -186,6 +192,8 @@ class Agent:
         self._api = api
         self._own_api = api is None
         self.tracker = health.HealthTracker(args.ignored_xids)
+        self.idle = idleness.IdleTracker()  # each GPU's idleSince, from the samples' processes
+        self._wall = wall_clock
         self.metrics = agent_metrics.AgentMetrics(self.node_name)
         self.facts: inventory.NodeFacts | None = None
         self.sharing: models.DeviceSharing | None = args.sharing  # the Node's label may override it
@@ -208,7 +216,11 @@ class Agent:
         facts = self.facts or inventory.NodeFacts(source=self.source.name)
         uuids = [d.uuid for d in facts.devices]
         inv = inventory.derive(
-            facts, unhealthy=self.tracker.marks(uuids), held=self.metrics.leases, sharing=self.sharing
+            facts,
+            unhealthy=self.tracker.marks(uuids),
+            held=self.metrics.leases,
+            sharing=self.sharing,
+            idle=self.idle.published(),
         )
         conds = publishing.conditions(
             source=self.source.name, source_error=self.source_error, devices=inv.devices
@@ -271,6 +283,7 @@ class Agent:
         self._recount_leases()
         try:
             self.metrics.samples = await asyncio.to_thread(self.source.samples)
+            self.idle.observe(self.metrics.samples, self._wall())
         except Exception:
             log.warning("sampling failed", exc_info=True)
         await self.audit_processes()
@@ -402,10 +415,9 @@ class Agent:
         except errors.KubeError as exc:
             log.warning("cannot label the Node", extra={"node": self.node_name, "error": str(exc)})
 
-    async def carry_health(self) -> None:
-        """GPUs this node's GpuNodeStatus shows Unhealthy from before this agent started stay
-        Unhealthy for ``--recovery-seconds`` (``HealthTracker.carry``): a restart after an XID
-        does not hand the GPU out at once."""
+    async def carry_previous(self) -> None:
+        """What this node's GpuNodeStatus said before this agent started, carried over: its
+        Unhealthy GPUs (``carry_health``) and its idle times (``IdleTracker.carry``)."""
         assert self._api is not None
         try:
             obj = await resources.CustomResources(self._api).get_node_status(self.node_name)
@@ -417,10 +429,18 @@ class Agent:
             )
             return
         before = publishing.read_status(obj.get("status"))
+        devices = before.devices if before else ()
+        idle = {d.uuid: t for d in devices if (t := timestamps.parse_time(d.idle_since)) is not None}
+        if self.idle.carry(idle):
+            self.wake.set()
+        self.carry_health(devices)
+
+    def carry_health(self, devices: Sequence[models.Device]) -> None:
+        """GPUs the previous GpuNodeStatus showed Unhealthy stay Unhealthy for
+        ``--recovery-seconds`` (``HealthTracker.carry``): a restart after an XID does not hand the
+        GPU out at once."""
         previous = {
-            d.uuid: d.health_reason or constants.UNHEALTHY
-            for d in (before.devices if before else ())
-            if d.health != constants.HEALTHY
+            d.uuid: d.health_reason or constants.UNHEALTHY for d in devices if d.health != constants.HEALTHY
         }
         if not previous:
             return
@@ -451,7 +471,7 @@ class Agent:
             if self._api is None:
                 self._api = await client.connect(self.args.kubeconfig)
             await self.read_sharing_label()
-            await self.carry_health()
+            await self.carry_previous()
             beats = self.heartbeat_namespace()
             self.publisher = publishing.Publisher(
                 resources.CustomResources(self._api),

@@ -354,7 +354,7 @@ class NvmlSource:
                 mem = self._optional("nvmlDeviceGetMemoryInfo", handle)
                 temp = self._optional("nvmlDeviceGetTemperature", handle, temp_sensor)
                 power_mw = self._optional("nvmlDeviceGetPowerUsage", handle)
-                running = self._optional("nvmlDeviceGetComputeRunningProcesses", handle) or []
+                running = self._optional("nvmlDeviceGetComputeRunningProcesses", handle)
             except self.nvml.NVMLError:  # lost since the scan; the next scan says so
                 continue
             out.append(
@@ -366,7 +366,8 @@ class NvmlSource:
                     memory_total_bytes=int(mem.total) if mem is not None else None,
                     temperature_celsius=float(temp) if temp is not None else None,
                     power_watts=float(power_mw) / 1000.0 if power_mw is not None else None,
-                    processes=tuple(self._process(p) for p in running),
+                    processes=tuple(self._process(p) for p in running or ()),
+                    processes_listed=running is not None,
                 )
             )
         return out

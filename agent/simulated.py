@@ -14,10 +14,10 @@ XID injection (``--xid-inject-file``): each line is ``<index> <what>``, where
 ``what`` is an XID number, ``ecc`` (a double-bit ECC error) or ``lost`` (the
 GPU falls off the bus and vanishes from later scans), or ``<index> process
 <pid> [<pod uid>]``: a process with a CUDA context on that GPU, for the usage
-audit; ``#`` starts a comment. The file is polled every 0.2 s and re-read at
-once on SIGUSR1. Marks are sticky, so re-reading lines already applied changes
-nothing; the processes are those the file lists now (remove a line: the
-process has exited).
+audit and the GPU's ``idleSince``; ``#`` starts a comment. The file is polled
+every 0.2 s and re-read at once on SIGUSR1. Marks are sticky, so re-reading
+lines already applied changes nothing; the processes are those the file lists
+now (remove a line: the process has exited).
 """
 
 from __future__ import annotations

@@ -274,6 +274,7 @@ class Device:
     pcie_width: int = 0
     mig: MigInfo | None = None
     sharing: DeviceSharing | None = None  # shared by up to ``replicas`` Shared claims (not in MIG mode)
+    idle_since: str | None = None  # RFC 3339: no compute process on it since then; None while one runs
 
     @property
     def shared(self) -> bool:
