@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from gpualloc.devcluster import binaries
 from gpualloc.kube import client as kube_client
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.kube.client import Api
+from tests.integration import controller_support as support
 from tests.integration.tls_support import write_serving_pair
 from webhook import admission, cache, server
 from webhook import metrics as metrics_
@@ -162,6 +164,17 @@ async def service_account_token(
     )
     token: str = review["status"]["token"]
     return token
+
+
+async def start_run(setup: Setup, node_prefix: str, namespace_prefix: str) -> tuple[str, str, str]:
+    """A fresh run tag, a GPU node ``<node_prefix>-<run>`` labelled with it (a controller started
+    with ``run=run`` sees that node only) and a namespace ``<namespace_prefix>-<run>`` besides the
+    tenant's; (run, node, namespace). The test deletes them."""
+    run = uuid.uuid4().hex[:8]
+    node, namespace = f"{node_prefix}-{run}", f"{namespace_prefix}-{run}"
+    setup.control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
+    return run, node, namespace
 
 
 async def eventually(what: str, check: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 from gpualloc.api import constants
@@ -29,11 +28,8 @@ MAX_CLAIMS = 150
 async def test_a_tenants_flood_of_claims_holds_up_no_other_namespace_and_stops_at_max_claims(
     setup: tenants.Setup,
 ) -> None:
-    ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
-    other = f"other-{run}"
-    node = f"flood-{run}"
-    setup.control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": other}})
-    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
+    ns = setup.tenant_ns
+    run, node, other = await tenants.start_run(setup, "flood", "other")
     quota = {
         "apiVersion": constants.API_VERSION,
         "kind": "GpuQuota",

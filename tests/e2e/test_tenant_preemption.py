@@ -15,7 +15,6 @@ before any victim is chosen, and nobody is touched.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 from gpualloc.api import constants
@@ -36,11 +35,8 @@ def no_h100(max_priority: int) -> dict[str, Any]:
 async def test_a_tenants_claim_its_quota_refuses_preempts_no_claim_of_another_namespace(
     setup: tenants.Setup,
 ) -> None:
-    ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
-    victims_ns = f"victims-{run}"
-    node = f"iso-h100-{run}"
-    setup.control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": victims_ns}})
-    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
+    ns = setup.tenant_ns
+    run, node, victims_ns = await tenants.start_run(setup, "iso-h100", "victims")
     await tenants.call(setup.admin, "POST", tenants.quotas_path(ns), body=no_h100(max_priority=10))
     tenant_claims = resources.CustomResources(setup.tenant)
     admin_claims = resources.CustomResources(setup.admin)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from pathlib import Path
 
 from tests.conftest import delete_if_present
@@ -25,13 +24,12 @@ from tests.integration.test_simulate_cli import RBAC, hold, requests_by, simulat
 async def test_a_tenant_simulates_with_its_own_rights_and_is_told_what_it_could_not_see(
     setup: tenants.Setup, tmp_path: Path
 ) -> None:
-    ns, run = setup.tenant_ns, uuid.uuid4().hex[:8]
-    others, node, role = f"others-{run}", f"iso-sim-{run}", f"simulate-nodes-{run}"
+    ns = setup.tenant_ns
+    run, node, others = await tenants.start_run(setup, "iso-sim", "others")
+    role = f"simulate-nodes-{run}"
     kubeconfig = setup.kubeconfigs / "tenant.kubeconfig"
     username = f"system:serviceaccount:{ns}:tenant"
     plane = setup.control_plane
-    plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": others}})
-    await support.create_gpu_node(setup.admin, node, labels={support.RUN_LABEL: run})
     try:
         # Another namespace's claim holds GPUs 0-5, the tenant's own claim GPUs 6 and 7.
         await hold(setup.admin, others, support.claim_body("theirs", 6, run=run), node, range(6))
