@@ -14,6 +14,10 @@ Each device Lease is one thing held: a whole GPU (``profile`` ""), a MIG
 instance (``profile`` its MIG profile, e.g. ``1g.10gb``) or a slot of a shared
 GPU (``profile`` ``share/<slots>``). Its seconds count once whatever it is;
 the labels say what it was.
+
+What is allocated but idle, two ways: ``idle_claims``, the Allocated claims no
+pod has used for a while (from the pods), and ``idle_gpus``, their GPUs with no
+compute process for a while (from each node agent's ``idleSince``).
 """
 
 from __future__ import annotations
@@ -262,3 +266,66 @@ def idle_claims(
                 )
             )
     return sorted(out, key=lambda c: (c.namespace, c.claim))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class IdleGpu:
+    """An allocated GPU with no compute process on it for a while, by its agent's ``idleSince``."""
+
+    namespace: str
+    claim: str
+    node: str
+    index: int  # the GPU's host index
+    uuid: str  # the GPU's (a MIG instance or a slot is reported as its GPU)
+    idle_since: dt.datetime  # the later of its idleSince and the claim's allocation
+
+
+def _gpus_by_lock(statuses: Iterable[models.GpuNodeStatus]) -> dict[tuple[str, str], models.Device]:
+    """(node, UUID of a GPU or of one of its MIG instances) -> the GPU."""
+    out: dict[tuple[str, str], models.Device] = {}
+    for status in statuses:
+        node = status.spec.node_name or status.metadata.name
+        for device in status.status.devices:
+            out[(node, device.uuid)] = device
+            for instance in device.mig.devices if device.mig is not None else ():
+                out[(node, instance.uuid)] = device
+    return out
+
+
+def idle_gpus(
+    claims: Iterable[models.GpuClaim],
+    statuses: Iterable[models.GpuNodeStatus],
+    now: dt.datetime,
+    *,
+    idle_after: dt.timedelta,
+) -> list[IdleGpu]:
+    """The GPUs of Allocated claims on which their node's agent has seen no compute process for
+    ``idle_after`` at least, counted from the later of the GPU's ``idleSince`` and the claim's
+    ``lastScheduleTime`` (a GPU idle before the claim got it is idle for the claim only since
+    then). A MIG instance or a slot of a shared GPU counts as idle only when its whole GPU is; a
+    GPU whose status says nothing (a process runs, the agent cannot tell, or it is not listed) is
+    not idle. One entry per GPU and claim, sorted by namespace, claim, node and index."""
+    gpus = _gpus_by_lock(statuses)
+    found: dict[tuple[str, str, str, int], IdleGpu] = {}
+    for claim in claims:
+        allocated = timestamps.parse_time(claim.status.last_schedule_time)
+        if claim.status.phase != constants.PHASE_ALLOCATED or allocated is None:
+            continue
+        for allocation in claim.status.allocations:
+            for ref in allocation.devices:
+                gpu = gpus.get((allocation.node_name, ref.uuid))
+                since = timestamps.parse_time(gpu.idle_since) if gpu is not None else None
+                if gpu is None or since is None:
+                    continue
+                since = max(since, allocated)
+                if now - since >= idle_after:
+                    key = (claim.metadata.namespace, claim.metadata.name, allocation.node_name, gpu.index)
+                    found[key] = IdleGpu(
+                        namespace=key[0],
+                        claim=key[1],
+                        node=key[2],
+                        index=gpu.index,
+                        uuid=gpu.uuid,
+                        idle_since=since,
+                    )
+    return [found[key] for key in sorted(found)]

@@ -6,8 +6,10 @@ claims in phase Released (from lastScheduleTime to releasedTime). A reader who
 may not list the Leases gets the Allocated claims' statuses instead (whole
 seconds). ``--since`` counts only the hours after that much time ago.
 
-Then the Allocated claims that no pod has used for ``--idle-after`` (``usage.idle_claims``):
-GPUs held for nothing.
+Then what is allocated but idle for ``--idle-after``: the GPUs of Allocated claims on which
+their agent has seen no compute process (``usage.idle_gpus``, from the GpuNodeStatuses'
+``idleSince``), and the Allocated claims that no pod has used (``usage.idle_claims``, from the
+pods). A reader who may not list GpuNodeStatuses, or pods, is told so instead.
 """
 
 from __future__ import annotations
@@ -47,17 +49,38 @@ def by_namespace(claims: Sequence[usage.ClaimUsage]) -> dict[str, float]:
     return dict(sorted(totals.items()))
 
 
+def span(duration: dt.timedelta) -> str:
+    """``--idle-after`` as people write it: ``30m``, ``1h30m``, ``45s``."""
+    seconds, out = int(duration.total_seconds()), ""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            out += f"{seconds // size}{unit}"
+            seconds %= size
+    return out or "0s"
+
+
 def format_idle(idle: Sequence[usage.IdleClaim], now: dt.datetime, idle_after: dt.timedelta) -> str:
     """The Allocated claims no pod has used for ``idle_after``, or a line saying there is none."""
-    minutes = int(idle_after.total_seconds() // 60)
     if not idle:
-        return f"No Allocated claim without a running pod for {minutes}m or more."
+        return f"No Allocated claim without a running pod for {span(idle_after)} or more."
     rows = [
         [c.namespace, c.claim, str(c.gpus), ",".join(c.nodes), views.age(c.idle_since.isoformat(), now)]
         for c in idle
     ]
-    title = f"Allocated but idle (no pod running for {minutes}m or more):"
+    title = f"Allocated but idle (no pod running for {span(idle_after)} or more):"
     return title + "\n" + views.table(["NAMESPACE", "CLAIM", "GPUS", "NODES", "IDLE"], rows)
+
+
+def format_idle_gpus(idle: Sequence[usage.IdleGpu], now: dt.datetime, idle_after: dt.timedelta) -> str:
+    """The allocated GPUs without a process for ``idle_after``, or a line saying there is none."""
+    if not idle:
+        return f"No allocated GPU without a process for {span(idle_after)} or more."
+    rows = [
+        [g.namespace, g.claim, g.node, f"gpu-{g.index}", views.age(g.idle_since.isoformat(), now)]
+        for g in idle
+    ]
+    title = f"Allocated GPUs without a process for {span(idle_after)} or more (their agents' idleSince):"
+    return title + "\n" + views.table(["NAMESPACE", "CLAIM", "NODE", "GPU", "IDLE"], rows)
 
 
 def format_usage(claims: Sequence[usage.ClaimUsage], *, all_namespaces: bool) -> str:
@@ -79,6 +102,7 @@ def as_json(
     now: dt.datetime,
     since: dt.datetime | None,
     idle: Sequence[usage.IdleClaim] | None = None,
+    idle_gpus: Sequence[usage.IdleGpu] | None = None,
 ) -> str:
     def stamp(when: dt.datetime | None) -> str | None:
         return None if when is None else when.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
@@ -113,19 +137,33 @@ def as_json(
                 }
                 for c in idle
             ],
+            "idleGpus": None
+            if idle_gpus is None
+            else [
+                {
+                    "namespace": g.namespace,
+                    "claim": g.claim,
+                    "node": g.node,
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "idleSince": stamp(g.idle_since),
+                }
+                for g in idle_gpus
+            ],
         },
         indent=2,
     )
 
 
-def _statuses(kubeconfig: str | None) -> list[dict[str, Any]]:
-    """The GpuNodeStatuses, which name each device's product; none for a reader who may not list them."""
+def _statuses(kubeconfig: str | None) -> list[dict[str, Any]] | None:
+    """The GpuNodeStatuses, which name each device's product and its idleSince; None for a reader
+    who may not list them."""
     from gpualloc.kube import errors
 
     try:
         found: list[dict[str, Any]] = asyncio.run(views.fetch(kubeconfig, {"statuses": None}))["statuses"]
     except errors.Forbidden:
-        return []
+        return None
     return found
 
 
@@ -145,7 +183,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--idle-after",
         default="30m",
-        help="list the Allocated claims without a running pod for this long (default 30m)",
+        help="list the allocated GPUs without a process, and the Allocated claims without a running pod,"
+        " for this long (default 30m)",
     )
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
     args = parser.parse_args(argv)
@@ -160,7 +199,8 @@ def main(argv: Sequence[str]) -> int:
         views.fetch(args.kubeconfig, {"claims": namespace, "leases": args.lease_namespace, "pods": namespace})
     )
     claims = [codecs.parse_claim(c) for c in raw["claims"]]
-    statuses = [codecs.parse_node_status(s) for s in _statuses(args.kubeconfig) if raw["leases"]]
+    listed = _statuses(args.kubeconfig)
+    statuses = [codecs.parse_node_status(s) for s in listed or ()]
     held = None
     if raw["leases"] is not None:
         held = [
@@ -170,14 +210,21 @@ def main(argv: Sequence[str]) -> int:
         ]
     found = usage.claim_usage(held, claims, now, since=since)
     idle = None if raw["pods"] is None else usage.idle_claims(claims, raw["pods"], now, idle_after=idle_after)
+    idle_gpus = None if listed is None else usage.idle_gpus(claims, statuses, now, idle_after=idle_after)
     if args.output == "json":
-        print(as_json(found, now=now, since=since, idle=idle))
+        print(as_json(found, now=now, since=since, idle=idle, idle_gpus=idle_gpus))
         return 0
     where = "any namespace" if namespace is None else f"namespace {namespace}"
     print(
         format_usage(found, all_namespaces=args.all_namespaces)
         if found
         else f"No GPU usage found in {where}."
+    )
+    print()
+    print(
+        format_idle_gpus(idle_gpus, now, idle_after)
+        if idle_gpus is not None
+        else "Idle GPUs not shown: you may not list GpuNodeStatuses."
     )
     print()
     print(
