@@ -108,7 +108,17 @@ def node(
 
 def unhealthy(inv: models.NodeInventory, *indices: int) -> models.NodeInventory:
     devices = tuple(
-        dataclasses.replace(d, health="Unhealthy", health_reason="XID 79") if d.index in indices else d
+        models.Device(
+            index=d.index,
+            minor=d.minor,
+            uuid=d.uuid,
+            product=d.product,
+            memory_mib=d.memory_mib,
+            compute_capability=d.compute_capability,
+            numa_node=d.numa_node,
+            health="Unhealthy" if d.index in indices else d.health,
+            health_reason="XID 79" if d.index in indices else "",
+        )
         for d in inv.devices
     )
     return models.NodeInventory(devices=devices, links=inv.links, islands=inv.islands, total=inv.total)
