@@ -98,6 +98,7 @@ ACTIONS = frozenset(
         "strip-finalizer",
         "preempt-cluster",
         "unplaceable",
+        "heal",
         "schedule-pod",
         "cpu-pod",
         "tick",
@@ -505,6 +506,8 @@ class SimCluster:
     async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
         # Best effort and invisible to the controller: no yield point, never raises.
         self.server.emit_event(obj, reason, message, type_)
+        if reason == "Reallocated" and message.startswith("moved replica"):
+            self.sim.count("healed_claims")
 
 
 def _short(outcome: Any) -> str:
@@ -549,6 +552,9 @@ class Simulation:
         self._release_rng = None if "release" in without else random.Random(seed ^ 0x2E1EA5E)
         # Which claims move off a lost node (onNodeLoss: Reallocate, a grace of 0-5 s), likewise.
         self._node_loss_rng = None if "reallocate" in without else random.Random(seed ^ 0x10577)
+        # Which claims move off a GPU that turned Unhealthy (onDeviceFailure: Reallocate, a grace of
+        # 0-3 s), likewise (issue 40).
+        self._heal_rng = None if "heal" in without else random.Random(seed ^ 0x4EA1)
         # Claim priorities (0-3 for half of them, so that some preempt others), likewise.
         self._priority_rng = None if "preempt" in without else random.Random(seed ^ 0x9E3779B9)
         # MIG (GPU 0 of n1 in MIG mode in half the schedules; a third of the claims then ask for
@@ -1047,6 +1053,8 @@ class Simulation:
             options.append(("admin-delete-lease", 0.3, functools.partial(self._admin_delete_lease, key)))
         for node in self.scenario.nodes:
             options.append(("flap-node", 0.4, functools.partial(self._flap, node)))
+            if self._heal_rng is not None and self._reallocating_gpus(node):
+                options.append(("heal", 2.0, functools.partial(self._fail_gpu, node)))
         options = [o for o in options if o[0] not in self.without]
         if not options:
             return
@@ -1073,6 +1081,9 @@ class Simulation:
         if self._node_loss_rng is not None and self._node_loss_rng.random() < 0.4:
             spec["onNodeLoss"] = constants.NODE_LOSS_REALLOCATE
             spec["nodeLossGracePeriodSeconds"] = self._node_loss_rng.randint(0, 5)
+        if self._heal_rng is not None and self._heal_rng.random() < 0.4:
+            spec["onDeviceFailure"] = constants.DEVICE_FAILURE_REALLOCATE
+            spec["deviceFailureGracePeriodSeconds"] = self._heal_rng.randint(0, 3)
         if self._priority_rng is not None and self._priority_rng.random() < 0.5:
             spec["priority"] = self._priority_rng.randint(0, 3)
         if self._mig_gpus and self._mig_rng is not None and self._mig_rng.random() < 0.35:
@@ -1099,6 +1110,8 @@ class Simulation:
             release += f", Shared (at most {most} per GPU)"
         if "onNodeLoss" in spec:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
+        if "onDeviceFailure" in spec:
+            release += f", onDeviceFailure Reallocate after {spec['deviceFailureGracePeriodSeconds']} s"
         if "priority" in spec:
             release += f", priority {spec['priority']}"
         if "podResources" in spec:
@@ -1287,6 +1300,32 @@ class Simulation:
                 unhealthy.append(index)
                 self.log("node", f"{node}/{index} Unhealthy")
         self.server.set_node_status(node, ready=ready, unhealthy=sorted(unhealthy))
+
+    def _fail_gpu(self, node: str) -> None:
+        """A GPU of an onDeviceFailure: Reallocate claim turns Unhealthy (its agent saw XID 79)."""
+        assert self._heal_rng is not None
+        status = self.server.objects["node_statuses"][node]["status"]
+        ready = any(
+            c["type"] == constants.CONDITION_READY and c["status"] == "True" for c in status["conditions"]
+        )
+        unhealthy = {d["index"] for d in status["devices"] if d["health"] != constants.HEALTHY}
+        index = self._heal_rng.choice(self._reallocating_gpus(node))
+        self.log("node", f"{node}/{index} Unhealthy (XID 79 under a Reallocate claim)")
+        self.count("failed_gpus")
+        self.server.set_node_status(node, ready=ready, unhealthy=sorted(unhealthy | {index}))
+
+    def _reallocating_gpus(self, node: str) -> list[int]:
+        """The indices of ``node``'s GPUs that onDeviceFailure: Reallocate claims list (issue 40:
+        failing one of them is what the healing path is for)."""
+        return sorted(
+            {
+                index
+                for claim in self.server.objects["claims"].values()
+                if (claim.get("spec") or {}).get("onDeviceFailure") == constants.DEVICE_FAILURE_REALLOCATE
+                for _, on, index in invariants.listed_devices(claim)
+                if on == node and index >= 0
+            }
+        )
 
     # ------------------------------------------------------------------ settling
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from controller import gates, reconciling
+from controller import gates, healing, reconciling
 from gpualloc.api import constants, models
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model, scheduler
@@ -376,8 +376,9 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # from an RNG of its own).
 # Seeds found before the simulation had tenants who strip a claim's finalizers, and preemption
 # across namespaces, run without them.
-# Seeds found before nodes had CPU and kube-scheduler placed pods (issue 41) run without them too.
-_BEFORE_FIT = frozenset({"unplaceable"})
+# Seeds found before nodes had CPU and kube-scheduler placed pods (issue 41), and before claims
+# moved off a failed GPU (issue 40), run without them too.
+_BEFORE_FIT = frozenset({"unplaceable", "heal"})
 _BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"}) | _BEFORE_FIT
 _PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
 # Seeds found before the simulation had stale webhooks (the "stale-pod" action) run without them.
@@ -670,3 +671,25 @@ def test_invariant_8_catches_a_pod_released_onto_another_node(
         None,
     )
     assert found is not None and found.number == 8, found
+
+
+# Issue 40: a GPU under an onDeviceFailure: Reallocate claim fails, and the claim's replica moves.
+def test_gpus_fail_under_reallocate_claims_and_those_claims_move(runner: scheduler.Runner) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(1000):
+        for what, n in runner.run(seed, keep_trace=False).stats.items():
+            totals[what] = totals.get(what, 0) + n
+    assert totals.get("failed_gpus", 0) > 20 and totals.get("healed_claims", 0) >= 5, totals
+
+
+def test_invariant_3_catches_a_replica_moved_while_its_pod_still_runs(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never_evicts(self: object, claim: models.GpuClaim, moving: object) -> bool:
+        return False  # as if no pod of the replica used its GPUs
+
+    monkeypatch.setattr(healing.Healer, "_evict", never_evicts)
+    found = runner.run(672, keep_trace=False).violation
+    assert found is not None and found.number == 3, found
+    monkeypatch.undo()
+    assert runner.run(672, keep_trace=False).violation is None
