@@ -8,7 +8,9 @@ renewals and a status refresh every tenth (counted in the API server's own audit
 log); an injected XID reaches the API within 2 s; an API server restart does not
 stop publishing; NVML init failure is published as NvmlReady=False and recovery
 follows; an injected stray GPU process is published in ``unexpectedProcesses``
-within one heartbeat, with a Warning Event on the Node.
+within one heartbeat, with a Warning Event on the Node; a GPU's ``idleSince`` is
+absent while an injected process runs and set when it goes, and ``gpualloc get
+usage --idle-after`` names the allocated GPUs without a process from it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from typing import Any
 import pytest
 
 from agent import inventory, main, nvml, publishing
-from gpualloc.api import codecs, constants
+from gpualloc import usage_view
+from gpualloc.api import codecs, constants, timestamps
 from gpualloc.api import leases as lease_format
 from gpualloc.devcluster import cluster
-from gpualloc.kube import leases
+from gpualloc.kube import leases, resources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from tests.conftest import completed_requests
@@ -424,3 +427,78 @@ async def test_an_injected_stray_process_is_reported_within_one_heartbeat_with_a
 
         inject.write_text(f"0 process 10 {mine}\n")  # the strays have exited
         await _until(control_plane, node, lambda o: not o["status"].get("unexpectedProcesses"), heartbeat)
+
+
+async def _allocated_claim(api: Any, namespace: str, name: str, node: str, device: dict[str, Any]) -> None:
+    """An Allocated claim holding ``device`` (as the GpuNodeStatus lists it) on ``node``, allocated
+    a minute ago; no controller runs, so its status is written here."""
+    crs = resources.CustomResources(api)
+    body = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.CLAIM_KIND,
+        "metadata": {"name": name},
+        "spec": {"devices": {"count": 1}},
+    }
+    await crs.create_claim(namespace, body)
+    ref = {"index": device["index"], "minor": device["minor"], "uuid": device["uuid"]}
+    allocated = {
+        "phase": constants.PHASE_ALLOCATED,
+        "allocations": [{"replica": 0, "nodeName": node, "devices": [ref]}],
+        "lastScheduleTime": timestamps.format_time(dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)),
+    }
+    await crs.patch_claim_status(namespace, name, {"status": allocated})
+
+
+async def _idle_gpus(
+    kubeconfig: str, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> list[tuple[str, int]]:
+    """``gpualloc get usage -A --idle-after 1s -o json``, in this process: this namespace's idle
+    GPUs, (claim, GPU index)."""
+    capsys.readouterr()
+    argv = ["--kubeconfig", kubeconfig, "-A", "--idle-after", "1s", "-o", "json"]
+    assert await asyncio.to_thread(usage_view.main, argv) == 0
+    found = json.loads(capsys.readouterr().out)["idleGpus"]
+    return [(g["claim"], g["index"]) for g in found if g["namespace"] == namespace]
+
+
+async def test_idle_since_follows_the_gpus_processes_and_get_usage_names_the_idle_allocated_gpu(
+    control_plane: Any,
+    kubeconfig: str,
+    api: Any,
+    namespace: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node = _node_name("agent-idle")
+    _create_node(control_plane, node)
+    inject = tmp_path / "processes"
+    inject.write_text("3 process 4242\n")  # running before the agent starts
+    flags = ["--source", "simulated", "--profile", "a100-pcie-4-nvlink", "--xid-inject-file", str(inject)]
+
+    def busy(index: int) -> Callable[[dict[str, Any]], bool]:
+        return lambda o: _published(4)(o) and "idleSince" not in _device(o, index)
+
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        obj = await _until(control_plane, node, busy(3), 15)
+        idle_since = _device(obj, 0)["idleSince"]  # never had a process: idle since the agent saw it
+        assert {_device(obj, i)["idleSince"] for i in (0, 1, 2)} == {idle_since}
+        assert publishing.comparable(codecs.parse_node_status(obj).status) == publishing.comparable(
+            agent.desired()
+        )  # stored as derived: the schema keeps idleSince
+        await _allocated_claim(api, namespace, "notebook", node, _device(obj, 0))
+        await _allocated_claim(api, namespace, "train", node, _device(obj, 3))
+        await asyncio.sleep(1.1)  # GPU 0 idle for more than --idle-after 1s
+        assert await _idle_gpus(kubeconfig, namespace, capsys) == [("notebook", 0)]
+
+        went = dt.datetime.now(dt.UTC).replace(microsecond=0)
+        inject.write_text("")  # the process on GPU 3 exits
+        obj = await _until(control_plane, node, lambda o: "idleSince" in _device(o, 3), 5)
+        since = timestamps.parse_time(_device(obj, 3)["idleSince"])
+        assert since is not None and went <= since <= went + dt.timedelta(seconds=3)
+        assert _device(obj, 0)["idleSince"] == idle_since  # GPU 0's value did not move
+        await asyncio.sleep(1.1)
+        assert await _idle_gpus(kubeconfig, namespace, capsys) == [("notebook", 0), ("train", 3)]
+
+        inject.write_text("3 process 4343\n")  # a new one: GPU 3 busy again
+        await _until(control_plane, node, busy(3), 5)
+        assert await _idle_gpus(kubeconfig, namespace, capsys) == [("notebook", 0)]
