@@ -304,7 +304,10 @@ class Release:
             "the standby reconciled while the old controller led"
         )
         sent = time.monotonic()
-        old.process.kill() if kill else old.terminate()
+        if kill:
+            old.process.kill()
+        else:
+            old.terminate()
         # A Lease given up is taken at the standby's next try; one left to expire, at most the
         # Lease duration after its last renewal (at most a retry period before the kill) plus a try.
         bound = LEASE_DURATION_S + 2 * RETRY_PERIOD_S if kill else LEASE_DURATION_S
