@@ -502,3 +502,24 @@ async def test_idle_since_follows_the_gpus_processes_and_get_usage_names_the_idl
         inject.write_text("3 process 4343\n")  # a new one: GPU 3 busy again
         await _until(control_plane, node, busy(3), 5)
         assert await _idle_gpus(kubeconfig, namespace, capsys) == [("notebook", 0)]
+
+
+async def test_a_restarted_agent_keeps_the_idle_since_of_gpus_still_idle_and_writes_no_status(
+    control_plane: Any, kubeconfig: str
+) -> None:
+    node = _node_name("agent-idle-restart")
+    _create_node(control_plane, node)
+    flags = ["--source", "simulated", "--profile", "a100-pcie-4-nvlink"]
+    async with running_agent(control_plane, kubeconfig, node, *flags, delete_after=False):
+        before = await _until(control_plane, node, _published(4), 15)
+    await asyncio.sleep(1.1)  # the new agent's own first scan is a later second
+    async with running_agent(control_plane, kubeconfig, node, *flags) as agent:
+        await _until(
+            control_plane, node, lambda o: agent.publisher is not None and agent.publisher.ready(), 15
+        )
+        after = await _get(control_plane, node)
+        assert after is not None
+        assert [d["idleSince"] for d in after["status"]["devices"]] == [
+            d["idleSince"] for d in before["status"]["devices"]
+        ]
+        assert agent.publisher is not None and agent.publisher.writes["status"] == 0  # nothing changed
