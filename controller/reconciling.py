@@ -197,6 +197,9 @@ class Reconciler:
             log.warning("devices lost", extra={"claim": claim.key, "reason": condition.message})
             self.writer.claim_event(claim, condition.reason, condition.message, "Warning")
         if failing is not None and failing.status == "True":
+            if claim.spec.on_device_failure == constants.DEVICE_FAILURE_REALLOCATE:
+                # Its own write wakes nobody: look again when the grace period, counted from now, is over.
+                self.requeue(claim.key, claim.spec.device_failure_grace_period_seconds)
             for problem in failures.unhealthy(problems):
                 message = f"{problem.detail}: held by claim {claim.key}"
                 self.writer.emit(healing.node_event_target(problem.node), failing.reason, message, "Warning")
