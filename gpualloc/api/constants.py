@@ -156,3 +156,29 @@ def lease_claim(metadata: Mapping[str, Any]) -> tuple[str, str]:
         return str(annotations.get(key) or labels.get(key) or "")
 
     return read(LABEL_CLAIM_NAMESPACE), read(LABEL_CLAIM_NAME)
+
+
+# ----------------------------------------------------------------- DRA (issue 42)
+# gpualloc is the DRA driver of its own allocations: for each Allocated replica the controller
+# writes a resource.k8s.io/v1 ResourceClaim whose status.allocation names the devices it chose
+# (its Leases stay the lock), the webhook puts it in the pod's spec.resourceClaims, and the
+# agent, as the kubelet plugin, answers NodePrepareResources with the devices' CDI names.
+DRA_DRIVER = "gpu.gpualloc.dev"  # the driver's name, and the DeviceClass the chart installs
+DRA_REQUEST = "gpus"  # the one request of every ResourceClaim gpualloc writes
+DRA_POD_CLAIM = "gpualloc-gpus"  # the pod's spec.resourceClaims entry (and containers' claims)
+
+
+def resource_claim_name(claim: str, replica: int) -> str:
+    """The ResourceClaim of a GpuClaim's replica, in the claim's namespace: ``<claim>-gpus-<r>``,
+    the claim's name cut and hashed when that would pass 253 characters."""
+    suffix = f"-gpus-{replica}"
+    if len(claim) + len(suffix) <= 253:
+        return f"{claim}{suffix}"
+    digest = hashlib.sha256(claim.encode()).hexdigest()[:10]
+    return f"{claim[: 253 - len(suffix) - 11]}-{digest}{suffix}"
+
+
+def dra_device_name(lock_id: str) -> str:
+    """A device's name in a ResourceClaim's allocation results (a DNS label): its lock id
+    (GPU or MIG UUID, or a shared GPU's slot id) in lower case."""
+    return lock_id.lower()
