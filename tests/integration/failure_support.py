@@ -46,7 +46,7 @@ def replica_pod(run: str, replica: int) -> Obj:
         "kind": "Pod",
         "metadata": {
             "name": f"gang-{replica}",
-            "labels": {support.RUN_LABEL: run},
+            "labels": {support.RUN_LABEL: run, "replica": str(replica)},
             "annotations": {constants.ANNOTATION_CLAIM: "gang", constants.ANNOTATION_REPLICA: str(replica)},
         },
         "spec": {"containers": [{"name": "main", "image": support.PAUSE_IMAGE}]},
@@ -55,6 +55,14 @@ def replica_pod(run: str, replica: int) -> Obj:
 
 def by_replica(claim: Obj) -> dict[int, Obj]:
     return {a["replica"]: a for a in claim["status"]["allocations"]}
+
+
+async def moved_off(api: Api, namespace: str, replica: int, uuid_: str) -> Obj | None:
+    """The gang once its ``replica`` lists GPUs and ``uuid_`` is not one of them, else None."""
+    claim = await support.get_claim(api, namespace, "gang")
+    devices = by_replica(claim).get(replica, {}).get("devices", []) if claim else []
+    uuids = {d["uuid"] for d in devices}
+    return claim if uuids and uuid_ not in uuids else None
 
 
 async def leases_by_name(api: Api, namespace: str) -> dict[str, Obj]:
@@ -123,13 +131,12 @@ async def failover(api: Api, kubeconfig: str, namespace: str, clique: Clique) ->
         started = time.monotonic()
         bad = await fail(clique, before, FAILED_REPLICA)
 
-        async def moved() -> Obj | None:
-            claim = await support.get_claim(api, namespace, "gang")
-            mine = by_replica(claim).get(FAILED_REPLICA, {}) if claim else {}
-            uuids = {d["uuid"] for d in mine.get("devices", [])}
-            return claim if uuids and bad["uuid"] not in uuids else None
-
-        after = await support.wait_for(moved, within=20, interval=0.05, what="replica 2 on other GPUs")
+        after = await support.wait_for(
+            lambda: moved_off(api, namespace, FAILED_REPLICA, bad["uuid"]),
+            within=20,
+            interval=0.05,
+            what="replica 2 on other GPUs",
+        )
         return Failover(
             before=before, after=after, leases=held, pods=pods, seconds=time.monotonic() - started
         )

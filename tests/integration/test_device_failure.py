@@ -147,3 +147,54 @@ async def test_a_failed_gpu_stays_unhealthy_across_an_agent_restart_for_the_reco
 
         await support.wait_for(healthy_3, within=15, what="GPU 3 Healthy after the recovery time")
         assert time.monotonic() - restarted >= 3
+
+
+async def test_a_pod_disruption_budget_holds_the_failed_replica_back_until_it_allows_the_eviction(
+    api: Api, control_plane: Any, kubeconfig: str, namespace: str, tmp_path: Path
+) -> None:
+    """The move evicts through the Eviction API: a budget that allows no disruption of replica 2's
+    (Running) pod keeps it and the replica's GPUs, fenced; once the budget goes, the replica moves."""
+    await asyncio.to_thread(control_plane.ensure_controller_manager)  # computes the budget
+    crs = resources.CustomResources(api)
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    pdbs = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets"
+    async with failure.clique_of_two(api, control_plane, kubeconfig, tmp_path) as clique:
+        argv = support.controller_argv(namespace, run=clique.run)
+        async with support.running_controller(kubeconfig, argv):
+            await support.retry_unavailable(lambda: crs.create_claim(namespace, failure.gang(clique.run)))
+            before = await support.wait_phase(api, namespace, "gang", constants.PHASE_ALLOCATED, within=60)
+            pod = await support.create_pod(api, namespace, failure.replica_pod(clique.run, 2))
+            # Running, as its kubelet would say: the Eviction API ignores budgets for Pending pods.
+            running = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+            name = pod["metadata"]["name"]
+            await transport.request(
+                api, "PATCH", f"{pods}/{name}/status", body=running, content_type=transport.MERGE_PATCH
+            )
+            budget = {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {"name": "keep-replica-2"},
+                "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"replica": "2"}}},
+            }
+            await transport.request(api, "POST", pdbs, body=budget)
+            bad = await failure.fail(clique, before, 2)
+            fenced = await support.wait_condition(
+                api, namespace, "gang", "Releasing", status="True", within=30
+            )
+            assert support.condition(fenced, "Releasing")["reason"] == "DeviceFailed"
+            await asyncio.sleep(4)  # several looks, each eviction refused (429)
+            held = await support.get_claim(api, namespace, "gang")
+            assert held is not None and failure.by_replica(held) == failure.by_replica(before)
+            kept = await transport.request(api, "GET", f"{pods}/{name}")
+            assert kept["metadata"]["uid"] == pod["metadata"]["uid"] and not kept["metadata"].get(
+                "deletionTimestamp"
+            )
+
+            await transport.request(api, "DELETE", f"{pdbs}/keep-replica-2")
+
+            after = await support.wait_for(
+                lambda: failure.moved_off(api, namespace, 2, bad["uuid"]),
+                within=30,
+                what="replica 2 moved once the budget is gone",
+            )
+            assert support.condition(after, "Releasing")["status"] == "False"
