@@ -10,6 +10,10 @@
    ``lastTransitionTime``. If they differ it writes the whole status (a merge
    patch on the status subresource, conditional on the resourceVersion it
    read; keys the server has that the new status lacks are set to null).
+   When the server's answer lacks part of what was written (it prunes the
+   fields a GpuNodeStatus CRD older than the agent lacks), it says so once and
+   does not write that status again until it changes or a refresh brings a new
+   copy: a stale CRD costs a write per refresh, not one per round.
 3. Otherwise, when ``heartbeat_interval`` has passed since its last write, it
    renews the node's heartbeat Lease (``gpualloc.api.leases.heartbeat_lease``,
    created when missing), as the kubelet renews its node Lease. Every
@@ -250,6 +254,8 @@ class Publisher:
         self.last_status_write: float | None = None  # ... of the status (a change, or its heartbeat)
         self.writes: dict[str, int] = {"create": 0, "status": 0, "heartbeat": 0, "refresh": 0, "owner": 0}
         self.errors = 0
+        # (resourceVersion, what was written) when the answer to the last status write lacked part of it
+        self._kept_less: tuple[str, models.NodeInventory] | None = None
 
     # -- state ---------------------------------------------------------------
 
@@ -280,13 +286,15 @@ class Publisher:
         now = timestamps.format_time(self._wall())
         current = read_status(status)
         conds = merge_conditions(desired.conditions, current.conditions if current else (), now)
+        rv = (self.server.get("metadata") or {}).get("resourceVersion")
         if current is None or comparable(current) != comparable(desired):
+            if self._kept_less == (rv, comparable(desired)):
+                return await self._heartbeat(now, conds)  # written already: no rewrite on every round
             full = dataclasses.replace(desired, conditions=conds, last_heartbeat_time=now)
             body = codecs.encode(full)
             for key in status:
                 if key not in body:
                     body[key] = None
-            rv = (self.server.get("metadata") or {}).get("resourceVersion")
             self.server = await self.crs.patch_node_status_status(
                 self.node_name, {"status": body}, resource_version=rv or None
             )
@@ -296,7 +304,29 @@ class Publisher:
                 "status written",
                 extra={"node": self.node_name, "total": full.total, "healthy": full.healthy},
             )
+            self._check_kept(desired)
             return "status"
+        return await self._heartbeat(now, conds)
+
+    def _check_kept(self, desired: models.NodeInventory) -> None:
+        """Whether the API server kept the whole status just written. When it did not (it prunes
+        the fields its GpuNodeStatus CRD lacks: a CRD older than this agent), the same status is
+        not written again until it changes or the server's copy does (a refresh), and it says so."""
+        answer = read_status((self.server or {}).get("status"))
+        rv = ((self.server or {}).get("metadata") or {}).get("resourceVersion")
+        if answer is not None and comparable(answer) == comparable(desired):
+            self._kept_less = None
+            return
+        if self._kept_less is None:
+            log.warning(
+                "the API server did not keep the whole status: is the GpuNodeStatus CRD older than this"
+                " agent? Apply the chart's CRDs (kubectl apply --server-side)",
+                extra={"node": self.node_name},
+            )
+        self._kept_less = (str(rv), comparable(desired))
+
+    async def _heartbeat(self, now: str, conds: tuple[models.Condition, ...]) -> str | None:
+        """The status is as desired: renew the heartbeat when due (module docstring, step 3)."""
         if self.last_write is not None and self._mono() - self.last_write < self.heartbeat_interval:
             return None
         refresh_after = STATUS_REFRESH_INTERVALS * self.heartbeat_interval

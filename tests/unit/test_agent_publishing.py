@@ -228,6 +228,50 @@ async def test_a_change_is_written_at_once_conditionally_on_the_resource_version
     assert patch["status"]["healthy"] == 3
 
 
+class PruningStub(StubResources):
+    """A server whose GpuNodeStatus CRD predates ``idleSince``: it drops the field from every write."""
+
+    async def patch_node_status_status(
+        self, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> dict[str, Any]:
+        for device in patch["status"].get("devices") or ():
+            device.pop("idleSince", None)
+        return await super().patch_node_status_status(name, patch, resource_version)
+
+
+async def test_a_status_the_server_keeps_only_in_part_is_not_rewritten_every_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stub, clock = PruningStub(), Clock()
+    pub = _publisher(stub, clock, renewed=[])
+    base = _inventory()
+    idle = tuple(dataclasses.replace(d, idle_since="2026-11-23T11:00:00Z") for d in base.devices)
+    inv = dataclasses.replace(base, devices=idle)
+    with caplog.at_level(logging.WARNING, logger="agent.publishing"):
+        assert await pub.step(inv) == "status"
+        results = []
+        for _ in range(200):  # 200 s in 1 s rounds, each woken as a scan would
+            clock.t += 1.0
+            results.append(await pub.step(inv))
+    # One rewrite, after the refresh at 100 s (its answer is a new copy), not one per round.
+    assert results.count("status") == 1 and results.count("refresh") == 1, results
+    assert results.index("status") == results.index("refresh") + 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "the API server did not keep the whole status: is the GpuNodeStatus CRD older than this agent?"
+        " Apply the chart's CRDs (kubectl apply --server-side)"
+    ) == 1
+    clock.t += 1.0
+    uuid = inv.devices[2].uuid
+    changed = dataclasses.replace(
+        inv,
+        devices=tuple(
+            dataclasses.replace(d, health="Unhealthy", health_reason="XID 79") if d.uuid == uuid else d
+            for d in inv.devices
+        ),
+    )
+    assert await pub.step(changed) == "status"  # a real change is still written at once
+
+
 async def test_condition_transition_time_holds_while_its_status_holds() -> None:
     stub, clock, pub, _ = await _published()
     clock.t += 100.0
