@@ -30,6 +30,12 @@ the same controller code runs against both:
   with status 429 when one does), ``errors.NotFound`` when the pod is gone;
 * ``patch_pod``: a JSON Patch (list of operations) on a pod;
 * ``emit_event``: best effort, never raises.
+
+With ``--dra``, ``controller.dra`` also writes ResourceClaims through ``KubeCluster`` (its
+``dra.ResourceClaims``, not part of ``Cluster``: the simulation runs without DRA):
+``create_resource_claim``, ``patch_resource_claim_status`` (a merge patch on the status
+subresource with a resourceVersion precondition) and ``delete_resource_claim`` (with a uid
+precondition).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ COMPONENT = "gpualloc-controller"
 # Lease create or a status write wait for a connection of the pool.
 EVENT_CONNECTIONS = 2
 PAGE_SIZE = 500  # pods per page when listing a namespace
+RESOURCE_GROUP, RESOURCE_VERSION, RESOURCE_CLAIMS = "resource.k8s.io", "v1", "resourceclaims"
 
 
 class Cluster(Protocol):
@@ -174,6 +181,33 @@ class KubeCluster:
             self.api, "PATCH", path, body=[dict(op) for op in operations], content_type=transport.JSON_PATCH
         )
         return result
+
+    # ------------------------------------------------------------------ ResourceClaims (controller.dra)
+
+    def _resource_claim_path(self, namespace: str, name: str | None = None) -> str:
+        return transport.collection_path(RESOURCE_GROUP, RESOURCE_VERSION, RESOURCE_CLAIMS, namespace, name)
+
+    async def create_resource_claim(self, namespace: str, body: Mapping[str, Any]) -> Obj:
+        result: Obj = await transport.request(
+            self.api, "POST", self._resource_claim_path(namespace), body=dict(body)
+        )
+        return result
+
+    async def patch_resource_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, resource_version: str
+    ) -> Obj:
+        result: Obj = await transport.request(
+            self.api,
+            "PATCH",
+            self._resource_claim_path(namespace, name) + "/status",
+            body=resources.with_resource_version(patch, resource_version),
+            content_type=transport.MERGE_PATCH,
+        )
+        return result
+
+    async def delete_resource_claim(self, namespace: str, name: str, *, uid: str) -> None:
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        await transport.request(self.api, "DELETE", self._resource_claim_path(namespace, name), body=body)
 
     async def emit_event(self, obj: Mapping[str, Any], reason: str, message: str, type_: str) -> None:
         async with self._event_slots:

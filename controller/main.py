@@ -116,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="which of a claim's tolerations the allocator honours: those a GpuQuota of its namespace"
         " allows in spec.allowedTolerations (default), or all of them (single-tenant clusters)",
     )
+    parser.add_argument(
+        "--dra",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="write a resource.k8s.io/v1 ResourceClaim (driver gpu.gpualloc.dev) for each allocated"
+        " replica, owned by its GpuClaim, for kube-scheduler and the kubelet (needs resource.k8s.io/v1)",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "namespace": "POD_NAMESPACE"})
     return parser
@@ -134,10 +143,13 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     args = build_parser().parse_args(list(argv))
     stop = stop or asyncio.Event()
     identity = args.identity or default_identity()
-    # A connection per worker, and one for each watch (claims, leases, statuses, nodes, pods, quotas).
+    # A connection per worker, and one for each watch (claims, leases, statuses, nodes, pods, quotas,
+    # and with --dra the ResourceClaims and the mirror's workers).
     # The audit log tells controllers apart by the user agent (the benchmark counts requests by it).
     api = await client.connect(
-        args.kubeconfig, connections=args.workers + 8, user_agent=f"{USER_AGENT}/{identity}"
+        args.kubeconfig,
+        connections=args.workers + 8 + (3 if args.dra else 0),
+        user_agent=f"{USER_AGENT}/{identity}",
     )
     metrics = controller_metrics.Metrics()
     controller = running.Controller(
@@ -153,6 +165,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             claim_selector=args.claim_selector,
             preemption_scope=args.preemption_scope,
             claim_tolerations=args.claim_tolerations,
+            dra=args.dra,
         ),
         metrics,
     )

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from controller import allocator, quotas
+from controller import allocator, dra, quotas
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
@@ -107,6 +107,14 @@ class Controller:
             requeue=self.queue.add_after,
         )
         self.sweeper = Sweeper(cluster, self.state, self.gate, self.ledger, self.writer, wake=self.queue.add)
+        # With --dra, the ResourceClaims mirror: a loop of its own, on the claim cache and its watch.
+        self.dra: dra.Mirror | None = None
+        self._dra_feed: watching.Reflector | None = None
+        if settings.dra:
+            if not isinstance(cluster, kube.KubeCluster):
+                raise ValueError("the DRA mirror (--dra) runs on a real API server only")
+            self._dra_feed = dra.reflector(cluster.api)
+            self.dra = dra.Mirror(cluster, self.state, self._dra_feed, rng=self.rng)
         self._errors: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._pending_events = 0
@@ -154,11 +162,12 @@ class Controller:
     # ------------------------------------------------------------------ running
 
     def synced(self) -> bool:
-        return self.state.synced()
+        return self.state.synced() and (self.dra is None or self.dra.synced())
 
     async def run_caches(self) -> None:
         """Keep every cache until cancelled (real API server only)."""
-        await watching.run_reflectors(*self.feeds.values())
+        extra = [self._dra_feed] if self._dra_feed is not None else []
+        await watching.run_reflectors(*self.feeds.values(), *extra)
 
     async def run_active(self) -> None:
         """Reconcile and sweep until cancelled (the leader's part). The caches must be running."""
@@ -176,6 +185,8 @@ class Controller:
                 for i in range(max(1, self.settings.workers)):
                     group.create_task(self._worker(), name=f"reconcile-worker-{i}")
                 group.create_task(self._sweep_loop(), name="sweep")
+                if self.dra is not None:
+                    group.create_task(self.dra.run(), name="dra")
         finally:
             self.active = False
             self.metrics.leader.set(0)

@@ -24,3 +24,4 @@ class Settings:
     claim_selector: str = ""  # label selector: handle only these claims (shards, tests); "" = all
     preemption_scope: str = "Namespace"  # whose claims a claim may preempt: Namespace, Cluster or None
     claim_tolerations: str = "Allowed"  # Allowed: those its namespace's GpuQuotas allow; Any: all of them
+    dra: bool = False  # write a resource.k8s.io/v1 ResourceClaim per allocated replica (controller.dra)
