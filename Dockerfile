@@ -12,8 +12,9 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # The build tools first (a layer that changes rarely), then the sources.
-RUN python -m pip install "setuptools>=77" wheel
-COPY pyproject.toml README.md LICENSE ./
+# grpcio-tools: setup.py generates the kubelet API's protobuf modules (agent/kubeletapi) with its protoc.
+RUN python -m pip install "setuptools>=77" wheel "grpcio-tools~=1.85.0"
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY gpualloc/ gpualloc/
 COPY agent/ agent/
 COPY controller/ controller/

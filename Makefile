@@ -14,7 +14,8 @@ help:
 	@echo "make lint   - ruff, mypy --strict, import-linter"
 	@echo "make bench  - benchmarks; results in bench/results/, summary in BENCHMARKS.md"
 
-$(BIN)/gpualloc: pyproject.toml
+# setup.py generates agent/kubeletapi/*_pb2.py from the vendored .proto files at install time.
+$(BIN)/gpualloc: pyproject.toml setup.py $(wildcard agent/kubeletapi/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
