@@ -112,6 +112,7 @@ class Options:
     pending: PendingMode = "deny"
     device_ids: DeviceIdMode = "uuid"
     allow_device_plugin: bool = False
+    dra: bool = False  # the pod also uses its replica's ResourceClaim (recipe.dra_edits)
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -328,7 +329,7 @@ def decide(parsed: PodCreate | Decision, claims: ClaimLookup, options: Options =
         why = f"{parsed.claim_words} is {claim.status.phase}, not Allocated: {_quote(status_message)}"
     if options.pending == "deny":
         return _denied(uid, f"{why}; the pod can be created once the claim is Allocated")
-    return _gated(parsed, claim, why)
+    return _gated(parsed, claim, why, options)
 
 
 def _taken(claim: models.GpuClaim) -> str | None:
@@ -430,7 +431,13 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Deci
             f"{req.claim_words} (replica {replica}) holds GPUs on that node; "
             "remove the pin or use another claim",
         )
-    ops, replaced = recipe.edits(pod, claim, allocation, options.device_ids)
+    resource_claim = ""
+    if options.dra:
+        resource_claim = constants.resource_claim_name(req.claim_name, replica)
+        foreign = _foreign_claim(req, resource_claim)
+        if foreign is not None:
+            return _denied(uid, foreign)
+    ops, replaced = recipe.edits(pod, claim, allocation, options.device_ids, resource_claim)
     warnings = (
         [f"gpualloc replaced {', '.join(replaced)[:200]} with the devices of {req.claim_words}"]
         if replaced
@@ -439,13 +446,47 @@ def _allocated(req: PodCreate, claim: models.GpuClaim, options: Options) -> Deci
     return Decision(answer=allow(uid, patch=ops, warnings=warnings), outcome=MUTATED)
 
 
-def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str) -> Decision:
+def _gated(req: PodCreate, claim: models.GpuClaim | None, why: str, options: Options = Options()) -> Decision:
     uid, pod = req.uid, req.pod
     if _sets_node_name(req):
         return _denied(uid, f"{why}; {_NODE_NAME_WHY}")
+    replica: int | str = 0
     if claim is not None:
         replica = _replica(req, claim)
-        if isinstance(replica, str):
-            return _denied(uid, replica)
-    ops, _ = recipe.edits(pod, claim)
+    elif options.dra:  # the claim is not made yet: the pod's own word, else replica 0
+        replica = _named_replica(req)
+    if isinstance(replica, str):
+        return _denied(uid, replica)
+    resource_claim = ""
+    if options.dra:
+        # spec.resourceClaims cannot be changed once the pod exists: it names its replica's now.
+        resource_claim = constants.resource_claim_name(req.claim_name, replica)
+        foreign = _foreign_claim(req, resource_claim)
+        if foreign is not None:
+            return _denied(uid, foreign)
+    ops, _ = recipe.edits(pod, claim, resource_claim=resource_claim)
     return Decision(answer=allow(uid, patch=ops), outcome=GATED)
+
+
+def _named_replica(req: PodCreate) -> int | str:
+    """The replica the pod names (0 when it names none), or a denial message."""
+    meta = {"annotations": mutations.pod_annotations(req.pod), "labels": mutations.pod_labels(req.pod)}
+    try:
+        replica = pods.replica_of(meta)
+    except pods.ReplicaError as exc:
+        return str(exc)
+    return 0 if replica is None else replica.index
+
+
+def _foreign_claim(req: PodCreate, resource_claim: str) -> str | None:
+    """The denial for a pod whose own ``spec.resourceClaims`` entry ``gpualloc-gpus`` stands for
+    something else than its replica's ResourceClaim ``resource_claim``; None when it has none (or
+    that very one: the webhook's reinvocation)."""
+    other = mutations.foreign_pod_claim(req.pod, resource_claim)
+    if other is None:
+        return None
+    return (
+        f"pod {mutations.display_name(req.pod)} names {other} as spec.resourceClaims entry "
+        f"{constants.DRA_POD_CLAIM!r}, the name gpualloc gives the ResourceClaim of {req.claim_words} "
+        f"({resource_claim}); remove that entry (gpualloc adds it) or use another name for your own claim"
+    )

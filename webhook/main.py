@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="admit claim pods that also request nvidia.com/gpu from the device plugin",
     )
     parser.add_argument(
+        "--dra",
+        action="store_true",
+        default=False,
+        help="also give each claim pod its replica's ResourceClaim (spec.resourceClaims gpualloc-gpus,"
+        " and resources.claims in every container), which the controller's --dra writes",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=server.SHUTDOWN_TIMEOUT,
@@ -106,7 +113,10 @@ async def run(args: argparse.Namespace) -> int:
         log.error("cannot load the serving certificate", extra={"error": str(exc)})
         return 1
     options = admission.Options(
-        pending=args.pending, device_ids=args.device_ids, allow_device_plugin=args.allow_device_plugin
+        pending=args.pending,
+        device_ids=args.device_ids,
+        allow_device_plugin=args.allow_device_plugin,
+        dra=args.dra,
     )
     api = await client.connect(args.kubeconfig)
     try:

@@ -314,6 +314,57 @@ def add_scheduling_gate(pod: objects.Pod[Any], ops: list[Op]) -> None:
         ops.append(add("/spec/schedulingGates/-", gate))
 
 
+def foreign_pod_claim(pod: objects.Pod[Any], resource_claim: str) -> str | None:
+    """What the pod's own ``spec.resourceClaims`` entry named ``gpualloc-gpus`` stands for, when it is
+    not the ResourceClaim ``resource_claim`` (the entry ``add_resource_claim`` writes); None when the
+    pod has no such entry, or has exactly that one (a reinvocation)."""
+    spec = pod.spec
+    for entry in (spec.resource_claims if spec is not None else None) or ():
+        if entry.name != constants.DRA_POD_CLAIM:
+            continue
+        if entry.resource_claim_name == resource_claim and entry.resource_claim_template_name is None:
+            return None
+        if entry.resource_claim_template_name is not None:
+            return f"ResourceClaimTemplate {entry.resource_claim_template_name!r}"
+        return f"ResourceClaim {entry.resource_claim_name!r}"
+    return None
+
+
+def add_resource_claim(pod: objects.Pod[Any], resource_claim: str, ops: list[Op]) -> None:
+    """Add ``{name: gpualloc-gpus, resourceClaimName: resource_claim}`` to ``spec.resourceClaims`` unless
+    the pod has an entry of that name (``foreign_pod_claim`` says whether it is another)."""
+    entry = {"name": constants.DRA_POD_CLAIM, "resourceClaimName": resource_claim}
+    spec = pod.spec
+    if spec is None:
+        add_member(ops, "/spec", "resourceClaims", [entry])
+    elif spec.resource_claims is None:
+        ops.append(add("/spec/resourceClaims", [entry]))
+    elif not any(c.name == constants.DRA_POD_CLAIM for c in spec.resource_claims):
+        ops.append(add("/spec/resourceClaims/-", entry))
+
+
+def use_resource_claim_everywhere(pod: objects.Pod[Any], ops: list[Op]) -> None:
+    """Add ``{name: gpualloc-gpus}`` to ``resources.claims`` of every init container and container (those
+    the device env goes to, ``set_env_everywhere``) that does not list it."""
+    spec = pod.spec
+    if spec is None:
+        return
+    ref = {"name": constants.DRA_POD_CLAIM}
+    for prefix, containers in (
+        ("/spec/initContainers/", spec.init_containers),
+        ("/spec/containers/", spec.containers),
+    ):
+        for i, container in enumerate(containers or ()):
+            path = f"{prefix}{i}/resources"
+            resources = container.resources
+            if resources is None:
+                ops.append(add(path, {"claims": [ref]}))
+            elif resources.claims is None:
+                ops.append(add(f"{path}/claims", [ref]))
+            elif not any(c.name == constants.DRA_POD_CLAIM for c in resources.claims):
+                ops.append(add(f"{path}/claims/-", ref))
+
+
 def add_tolerations(pod: objects.Pod[Any], wanted: Sequence[models.Toleration], ops: list[Op]) -> None:
     """Add each of ``wanted`` that the pod does not carry already (the claim's, and the defaults)."""
 

@@ -66,9 +66,17 @@ class GpuAmount(msgspec.Struct, Generic[Gpu], rename={"gpu": "nvidia.com/gpu"}, 
     gpu: Gpu | None = None
 
 
+class ClaimRef(_Struct):
+    """An entry of a container's ``resources.claims``: a name of the pod's ``spec.resourceClaims``."""
+
+    name: str = ""
+    request: str | None = None
+
+
 class Resources(_Struct, Generic[Gpu]):
     limits: GpuAmount[Gpu] | None = None
     requests: GpuAmount[Gpu] | None = None
+    claims: list[ClaimRef] | None = None
 
 
 class Container(_Struct, Generic[Gpu]):
@@ -79,6 +87,15 @@ class Container(_Struct, Generic[Gpu]):
 
 class SchedulingGate(_Struct):
     name: str = ""
+
+
+class PodResourceClaim(_Struct):
+    """An entry of ``spec.resourceClaims``: a name for the containers, and the ResourceClaim (or
+    template) it stands for."""
+
+    name: str = ""
+    resource_claim_name: str | None = None
+    resource_claim_template_name: str | None = None
 
 
 class Toleration(_Struct):
@@ -102,6 +119,7 @@ class PodSpec(_Struct, Generic[Gpu]):
     node_selector: dict[str, str] | None = None
     affinity: Any = None  # read by ``pods.affinity_excludes``, which takes any JSON
     scheduling_gates: list[SchedulingGate] | None = None
+    resource_claims: list[PodResourceClaim] | None = None
     tolerations: list[Toleration] | None = None
     resources: Resources[Gpu] | None = None  # pod-level resources
     init_containers: list[Container[Gpu]] | None = None

@@ -22,6 +22,14 @@ function the same way):
   in when it lifts the gate. Gate mode always yields UUIDs, whatever the
   device-id mode, since the annotation holds UUIDs.
 
+With DRA (``resource_claim``, the webhook's ``--dra``), both kinds of pod also name the
+replica's ResourceClaim (``constants.resource_claim_name``, which the controller writes) in
+``spec.resourceClaims`` as ``gpualloc-gpus``, and every container and init container that gets
+the env lists it in ``resources.claims`` (``dra_edits``): kube-scheduler then places the pod where
+the claim's allocation says and the kubelet has the driver (the agent) prepare exactly its devices.
+``spec.resourceClaims`` cannot change once the pod exists, so a gated pod gets it at creation too:
+its replica is known then. The env stays, for the runtimes that read it.
+
 Device ids: UUIDs by default. ``device_ids="index"`` is for clusters whose
 container runtime exposes every GPU of the node to every container: it writes
 host indices to ``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so
@@ -49,18 +57,32 @@ def edits(
     claim: models.GpuClaim | None,
     allocation: models.Allocation | None = None,
     device_ids: DeviceIdMode = "uuid",
+    resource_claim: str = "",
 ) -> tuple[list[mutations.Op], list[str]]:
     """The patch that gives ``pod`` what ``claim`` provides, and the user-set env entries it replaces
     (``container/NAME``; none in gate mode).
 
     With ``allocation`` (the pod's replica's, holding devices): the allocated pod; without, the
-    pod of a claim not allocated yet, or not created yet (``claim`` None), in gate mode."""
+    pod of a claim not allocated yet, or not created yet (``claim`` None), in gate mode. With
+    ``resource_claim`` (DRA on): the pod also uses that ResourceClaim (``dra_edits``)."""
     spec = claim.spec if claim is not None else None
     tolerations = taints.claim_tolerations(spec) if spec is not None else taints.DEFAULT_TOLERATIONS
     extra_env = sharing_env(spec) if spec is not None else []
+    replaced: list[str] = []
     if allocation is None:
-        return edit_gated(pod, tolerations, extra_env), []
-    return edit_allocated(pod, allocation, device_ids, tolerations, extra_env)
+        ops = edit_gated(pod, tolerations, extra_env)
+    else:
+        ops, replaced = edit_allocated(pod, allocation, device_ids, tolerations, extra_env)
+    if resource_claim:
+        dra_edits(pod, resource_claim, ops)
+    return ops, replaced
+
+
+def dra_edits(pod: objects.Pod[Any], resource_claim: str, ops: list[mutations.Op]) -> None:
+    """Name the ResourceClaim ``resource_claim`` as ``gpualloc-gpus`` in ``spec.resourceClaims``, and
+    that in every container's and init container's ``resources.claims``."""
+    mutations.add_resource_claim(pod, resource_claim, ops)
+    mutations.use_resource_claim_everywhere(pod, ops)
 
 
 def device_env(
