@@ -25,6 +25,10 @@ Tasks of a running agent (``Agent.run``), all in one event loop:
   which moves only when a GPU goes from busy to idle or back. At start the
   previous GpuNodeStatus's values are carried over for GPUs still idle.
 * probes and metrics (``gpualloc.runtime.serving``).
+* the DRA kubelet plugin (``--kubelet-plugin``; ``kubelet_plugin``): the kubelet's
+  plugin-registration and DRA gRPC services on unix sockets under ``--kubelet-root``, answering
+  NodePrepareResources with the CDI device IDs of a ResourceClaim's GPUs on this node; after every
+  scan it is given the GPUs (and, in ``--cdi-mode gpualloc``, writes their CDI spec in ``--cdi-dir``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent import audit, health, idleness, inventory, publishing, simulated
+from agent import audit, dra, health, idleness, inventory, kubelet_plugin, publishing, simulated
 from agent import metrics as agent_metrics
 from gpualloc.api import constants, models, timestamps
 from gpualloc.api import leases as lease_format
@@ -150,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="namespace of the node heartbeat Leases (default <lease namespace>-heartbeats; empty, or no"
         " lease namespace: the GpuNodeStatus carries every heartbeat)",
     )
+    parser.add_argument(
+        "--kubelet-plugin",
+        action="store_true",
+        help="serve as the kubelet's DRA plugin of driver gpu.gpualloc.dev (registration, DRA sockets)",
+    )
+    parser.add_argument(
+        "--kubelet-root",
+        default="/var/lib/kubelet",
+        help="the kubelet's root directory: its plugins_registry/ and plugins/ hold the plugin's sockets",
+    )
+    parser.add_argument(
+        "--cdi-mode",
+        choices=dra.MODES,
+        default="gpualloc",
+        help="gpualloc: write this node's CDI spec (kind gpualloc.dev/gpu) and answer its names;"
+        " nvidia: answer nvidia.com/gpu=<UUID>, the names of NVIDIA's own spec (nvidia-ctk cdi generate)",
+    )
+    parser.add_argument(
+        "--cdi-dir", default="/var/run/cdi", help="where the CDI spec is written (--cdi-mode gpualloc)"
+    )
+    parser.add_argument(
+        "--device-dir",
+        default="/dev",
+        help="where this node's GPU device files are (/dev; the local real node's made-up files elsewhere)",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "lease_namespace": "POD_NAMESPACE"})
     return parser
@@ -209,6 +238,7 @@ class Agent:
         self._event_thread: health.EventThread | None = None
         self._event_generation = -1
         self._labels_applied: dict[str, str] | None = None
+        self.plugin: kubelet_plugin.KubeletPlugin | None = None  # --kubelet-plugin
 
     # -- what to publish ------------------------------------------------------
 
@@ -280,6 +310,8 @@ class Agent:
             log.info("device source available again", extra={"node": self.node_name})
         self.source_error = ""
         self.metrics.source_ready = True
+        if self.plugin is not None:
+            self.plugin.update(dra.gpus(self.facts))
         self._recount_leases()
         try:
             self.metrics.samples = await asyncio.to_thread(self.source.samples)
@@ -452,6 +484,23 @@ class Agent:
             extra={"node": self.node_name, "devices": ",".join(sorted(previous)), "seconds": hold},
         )
 
+    async def start_kubelet_plugin(self) -> None:
+        """Serve the kubelet's registration and DRA sockets, with the GPUs of the first scan."""
+        assert self._api is not None
+        plugin = kubelet_plugin.KubeletPlugin(
+            node=self.node_name,
+            kubelet_root=self.args.kubelet_root,
+            read_claim=kubelet_plugin.claim_reader(self._api),
+            loop=asyncio.get_running_loop(),
+            mode=self.args.cdi_mode,
+            cdi_dir=self.args.cdi_dir,
+            device_dir=self.args.device_dir,
+        )
+        if self.facts is not None:
+            plugin.update(dra.gpus(self.facts))
+        await asyncio.to_thread(plugin.start)
+        self.plugin = plugin
+
     def ready(self) -> bool:
         return self.publisher is not None and self.publisher.ready()
 
@@ -472,6 +521,8 @@ class Agent:
                 self._api = await client.connect(self.args.kubeconfig)
             await self.read_sharing_label()
             await self.carry_previous()
+            if self.args.kubelet_plugin:
+                await self.start_kubelet_plugin()
             beats = self.heartbeat_namespace()
             self.publisher = publishing.Publisher(
                 resources.CustomResources(self._api),
@@ -548,6 +599,8 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._stop_event_thread()
+            if self.plugin is not None:
+                await asyncio.to_thread(self.plugin.stop)
             for runner in runners:
                 await runner.cleanup()
             await asyncio.to_thread(self.source.close)
