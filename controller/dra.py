@@ -22,14 +22,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from controller import queue as work_queue
 from controller import resourceclaims
 from controller.state import Feed, State
+from gpualloc.api import timestamps
 from gpualloc.kube import errors, watching
 from gpualloc.kube.client import Api
 from gpualloc.runtime import backoff
@@ -80,8 +82,10 @@ class Mirror:
         *,
         workers: int = WORKERS,
         rng: random.Random | None = None,
+        now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self.cluster = cluster
+        self.now = now
         self.state = state
         self.feed = feed
         self.workers = workers
@@ -170,7 +174,8 @@ class Mirror:
                 self.writes["clear"] += 1
             else:
                 name = step.name
-                patch = {"status": {"allocation": step.allocation}}
+                stamp = timestamps.format_time(self.now())
+                patch = {"status": {"allocation": resourceclaims.allocation_json(step.allocated, stamp)}}
                 version = watching.resource_version_of(latest[name])
                 answer = await self.cluster.patch_resource_claim_status(
                     namespace, name, patch, resource_version=version

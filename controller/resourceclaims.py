@@ -75,7 +75,7 @@ class Create:
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriteAllocation:
     name: str  # its status.allocation written; its resourceVersion is the one the create or clear answered
-    allocation: Obj
+    allocated: Allocated
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,10 +168,14 @@ def body(claim: models.GpuClaim, want: Wanted) -> Obj:
     }
 
 
-def allocation_json(allocated: Allocated) -> Obj:
+def allocation_json(allocated: Allocated, timestamp: str = "") -> Obj:
     """``status.allocation`` for ``allocated``: its devices as driver gpu.gpualloc.dev's, in the pool
-    of their node, and a node selector on that node."""
-    return {
+    of their node, and a node selector on that node; ``allocationTimestamp`` when given (RFC 3339).
+
+    The timestamp is needed: kube-scheduler v1.36 stamps an allocation that has none when it
+    reserves the claim for a pod, and that write is refused (the allocation is immutable), so the
+    pod is never bound. One already stamped it leaves as it is."""
+    out: Obj = {
         "devices": {
             "results": [
                 {
@@ -189,6 +193,9 @@ def allocation_json(allocated: Allocated) -> Obj:
             ]
         },
     }
+    if timestamp:
+        out["allocationTimestamp"] = timestamp
+    return out
 
 
 # ------------------------------------------------------------------ reading what exists
@@ -288,11 +295,11 @@ def plan(claim: models.GpuClaim | None, existing: Mapping[str, Obj]) -> list[Ste
             if isinstance(step, Wait):
                 continue
         if target is not None:
-            steps.append(WriteAllocation(name=name, allocation=allocation_json(target.allocated)))
+            steps.append(WriteAllocation(name=name, allocated=target.allocated))
     if claim is not None:
         for name in sorted(want.keys() - existing.keys()):
             steps.append(Create(body=body(claim, want[name])))
-            steps.append(WriteAllocation(name=name, allocation=allocation_json(want[name].allocated)))
+            steps.append(WriteAllocation(name=name, allocated=want[name].allocated))
     return steps
 
 

@@ -91,7 +91,8 @@ def test_each_allocated_replica_gets_a_resourceclaim_owned_by_the_gpuclaim_with_
     ]
     write = steps[3]
     assert isinstance(write, rcs.WriteAllocation)
-    assert write.allocation == {
+    assert rcs.allocation_json(write.allocated, "2026-01-02T03:04:05Z") == {
+        "allocationTimestamp": "2026-01-02T03:04:05Z",
         "devices": {
             "results": [
                 {
@@ -133,9 +134,7 @@ def test_a_moved_replica_has_its_allocation_removed_then_written_anew_once_no_po
     assert kinds(steps) == [("ClearAllocation", "train-gpus-1"), ("WriteAllocation", "train-gpus-1")]
     assert isinstance(steps[0], rcs.ClearAllocation) and steps[0].resource_version == "42"
     assert isinstance(steps[1], rcs.WriteAllocation)
-    assert steps[1].allocation["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [
-        "node-c"
-    ]
+    assert steps[1].allocated.node == "node-c"
 
 
 def test_a_moved_replica_waits_while_pods_are_reserved_for_its_resourceclaim() -> None:
