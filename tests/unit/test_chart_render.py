@@ -308,7 +308,9 @@ def test_certs_job_mode_makes_the_secret_before_and_patches_the_config_after_ins
 
 @BOTH_MODES
 def test_every_pod_runs_non_root_read_only_without_privilege(cert_manager: str) -> None:
-    objs = render(certManager__enabled=cert_manager)
+    objs = render(
+        certManager__enabled=cert_manager, dra__enabled="false"
+    )  # dra: tests/unit/test_chart_dra.py
     specs = dict(pod_specs(objs))
     assert len(specs) == (3 if cert_manager == "true" else 4)
     for where, spec in specs.items():
@@ -463,7 +465,7 @@ def test_simulated_agent_needs_no_nvidia_runtime() -> None:
 
 
 def test_agent_host_paths_mode_is_privileged_and_mounts_only_libnvidia_ml() -> None:
-    ds = one(render(agent__nvmlAccess="hostPaths"), "DaemonSet", f"{FULLNAME}-agent")
+    ds = one(render(agent__nvmlAccess="hostPaths", dra__enabled="false"), "DaemonSet", f"{FULLNAME}-agent")
     spec = ds["spec"]["template"]["spec"]
     assert "runtimeClassName" not in spec
     (c,) = spec["containers"]
@@ -560,7 +562,7 @@ def test_webhook_may_only_read_claims() -> None:
 
 
 def test_agent_may_write_node_statuses_and_heartbeat_leases_read_device_leases_and_nothing_secret() -> None:
-    granted = _rules_of(render(), "agent")
+    granted = _rules_of(render(dra__enabled="false"), "agent")  # dra: tests/unit/test_chart_dra.py
     _no_wildcards(granted)
     expected = {
         ("*", "gpu.scheduling", "gpunodestatuses", v, ())
@@ -577,7 +579,7 @@ def test_agent_may_write_node_statuses_and_heartbeat_leases_read_device_leases_a
     audit |= {("*", group, "events", "create", ()) for group in ("", "events.k8s.io")}
     assert granted == expected | audit
     assert not any(resource == "secrets" for _, _, resource, _, _ in granted)
-    assert _rules_of(render(agent__processAudit__enabled="false"), "agent") == expected
+    assert _rules_of(render(agent__processAudit__enabled="false", dra__enabled="false"), "agent") == expected
 
 
 def test_the_agent_joins_the_hosts_pid_namespace_only_when_asked() -> None:
@@ -597,7 +599,7 @@ def test_agent_may_patch_nodes_only_when_node_labels_are_enabled() -> None:
 
 
 def test_controller_rbac_is_claims_inventory_events_and_leases_in_its_namespace() -> None:
-    granted = _rules_of(render(), "controller")
+    granted = _rules_of(render(dra__enabled="false"), "controller")  # dra: tests/unit/test_chart_dra.py
     _no_wildcards(granted)
     expected = {
         ("*", "gpu.scheduling", "gpuclaims", v, ()) for v in ("get", "list", "watch", "update", "patch")

@@ -130,3 +130,15 @@ Call: include "gpualloc.mutatingPolicyRendered" (dict "root" . "mode" .Values.x.
 {{- $served := .root.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}
 {{- if or (eq .mode "always") (and (eq .mode "auto") $served) }}true{{ end -}}
 {{- end -}}
+
+{{/*
+"true" when gpualloc is the DRA driver of its own allocations (dra.enabled): always with true,
+never with false, and with auto where the API server serves resource.k8s.io/v1 (Kubernetes
+1.34+). The controller then writes a ResourceClaim per allocated replica, the webhook puts it
+in the claim pods, the agent serves the kubelet's DRA plugin, and the DeviceClass is installed.
+*/}}
+{{- define "gpualloc.dra" -}}
+{{- $mode := toString .Values.dra.enabled -}}
+{{- $served := .Capabilities.APIVersions.Has "resource.k8s.io/v1" -}}
+{{- if or (eq $mode "true") (and (eq $mode "auto") $served) }}true{{ end -}}
+{{- end -}}
