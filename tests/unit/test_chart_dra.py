@@ -51,7 +51,8 @@ def test_dra_is_on_where_resource_v1_is_served_unless_the_value_says(
     assert (rule in _rules_of(objs, "controller")) is on
 
 
-def test_the_device_class_selects_the_drivers_devices() -> None:
+def test_the_device_class_selects_the_drivers_devices_and_a_second_release_can_leave_it_out() -> None:
+    assert not dra_on(render(RESOURCE_V1, dra__createDeviceClass="false"))
     device_class = one(render(RESOURCE_V1), "DeviceClass", constants.DRA_DRIVER)
     assert device_class["apiVersion"] == RESOURCE_V1
     assert device_class["spec"] == {
