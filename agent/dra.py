@@ -18,7 +18,7 @@ from typing import Any
 
 from agent import inventory
 from gpualloc import cdi
-from gpualloc.api import constants
+from gpualloc.api import constants, models
 
 MODES = ("gpualloc", "nvidia")  # whose CDI spec names the devices: the agent's own, or nvidia-ctk's
 _SLOT = re.compile(r"^(?P<gpu>.+)-s(?P<slot>[0-9]+)$")  # constants.slot_id, lower case
@@ -33,6 +33,17 @@ def gpus(facts: inventory.NodeFacts) -> list[cdi.Gpu]:
             continue
         migs = tuple(m.uuid for m in d.mig.devices) if d.mig is not None and d.mig.enabled else ()
         found.append(cdi.Gpu(minor=d.minor, uuid=d.uuid, mig_uuids=migs))
+    return found
+
+
+def health(devices: Sequence[models.Device]) -> dict[str, tuple[bool, str]]:
+    """DRA device name -> (healthy, reason) for every device a claim can be given: each GPU, its MIG
+    instances and its slots (``Device.lock_ids``), as its GPU is."""
+    found: dict[str, tuple[bool, str]] = {}
+    for device in devices:
+        state = (device.health == constants.HEALTHY, device.health_reason)
+        for lock_id in device.lock_ids:
+            found[constants.dra_device_name(lock_id)] = state
     return found
 
 

@@ -10,7 +10,11 @@ Two gRPC services on unix sockets, served by grpcio in its own threads:
   ``<kubelet root>/plugins/gpu.gpualloc.dev/dra.sock``: ``NodePrepareResources`` reads each claim
   (namespace, name) from the API server, checks its uid and answers the CDI device IDs of the
   devices its allocation gives this node (``agent.dra.prepare``); ``NodeUnprepareResources`` has
-  nothing to undo (nothing is set up on the node per claim) and answers each claim.
+  nothing to undo (nothing is set up on the node per claim) and answers each claim;
+* DRA resource health (``v1alpha1.DRAResourceHealth``, on the DRA socket too): the kubelet keeps
+  ``NodeWatchResources`` open, and is sent every device's health (each GPU, MIG instance and slot,
+  as its GPU is) when it changes and every ``HEALTH_RESEND`` seconds (the kubelet takes a device
+  it has not heard of for ``HEALTH_TIMEOUT`` as Unknown).
 
 A failure is told per claim in the answer; nothing raised in a handler ends the agent. The
 handlers run in grpcio's threads and hand the API calls to the agent's event loop.
@@ -24,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,7 @@ import grpc
 
 from agent import dra
 from agent.kubeletapi import dra_v1_pb2 as drapb
+from agent.kubeletapi import drahealth_v1alpha1_pb2 as healthpb
 from agent.kubeletapi import pluginregistration_v1_pb2 as regpb
 from gpualloc import cdi
 from gpualloc.api import constants
@@ -44,6 +52,9 @@ log = logging.getLogger(__name__)
 
 REGISTRATION_SERVICE = "pluginregistration.Registration"
 DRA_SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+HEALTH_RESEND = 20.0  # seconds between two health messages when nothing changes
+HEALTH_TIMEOUT = 60  # seconds the kubelet waits for news of a device before it is Unknown
 DRA_SUPPORTED_VERSION = "v1.DRAPlugin"  # k8s.io/kubelet/pkg/apis/dra/v1.DRAPluginService
 PLUGIN_TYPE = "DRAPlugin"  # pluginregistration/v1.DRAPlugin
 CALL_TIMEOUT = 30.0  # seconds a handler waits for the API server's answers
@@ -125,6 +136,10 @@ class KubeletPlugin:
         self._gpus: tuple[cdi.Gpu, ...] | None = None
         self._index: dict[str, str] = {}
         self._servers: list[grpc.Server] = []
+        self._health: dict[str, tuple[bool, str]] = {}  # DRA device name -> (healthy, reason)
+        self._health_version = 0
+        self._stopping = False
+        self._changed = threading.Condition()  # guards the three above; wakes the health streams
 
     @property
     def registration_path(self) -> Path:
@@ -150,6 +165,15 @@ class KubeletPlugin:
                 log.error("cannot write the CDI spec", extra={"node": self.node, "error": str(exc)})
                 return
             log.info("CDI spec written", extra={"node": self.node, "path": str(path), "gpus": len(current)})
+
+    def set_health(self, devices: Mapping[str, tuple[bool, str]]) -> None:
+        """Every device's health now (``dra.health``); the health streams are told when it changed."""
+        with self._changed:
+            if dict(devices) == self._health:
+                return
+            self._health = dict(devices)
+            self._health_version += 1
+            self._changed.notify_all()
 
     # -- gRPC handlers (grpcio's threads) --------------------------------------
 
@@ -203,6 +227,34 @@ class KubeletPlugin:
         log.info("claims unprepared", extra={"node": self.node, "claims": len(request.claims)})
         return response
 
+    def node_watch_resources(
+        self, request: healthpb.NodeWatchResourcesRequest, context: grpc.ServicerContext
+    ) -> Iterator[healthpb.NodeWatchResourcesResponse]:
+        version = -1
+        while context.is_active():
+            with self._changed:
+                self._changed.wait_for(functools.partial(self._news, version), timeout=HEALTH_RESEND)
+                if self._stopping:
+                    return
+                version, current = self._health_version, dict(self._health)
+            yield self.health_message(current)
+
+    def _news(self, version: int) -> bool:
+        return self._stopping or self._health_version != version
+
+    def health_message(self, devices: Mapping[str, tuple[bool, str]]) -> healthpb.NodeWatchResourcesResponse:
+        now = int(time.time())
+        response = healthpb.NodeWatchResourcesResponse()
+        for name, (healthy, reason) in sorted(devices.items()):
+            response.devices.add(
+                device=healthpb.DeviceIdentifier(pool_name=self.node, device_name=name),
+                health=healthpb.HEALTHY if healthy else healthpb.UNHEALTHY,
+                last_updated_time=now,
+                health_check_timeout_seconds=HEALTH_TIMEOUT,
+                message=reason[:1024],
+            )
+        return response
+
     # -- the answers (the agent's event loop) ----------------------------------
 
     async def prepare_all(self, claims: Sequence[drapb.Claim]) -> dict[str, dra.Prepared]:
@@ -228,11 +280,12 @@ class KubeletPlugin:
 
     # -- serving --------------------------------------------------------------
 
-    def _serve(self, path: Path, handler: grpc.GenericRpcHandler) -> grpc.Server:
+    def _serve(self, path: Path, *handlers: grpc.GenericRpcHandler) -> grpc.Server:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a socket left by an earlier run
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
-        server.add_generic_rpc_handlers((handler,))
+        # The kubelet holds one health stream (a worker) open on the DRA socket; the rest answer calls.
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=6))
+        server.add_generic_rpc_handlers(handlers)
         server.add_insecure_port(f"unix://{path}")
         server.start()
         self._servers.append(server)
@@ -266,7 +319,17 @@ class KubeletPlugin:
                 ),
             },
         )
-        self._serve(self.dra_path, dra_handler)
+        health = grpc.method_handlers_generic_handler(
+            HEALTH_SERVICE,
+            {
+                "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                    self.node_watch_resources,
+                    request_deserializer=healthpb.NodeWatchResourcesRequest.FromString,
+                    response_serializer=healthpb.NodeWatchResourcesResponse.SerializeToString,
+                )
+            },
+        )
+        self._serve(self.dra_path, dra_handler, health)
         self._serve(self.registration_path, registration)
         log.info(
             "kubelet plugin serving",
@@ -275,6 +338,9 @@ class KubeletPlugin:
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving and remove the sockets (the kubelet then forgets the plugin)."""
+        with self._changed:
+            self._stopping = True  # ends the health streams
+            self._changed.notify_all()
         for server in reversed(self._servers):
             server.stop(grace).wait(grace + 1.0)
         self._servers.clear()

@@ -258,6 +258,8 @@ class Agent:
         strays = tuple(self.metrics.unexpected[: audit.MAX_REPORTED])
         inv = dataclasses.replace(inv, conditions=conds, unexpected_processes=strays)
         self.metrics.inventory = inv
+        if self.plugin is not None:
+            self.plugin.set_health(dra.health(inv.devices))
         return inv
 
     def on_health_event(self, event: health.HealthEvent) -> None:
@@ -498,6 +500,7 @@ class Agent:
         )
         if self.facts is not None:
             plugin.update(dra.gpus(self.facts))
+        plugin.set_health(dra.health(self.desired().devices))
         await asyncio.to_thread(plugin.start)
         self.plugin = plugin
 

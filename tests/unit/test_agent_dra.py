@@ -107,3 +107,23 @@ def test_the_nodes_gpus_leave_out_lost_ones_and_carry_mig_instances_only_in_mig_
     )
 
     assert dra.gpus(facts) == [cdi.Gpu(minor=0, uuid=GPU_A), cdi.Gpu(minor=1, uuid=GPU_B, mig_uuids=(MIG_1,))]
+
+
+def test_health_gives_each_gpus_mig_instances_and_slots_the_health_of_their_gpu() -> None:
+    mig = models.MigInfo(enabled=True, devices=(models.MigDevice(index=0, uuid=MIG_1, profile="1g.10gb"),))
+    devices = [
+        models.Device(
+            index=0, minor=0, uuid=GPU_A, sharing=models.DeviceSharing(strategy="TimeSlicing", replicas=2)
+        ),
+        models.Device(
+            index=1, minor=1, uuid=GPU_B, mig=mig, health=constants.UNHEALTHY, health_reason="XID 79"
+        ),
+    ]
+
+    assert dra.health(devices) == {
+        GPU_A.lower(): (True, ""),
+        f"{GPU_A.lower()}-s0": (True, ""),
+        f"{GPU_A.lower()}-s1": (True, ""),
+        GPU_B.lower(): (False, "XID 79"),
+        MIG_1.lower(): (False, "XID 79"),
+    }

@@ -18,6 +18,7 @@ import pytest
 
 from agent import kubelet_plugin
 from agent.kubeletapi import dra_v1_pb2 as drapb
+from agent.kubeletapi import drahealth_v1alpha1_pb2 as healthpb
 from agent.kubeletapi import pluginregistration_v1_pb2 as regpb
 from gpualloc import cdi
 from gpualloc.api import constants
@@ -167,6 +168,51 @@ async def test_unprepare_answers_every_claim_without_error(
 
     assert sorted(answer.claims) == ["uid-a", "uid-b"]
     assert [answer.claims[uid].error for uid in ("uid-a", "uid-b")] == ["", ""]
+
+
+async def test_the_health_stream_sends_every_devices_health_then_each_change_and_ends_when_the_plugin_stops(
+    root: Path,
+) -> None:
+    claims = Claims()
+    served = kubelet_plugin.KubeletPlugin(
+        node=NODE, kubelet_root=str(root), read_claim=claims.read, loop=asyncio.get_running_loop()
+    )
+    served.set_health({GPU.lower(): (True, "")})
+    await asyncio.to_thread(served.start)
+    seen: list[list[tuple[str, str, int, str]]] = []
+
+    def watch() -> None:
+        with grpc.insecure_channel(f"unix://{served.dra_path}") as channel:
+            stream = channel.unary_stream(
+                f"/{kubelet_plugin.HEALTH_SERVICE}/NodeWatchResources",
+                request_serializer=healthpb.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=healthpb.NodeWatchResourcesResponse.FromString,
+            )
+            for message in stream(healthpb.NodeWatchResourcesRequest(), timeout=20):
+                seen.append(
+                    [(d.device.pool_name, d.device.device_name, d.health, d.message) for d in message.devices]
+                )
+
+    watcher = asyncio.create_task(asyncio.to_thread(watch))
+    try:
+        await _until(lambda: len(seen) == 1)
+        served.set_health({GPU.lower(): (False, "XID 79")})
+        await _until(lambda: len(seen) == 2)
+    finally:
+        await asyncio.to_thread(served.stop)
+    await asyncio.wait_for(watcher, 10)  # the stream ended with the plugin, without an error
+
+    assert seen == [
+        [(NODE, GPU.lower(), healthpb.HEALTHY, "")],
+        [(NODE, GPU.lower(), healthpb.UNHEALTHY, "XID 79")],
+    ]
+
+
+async def _until(check: Any, within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 async def test_stop_removes_both_sockets(root: Path) -> None:
