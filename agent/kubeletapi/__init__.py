@@ -1,7 +1,10 @@
 """The kubelet's gRPC APIs a DRA driver serves, vendored from k8s.io/kubelet v0.36.3.
 
-``dra_v1.proto`` (service ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``, which the kubelet calls
-when the plugin registers with ``v1.DRAPlugin`` in its supported versions) and
-``pluginregistration_v1.proto`` (service ``pluginregistration.Registration``). Their
-``*_pb2`` modules are generated when gpualloc is installed (``setup.py``), not committed.
+* ``dra_v1.proto``: service ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``, which the kubelet calls
+  when the plugin registers with ``v1.DRAPlugin`` in its supported versions;
+* ``drahealth_v1alpha1.proto``: service ``v1alpha1.DRAResourceHealth``, the device health stream
+  the kubelet opens on the same socket;
+* ``pluginregistration_v1.proto``: service ``pluginregistration.Registration``.
+
+Their ``*_pb2`` modules are generated when gpualloc is installed (``setup.py``), not committed.
 """
