@@ -26,6 +26,7 @@ import local_plane
 
 from gpualloc.devcluster import cluster
 from gpualloc.kube import client, transport
+from tests.integration import controller_support as support
 from tests.integration import failure_support as failure
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,8 +45,11 @@ async def run(runs: int, plane: cluster.ControlPlane) -> list[float]:
                 api, "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body=account
             )
             with tempfile.TemporaryDirectory(prefix="failover-") as tmp:
-                async with failure.clique_of_two(api, plane, str(plane.kubeconfig), Path(tmp)) as clique:
-                    got = await failure.failover(api, str(plane.kubeconfig), namespace, clique)
+                kubeconfig = str(plane.kubeconfig)
+                async with failure.clique_of_two(api, plane, kubeconfig, Path(tmp)) as clique:
+                    argv = support.controller_argv(namespace, run=clique.run)
+                    async with support.running_controller(kubeconfig, argv):
+                        got = await failure.failover(api, namespace, clique)
             seconds.append(got.seconds)
             print(f"run {i + 1}/{runs}: {got.seconds:.3f} s", flush=True)
     finally:

@@ -118,25 +118,22 @@ class Failover:
     seconds: float  # from writing the XID to reading the new allocation
 
 
-async def failover(api: Api, kubeconfig: str, namespace: str, clique: Clique) -> Failover:
-    """Allocate the gang with its pods under a controller, fail replica 2's GPU, wait for the move."""
+async def failover(api: Api, namespace: str, clique: Clique) -> Failover:
+    """Allocate the gang with its pods, fail replica 2's GPU, wait for the move. The caller runs
+    the controller (``support.running_controller``), and keeps it running for what it checks
+    after: the old Leases are released just after the status write this waits for."""
     crs = resources.CustomResources(api)
-    async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=clique.run)):
-        await support.retry_unavailable(lambda: crs.create_claim(namespace, gang(clique.run)))
-        before = await support.wait_phase(api, namespace, "gang", constants.PHASE_ALLOCATED, within=60)
-        pods = {
-            r: await support.create_pod(api, namespace, replica_pod(clique.run, r)) for r in range(REPLICAS)
-        }
-        held = await leases_by_name(api, namespace)
-        started = time.monotonic()
-        bad = await fail(clique, before, FAILED_REPLICA)
+    await support.retry_unavailable(lambda: crs.create_claim(namespace, gang(clique.run)))
+    before = await support.wait_phase(api, namespace, "gang", constants.PHASE_ALLOCATED, within=60)
+    pods = {r: await support.create_pod(api, namespace, replica_pod(clique.run, r)) for r in range(REPLICAS)}
+    held = await leases_by_name(api, namespace)
+    started = time.monotonic()
+    bad = await fail(clique, before, FAILED_REPLICA)
 
-        after = await support.wait_for(
-            lambda: moved_off(api, namespace, FAILED_REPLICA, bad["uuid"]),
-            within=20,
-            interval=0.05,
-            what="replica 2 on other GPUs",
-        )
-        return Failover(
-            before=before, after=after, leases=held, pods=pods, seconds=time.monotonic() - started
-        )
+    after = await support.wait_for(
+        lambda: moved_off(api, namespace, FAILED_REPLICA, bad["uuid"]),
+        within=20,
+        interval=0.05,
+        what="replica 2 on other GPUs",
+    )
+    return Failover(before=before, after=after, leases=held, pods=pods, seconds=time.monotonic() - started)

@@ -30,55 +30,69 @@ async def test_xid_79_moves_only_the_failed_replica_of_a_gang_and_the_others_kee
     api: Api, control_plane: Any, kubeconfig: str, namespace: str, tmp_path: Path
 ) -> None:
     async with failure.clique_of_two(api, control_plane, kubeconfig, tmp_path) as clique:
-        got = await failure.failover(api, kubeconfig, namespace, clique)
-        print(f"\nXID 79 to replica {failure.FAILED_REPLICA} allocated elsewhere: {got.seconds:.2f} s")
-        before, after = failure.by_replica(got.before), failure.by_replica(got.after)
+        argv = support.controller_argv(namespace, run=clique.run)
+        async with support.running_controller(kubeconfig, argv):  # on till the last check
+            got = await failure.failover(api, namespace, clique)
+            print(f"\nXID 79 to replica {failure.FAILED_REPLICA} allocated elsewhere: {got.seconds:.2f} s")
+            before, after = failure.by_replica(got.before), failure.by_replica(got.after)
 
-        # Only replica 2 moved, inside the clique, and the claim stayed Allocated throughout.
-        assert got.after["status"]["phase"] == constants.PHASE_ALLOCATED
-        kept = [r for r in range(failure.REPLICAS) if r != failure.FAILED_REPLICA]
-        for r in kept:
-            assert after[r] == before[r]
-        victim, new = before[failure.FAILED_REPLICA], after[failure.FAILED_REPLICA]
-        assert new["nodeName"] in clique.nodes
-        conditions = {c["type"]: c for c in got.after["status"]["conditions"]}
-        assert conditions["DevicesUnhealthy"]["status"] == "False"
-        assert conditions["DevicesUnhealthy"]["reason"] == "Reallocated"
-        assert "XID 79" in conditions["DevicesUnhealthy"]["message"]
-        assert conditions["Releasing"]["status"] == "False"
+            # Only replica 2 moved, inside the clique, and the claim stayed Allocated throughout.
+            assert got.after["status"]["phase"] == constants.PHASE_ALLOCATED
+            kept = [r for r in range(failure.REPLICAS) if r != failure.FAILED_REPLICA]
+            for r in kept:
+                assert after[r] == before[r]
+            victim, new = before[failure.FAILED_REPLICA], after[failure.FAILED_REPLICA]
+            assert new["nodeName"] in clique.nodes
+            conditions = {c["type"]: c for c in got.after["status"]["conditions"]}
+            assert conditions["DevicesUnhealthy"]["status"] == "False"
+            assert conditions["DevicesUnhealthy"]["reason"] == "Reallocated"
+            assert "XID 79" in conditions["DevicesUnhealthy"]["message"]
+            assert conditions["Releasing"]["status"] == "False"
 
-        # The other replicas' Leases were never rewritten; the moved replica's old ones go, its new
-        # ones are the claim's.
-        kept_names = {constants.lease_name(d["uuid"]) for r in kept for d in before[r]["devices"]}
-        old_names = {constants.lease_name(d["uuid"]) for d in victim["devices"]}
-        new_names = {constants.lease_name(d["uuid"]) for d in new["devices"]}
+            # The other replicas' Leases were never rewritten; the moved replica's old ones go, its new
+            # ones are the claim's.
+            kept_names = {constants.lease_name(d["uuid"]) for r in kept for d in before[r]["devices"]}
+            old_names = {constants.lease_name(d["uuid"]) for d in victim["devices"]}
+            new_names = {constants.lease_name(d["uuid"]) for d in new["devices"]}
 
-        async def settled() -> dict[str, dict[str, Any]] | None:
-            now = await failure.leases_by_name(api, namespace)
-            return now if not (old_names & now.keys()) and new_names <= now.keys() else None
+            async def settled() -> dict[str, dict[str, Any]] | None:
+                now = await failure.leases_by_name(api, namespace)
+                return now if not (old_names & now.keys()) and new_names <= now.keys() else None
 
-        now = await support.wait_for(settled, within=20, what="the old Leases released, the new ones held")
-        for name in kept_names:
-            assert now[name]["metadata"]["uid"] == got.leases[name]["metadata"]["uid"]
-            assert now[name]["metadata"]["resourceVersion"] == got.leases[name]["metadata"]["resourceVersion"]
-        for name in new_names:
-            assert now[name]["spec"]["holderIdentity"] == got.after["metadata"]["uid"]
+            now = await support.wait_for(
+                settled, within=20, what="the old Leases released, the new ones held"
+            )
+            for name in kept_names:
+                assert now[name]["metadata"]["uid"] == got.leases[name]["metadata"]["uid"]
+                assert (
+                    now[name]["metadata"]["resourceVersion"]
+                    == got.leases[name]["metadata"]["resourceVersion"]
+                )
+            for name in new_names:
+                assert now[name]["spec"]["holderIdentity"] == got.after["metadata"]["uid"]
 
-        # The failed replica's pod was evicted; the others are untouched.
-        for r, pod in got.pods.items():
-            path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}"
-            if r == failure.FAILED_REPLICA:
-                with contextlib.suppress(errors.NotFound):
-                    gone = await transport.request(api, "GET", path)
-                    assert gone["metadata"].get("deletionTimestamp"), "the failed replica's pod is evicted"
-                continue
-            same = await transport.request(api, "GET", path)
-            assert same["metadata"]["uid"] == pod["metadata"]["uid"]
-            assert not same["metadata"].get("deletionTimestamp")
+            # The failed replica's pod was evicted; the others are untouched.
+            for r, pod in got.pods.items():
+                path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}"
+                if r == failure.FAILED_REPLICA:
+                    with contextlib.suppress(errors.NotFound):
+                        gone = await transport.request(api, "GET", path)
+                        assert gone["metadata"].get("deletionTimestamp"), (
+                            "the failed replica's pod is evicted"
+                        )
+                    continue
+                same = await transport.request(api, "GET", path)
+                assert same["metadata"]["uid"] == pod["metadata"]["uid"]
+                assert not same["metadata"].get("deletionTimestamp")
 
-        listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
-        reasons = [e["reason"] for e in listing["items"]]
-        assert "DeviceUnhealthy" in reasons and "Reallocated" in reasons
+            async def told() -> bool:  # Events are written in the background, after the status
+                listing = await transport.request(api, "GET", f"/api/v1/namespaces/{namespace}/events")
+                reasons = {e["reason"] for e in listing["items"]}
+                return {"DeviceUnhealthy", "Reallocated"} <= reasons
+
+            await support.wait_for(
+                told, within=10, what="DeviceUnhealthy and Reallocated events on the claim"
+            )
 
 
 async def test_a_failed_replica_with_nowhere_to_go_keeps_its_pods_and_gpus(
