@@ -63,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -428,7 +429,7 @@ def controller_code(tree: Path) -> dict[str, Any]:
 
 
 def start_controller(
-    kubeconfig: Path, namespace: str, workers: int, log_path: Path, tree: Path
+    kubeconfig: Path, namespace: str, workers: int, log_path: Path, tree: Path, extra: Sequence[str] = ()
 ) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         return subprocess.Popen(
@@ -452,6 +453,7 @@ def start_controller(
                 "bench",
                 "--log-level",
                 "WARNING",
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -533,7 +535,12 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
         print(f"controller: {code['controller_module']} at {code['commit'][:12] or '?'}", flush=True)
         log_path = workdir / "controller.log"
         controller = start_controller(
-            plane.kubeconfig, lease_ns, args.workers, log_path, args.controller_tree
+            plane.kubeconfig,
+            lease_ns,
+            args.workers,
+            log_path,
+            args.controller_tree,
+            ["--dra"] if args.dra else [],
         )
         # Readiness without a probe port: the first claim (not counted) comes back Allocated.
         await retrying(lambda: resources.CustomResources(api).create_claim(claims_ns, claim("warmup", 1)))
@@ -622,6 +629,7 @@ async def run(args: argparse.Namespace, plane: cluster.ControlPlane, workdir: Pa
                 "gpus_supplied": args.nodes * args.gpus,
                 "controller_workers": args.workers,
                 "pods_per_node": args.pods_per_node,
+                "dra": args.dra,
                 "node_allocatable": NODE_ALLOCATABLE,
                 "seed": args.seed,
             },
@@ -722,6 +730,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=REPO_ROOT,
         help="the checkout the controller process runs from (default: this one)",
+    )
+    parser.add_argument(
+        "--dra",
+        action="store_true",
+        help="controller --dra: a ResourceClaim per allocated replica too (create + status write)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
