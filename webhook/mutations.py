@@ -25,7 +25,7 @@ compare the result with what a plain dict editor makes of the pod.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -223,6 +223,16 @@ def set_env(
     return replaced
 
 
+def containers_of(spec: objects.PodSpec[Any]) -> Iterator[tuple[str, objects.Container[Any]]]:
+    """Each init container, then each container, with its JSON Pointer (``/spec/containers/0``)."""
+    for prefix, containers in (
+        ("/spec/initContainers/", spec.init_containers),
+        ("/spec/containers/", spec.containers),
+    ):
+        for i, container in enumerate(containers or ()):
+            yield f"{prefix}{i}", container
+
+
 def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops: list[Op]) -> list[str]:
     """``set_env`` on every init container and container; returns ``container/NAME`` for each replacement.
 
@@ -237,25 +247,20 @@ def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops
     wanted = {entry["name"]: entry for entry in entries}
     replaced: list[str] = []
     sources: list[str] | None = None  # where an earlier container's new entries are, one path each
-    for prefix, containers in (
-        ("/spec/initContainers/", spec.init_containers),
-        ("/spec/containers/", spec.containers),
-    ):
-        for i, container in enumerate(containers or ()):
-            path = f"{prefix}{i}"
-            env = container.env
-            if env is None:
-                ops.append(add(f"{path}/env", entries))
-                sources = sources or [f"{path}/env/{k}" for k in range(len(entries))]
-            elif not wanted.keys().isdisjoint([item.name for item in env]):
-                name = container.name or "<unnamed>"
-                replaced.extend(f"{name}/{var}" for var in set_env(path, env, wanted, ops))
-            elif sources is None:
-                ops.extend([add(f"{path}/env/-", entry) for entry in entries])
-                sources = [f"{path}/env/{len(env) + k}" for k in range(len(entries))]
-            else:
-                end = f"{path}/env/-"
-                ops.extend([copy(source, end) for source in sources])
+    for path, container in containers_of(spec):
+        env = container.env
+        if env is None:
+            ops.append(add(f"{path}/env", entries))
+            sources = sources or [f"{path}/env/{k}" for k in range(len(entries))]
+        elif not wanted.keys().isdisjoint([item.name for item in env]):
+            name = container.name or "<unnamed>"
+            replaced.extend(f"{name}/{var}" for var in set_env(path, env, wanted, ops))
+        elif sources is None:
+            ops.extend([add(f"{path}/env/-", entry) for entry in entries])
+            sources = [f"{path}/env/{len(env) + k}" for k in range(len(entries))]
+        else:
+            end = f"{path}/env/-"
+            ops.extend([copy(source, end) for source in sources])
     return replaced
 
 
@@ -346,23 +351,17 @@ def add_resource_claim(pod: objects.Pod[Any], resource_claim: str, ops: list[Op]
 def use_resource_claim_everywhere(pod: objects.Pod[Any], ops: list[Op]) -> None:
     """Add ``{name: gpualloc-gpus}`` to ``resources.claims`` of every init container and container (those
     the device env goes to, ``set_env_everywhere``) that does not list it."""
-    spec = pod.spec
-    if spec is None:
+    if pod.spec is None:
         return
     ref = {"name": constants.DRA_POD_CLAIM}
-    for prefix, containers in (
-        ("/spec/initContainers/", spec.init_containers),
-        ("/spec/containers/", spec.containers),
-    ):
-        for i, container in enumerate(containers or ()):
-            path = f"{prefix}{i}/resources"
-            resources = container.resources
-            if resources is None:
-                ops.append(add(path, {"claims": [ref]}))
-            elif resources.claims is None:
-                ops.append(add(f"{path}/claims", [ref]))
-            elif not any(c.name == constants.DRA_POD_CLAIM for c in resources.claims):
-                ops.append(add(f"{path}/claims/-", ref))
+    for path, container in containers_of(pod.spec):
+        resources = container.resources
+        if resources is None:
+            ops.append(add(f"{path}/resources", {"claims": [ref]}))
+        elif resources.claims is None:
+            ops.append(add(f"{path}/resources/claims", [ref]))
+        elif not any(c.name == constants.DRA_POD_CLAIM for c in resources.claims):
+            ops.append(add(f"{path}/resources/claims/-", ref))
 
 
 def add_tolerations(pod: objects.Pod[Any], wanted: Sequence[models.Toleration], ops: list[Op]) -> None:
