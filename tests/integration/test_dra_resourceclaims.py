@@ -284,3 +284,51 @@ async def test_kube_scheduler_binds_a_pod_naming_the_resourceclaim_to_the_claims
 
         after = await support.wait_for(released, within=30, what="the pod let go from reservedFor")
         assert node_of(after) == node
+
+
+@pytest.mark.parametrize("webhook_options", [admission.Options(dra=True, pending="gate")], ids=["gate"])
+async def test_a_pod_made_before_its_claim_names_the_resourceclaim_at_creation_and_is_bound_once_allocated(
+    api: Api,
+    kubeconfig: str,
+    namespace: str,
+    kwok_gpu_nodes: KwokGpuNodes,
+    webhook: Any,  # noqa: F811 - the fixture, in gate mode with --dra
+) -> None:
+    await ensure_device_class(api)
+    run = kwok_gpu_nodes.run
+    node = await kwok_gpu_nodes.add("a")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "early",
+            "annotations": {constants.ANNOTATION_CLAIM: "later", "gpu.scheduling/replica": "1"},
+        },
+        "spec": {
+            "tolerations": [support.run_toleration(run)],
+            "containers": [{"name": "main", "image": support.PAUSE_IMAGE}],
+        },
+    }
+    created = await support.create_pod(api, namespace, pod)
+    assert created["spec"]["resourceClaims"] == [
+        {"name": constants.DRA_POD_CLAIM, "resourceClaimName": "later-gpus-1"}
+    ]
+    assert created["spec"]["schedulingGates"], "gated until the claim is allocated"
+    argv = support.controller_argv(namespace, "--dra", "--claim-tolerations", "Any", run=run)
+    async with support.running_controller(kubeconfig, argv):
+        body = support.claim_body("later", 1, run=run, replicas=2)
+        body["spec"]["tolerations"] = [support.run_toleration(run)]
+        await resources.CustomResources(api).create_claim(namespace, body)
+        path = f"/api/v1/namespaces/{namespace}/pods/early"
+
+        async def bound() -> dict[str, Any] | None:
+            got: dict[str, Any] = await transport.request(api, "GET", path)
+            return got if got["spec"].get("nodeName") else None
+
+        placed = await support.wait_for(
+            bound, within=60, what="the gated pod bound once its claim is allocated"
+        )
+        assert placed["spec"]["nodeName"] == node
+        rc = await get_rc(api, namespace, "later-gpus-1")
+        assert rc is not None and node_of(rc) == node
+        assert [r["uid"] for r in rc["status"]["reservedFor"]] == [placed["metadata"]["uid"]]
