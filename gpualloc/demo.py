@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import os
@@ -29,7 +28,7 @@ import yaml
 
 from gpualloc import views
 from gpualloc.api import codecs, constants, leases, models
-from gpualloc.devcluster import cluster
+from gpualloc.devcluster import cluster, components
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -374,49 +373,7 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
     """The MutatingWebhookConfiguration the chart installs, pointed at 127.0.0.1."""
     from gpualloc.kube import transport
 
-    body = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": WEBHOOK_CONFIG},
-        "webhooks": [
-            {
-                "name": "pods.gpu.scheduling",
-                "admissionReviewVersions": ["v1"],
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{port}/mutate",
-                    "caBundle": base64.b64encode(ca_bundle).decode(),
-                },
-                "rules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE"],
-                        "resources": ["pods"],
-                    }
-                ],
-                "failurePolicy": "Fail",
-                "sideEffects": "None",
-                "timeoutSeconds": 5,
-                "reinvocationPolicy": "IfNeeded",
-                "namespaceSelector": {
-                    "matchExpressions": [
-                        {
-                            "key": "kubernetes.io/metadata.name",
-                            "operator": "NotIn",
-                            "values": ["kube-system", NAMESPACE],
-                        }
-                    ]
-                },
-                "matchConditions": [
-                    {
-                        "name": "has-claim-annotation",
-                        "expression": "has(object.metadata.annotations) && "
-                        f"'{constants.ANNOTATION_CLAIM}' in object.metadata.annotations",
-                    }
-                ],
-            }
-        ],
-    }
+    body = components.webhook_configuration(WEBHOOK_CONFIG, f"https://127.0.0.1:{port}/mutate", ca_bundle)
     path = transport.collection_path("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations")
     await transport.request(api, "POST", path, body=body)
 

@@ -4,9 +4,11 @@
     gpualloc dev up --state-dir DIR         etcd + kube-apiserver with the CRDs applied,
         [--with-nodes N]                    plus kube-scheduler, kwok and N fake nodes
         [--with-controller-manager]         plus kube-controller-manager
-        [--real-node [--gpu-profile P]]     plus kube-scheduler, kube-controller-manager and a
+        [--real-node [--gpu-profile P]]     plus kube-scheduler, kube-controller-manager, a
                                             real node (containerd + kubelet, gpualloc-node-0)
-                                            whose simulated GPUs are CDI devices (root only)
+                                            whose simulated GPUs are CDI devices (root only),
+                                            its agent the kubelet's DRA plugin, and gpualloc's
+                                            controller and webhook with --dra
     gpualloc dev down --state-dir DIR       stop a cluster started by `dev up` elsewhere, and
                                             undo what its real node changed on the machine
     gpualloc dev image import ARCHIVE --state-dir DIR
@@ -28,7 +30,7 @@ import types
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpualloc.devcluster import binaries, cluster, debs, images, node
+from gpualloc.devcluster import binaries, cluster, components, debs, images, node
 from gpualloc.runtime import options
 
 PID_FILE = "gpualloc-dev.pid"
@@ -172,6 +174,12 @@ def _up(args: argparse.Namespace) -> int:
                 f"node {node.NODE_NAME} Ready at {node.NODE_IP}: {gpus}; images {images.TOOLBOX_IMAGE} "
                 f"and {images.PAUSE_IMAGE} (`gpualloc dev image import ARCHIVE` adds one)"
             )
+            if real.gpus:
+                port = components.start(plane, dra=True)
+                _say(
+                    f"gpualloc controller and webhook (127.0.0.1:{port}) running with --dra; the agent is "
+                    f"the kubelet's DRA plugin: a claim pod's containers get exactly its GPUs"
+                )
         version = plane.version().get("gitVersion", "?")
         _say(
             f"ready: kubeconfig {plane.kubeconfig} (server {plane.server}, version {version}); "
@@ -197,6 +205,8 @@ def _up(args: argparse.Namespace) -> int:
         for signum in previous:
             signal.signal(signum, signal.SIG_IGN)  # finish stopping even on a second Ctrl-C
         try:
+            if plane is not None and real is not None:
+                components.stop(plane)
             if real is not None:
                 left = real.stop()
                 if left:

@@ -71,7 +71,15 @@ _AUDIT_POLICY = {
 _CONDITION_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"})
 
 # Order in which processes are stopped: dependants before what they depend on.
-_STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+_STOP_ORDER = (
+    "webhook",
+    "controller",
+    "kwok",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kube-apiserver",
+    "etcd",
+)
 
 
 class ControlPlaneError(RuntimeError):
@@ -348,6 +356,25 @@ class ControlPlane:
             ]
             process = self._spawn("kube-controller-manager", argv)
             self._wait_healthz(process, port)
+
+    def start_process(self, name: str, argv: list[str]) -> None:
+        """Start one of gpualloc's own components (``controller``, ``webhook``) as a process of this
+        control plane: recorded in its state file, stopped before the rest by ``stop()`` and by
+        ``gpualloc dev down``, checked by ``check_alive()``."""
+        if name not in _STOP_ORDER:
+            raise ValueError(f"{name} is not a process the control plane knows how to stop")
+        with self._lock:
+            if self._is_running(name):
+                raise ControlPlaneError(f"{name} already runs")
+            self._spawn(name, argv)
+
+    def stop_process(self, name: str, timeout: float = 10.0) -> None:
+        """Stop a process ``start_process`` started, if it runs."""
+        with self._lock:
+            process = self._processes.pop(name, None)
+            if process is not None:
+                process.stop(timeout)
+            self._save_state()
 
     def ensure_kwok(self) -> None:
         """Start kwok, managing Nodes annotated ``kwok.x-k8s.io/node=fake``, unless it runs."""

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpualloc import certificates
+from gpualloc.api import constants, leases
 from gpualloc.devcluster import binaries, cdi, cluster, debs, images, pki
 
 Progress = Callable[[str], None]
@@ -70,6 +71,7 @@ KUBELET_PORT = 10250
 SERVICE_CHAIN = "GPUALLOC-SERVICES"
 AGENT_NAMESPACE = "gpualloc-system"
 STATE_FILE = "node.json"
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, 108 with its NUL)
 
 # The kernel settings the kubelet (vm.*, kernel.*) and the CNI bridge (ip_forward) change.
 KERNEL_SETTINGS = (
@@ -773,16 +775,41 @@ class RealNode:
 
     # GPUs
 
+    @property
+    def kubelet_root(self) -> Path:
+        return self.dir / "kubelet"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.plane.logs_dir / "agent.log"
+
     def _start_agent(self) -> None:
-        """The simulated agent of this node; its published GPUs become device files and a CDI spec."""
+        """The simulated agent of this node, as the kubelet's DRA plugin of ``gpu.gpualloc.dev``.
+
+        It writes the node's CDI spec (``--cdi-dir``, the default ``/var/run/cdi``) naming the
+        device files in ``device_dir``: ``nvidiactl`` is made before it starts (the spec names the
+        control devices it finds), each GPU's ``nvidia<minor>`` once it has published them. Ready
+        when the GpuNodeStatus is published, the spec written and the kubelet has registered it.
+        """
         assert self.gpu_profile is not None
-        with contextlib.suppress(cluster.RequestError):
-            self.plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": AGENT_NAMESPACE}})
+        longest = self.kubelet_root / "plugins" / constants.DRA_DRIVER / "dra.sock"
+        if len(str(longest).encode()) > UNIX_PATH_MAX:
+            raise NodeError(
+                f"the state directory's path is too long for the DRA plugin's socket ({longest}: "
+                f"{len(str(longest).encode())} bytes, a unix socket path has {UNIX_PATH_MAX} at most)"
+            )
+        for namespace in (AGENT_NAMESPACE, leases.heartbeat_namespace(AGENT_NAMESPACE)):
+            with contextlib.suppress(cluster.RequestError):
+                self.plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+        self.make_device_files([])
         metrics, health = cluster.free_ports(2)
         argv = [sys.executable, "-m", "gpualloc.cli", "agent", "--source", "simulated"]
-        argv += ["--profile", self.gpu_profile, "--node-name", NODE_NAME]
+        argv += ["--profile", self.gpu_profile, "--node-name", NODE_NAME, "--log-format", "text"]
         argv += ["--kubeconfig", str(self.plane.kubeconfig), "--lease-namespace", AGENT_NAMESPACE]
         argv += ["--metrics-port", str(metrics), "--health-port", str(health)]
+        argv += ["--kubelet-plugin", "--kubelet-root", str(self.kubelet_root)]
+        argv += ["--device-dir", str(self.device_dir), "--cdi-dir", str(self.cdi_spec.parent)]
+        started = time.monotonic()
         process = self._spawn("agent", argv)
         path = f"/apis/gpu.scheduling/v1/gpunodestatuses/{NODE_NAME}"
         found: list[dict[str, Any]] = []
@@ -800,20 +827,33 @@ class RealNode:
 
         self._wait(process, published, "published no GpuNodeStatus", 60.0)
         self.gpus = [cdi.Gpu(minor=int(d["minor"]), uuid=str(d["uuid"])) for d in found]
-        self.expose_gpus(self.gpus)
+        self.make_device_files(self.gpus)
+
+        def registered() -> bool:
+            log = self.agent_log.read_text(errors="replace") if self.agent_log.exists() else ""
+            return self.cdi_spec.exists() and "registered with the kubelet" in log
+
+        self._wait(process, registered, "was not registered as the kubelet's DRA plugin", 60.0)
+        self.timings["agent_registered_s"] = time.monotonic() - started
         self._progress(
-            f"{len(self.gpus)} simulated GPUs ({self.gpu_profile}) as CDI devices in {self.cdi_spec}"
+            f"{len(self.gpus)} simulated GPUs ({self.gpu_profile}) as CDI devices in {self.cdi_spec}; "
+            f"the agent is the kubelet's DRA plugin of {constants.DRA_DRIVER}"
         )
 
-    def expose_gpus(self, gpus: Sequence[cdi.Gpu]) -> Path:
-        """Make the GPUs' device files (``/dev/null``'s numbers) and write the CDI spec; its path."""
+    def make_device_files(self, gpus: Sequence[cdi.Gpu]) -> None:
+        """``nvidiactl`` and each GPU's ``nvidia<minor>`` in ``device_dir``: character devices with
+        ``/dev/null``'s numbers."""
         null = os.stat("/dev/null")
         self.device_dir.mkdir(parents=True, exist_ok=True)
-        names = [cdi.CONTROL_DEVICE, *(cdi.device_file(gpu.minor) for gpu in gpus)]
-        for name in names:
+        for name in [cdi.CONTROL_DEVICE, *(cdi.device_file(gpu.minor) for gpu in gpus)]:
             path = self.device_dir / name
             if not path.exists():
                 os.mknod(path, 0o666 | stat.S_IFCHR, null.st_rdev)
+
+    def expose_gpus(self, gpus: Sequence[cdi.Gpu]) -> Path:
+        """Make the GPUs' device files and write the CDI spec, as the agent does; its path. For a
+        node started without a GPU profile, whose DRA plugin is run by hand."""
+        self.make_device_files(gpus)
         spec = cdi.build_spec(gpus, str(self.device_dir))
         self.cdi_spec.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.cdi_spec.with_name(f".{cdi.SPEC_NAME}.tmp")
