@@ -5,11 +5,12 @@ BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup build test test-unit test-integration test-gpu lint demo bench clean
+.PHONY: help setup build test test-unit test-integration test-node test-gpu lint demo bench clean
 
 help:
 	@echo "make demo   - build what is missing, start a local cluster with 3 simulated GPU nodes, show allocation"
 	@echo "make test   - unit, property, integration and e2e tests against a real local kube-apiserver"
+	@echo "make test-node - the real-node tier alone (kubelet + containerd; root; part of make test)"
 	@echo "make test-gpu - on a machine with an NVIDIA GPU: NVML and CUDA against nvidia-smi (see docs/operations.md)"
 	@echo "make lint   - ruff, mypy --strict, import-linter"
 	@echo "make bench  - benchmarks; results in bench/results/, summary in BENCHMARKS.md"
@@ -37,6 +38,10 @@ test-unit: setup
 
 test-integration: build
 	$(BIN)/pytest -q tests/integration tests/e2e
+
+# The real-node tier (kubelet, containerd; root, overlayfs): skipped with the reason elsewhere.
+test-node: build
+	$(BIN)/pytest -q -rs tests/node
 
 # On a GPU machine: needs only etcd and kube-apiserver (built here, or copied into the cache).
 test-gpu: setup

@@ -7,10 +7,11 @@
 - ``kubeconfig`` (session), ``namespace`` (function), ``api`` (function, async);
   ``fresh_namespace`` and ``delete_if_present`` for fixtures of their own; ``completed_requests``
   reads the audit log.
-- Tests under tests/integration, tests/e2e and tests/gpu get the markers
-  ``integration``, ``e2e`` and ``gpu``.
+- Tests under tests/integration, tests/e2e, tests/gpu and tests/node get the markers
+  ``integration``, ``e2e``, ``gpu`` and ``node``.
 - With ``GPUALLOC_REQUIRE_INTEGRATION=1`` (set by .ci/run) the session fails
-  when no integration test ran, or when any was skipped or deselected.
+  when no integration test ran, or when any integration or node test (the real-node
+  tier) was skipped or deselected.
 - ``serve`` (function): an aiohttp test client for a request handler on aiohttp's
   low-level server, as ``gpualloc.runtime.serving`` serves one.
 - A test that leaves asyncio tasks running fails.
@@ -37,7 +38,9 @@ REPO_ROOT = TESTS_DIR.parent
 CRD_DIR = REPO_ROOT / "helm" / "gpualloc" / "crds"
 REQUIRE_INTEGRATION = "GPUALLOC_REQUIRE_INTEGRATION"
 
-_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "gpu": "gpu"}
+_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "gpu": "gpu", "node": "node"}
+# The tiers GPUALLOC_REQUIRE_INTEGRATION=1 counts: a skipped or deselected test of either fails it.
+_REQUIRED_MARKERS = ("integration", "node")
 
 
 # ------------------------------------------------------------------ markers
@@ -75,11 +78,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
-    _tally.deselected += sum(1 for item in items if item.get_closest_marker("integration") is not None)
+    _tally.deselected += sum(
+        1 for item in items if any(item.get_closest_marker(name) is not None for name in _REQUIRED_MARKERS)
+    )
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "integration" not in report.keywords:
+    if not any(name in report.keywords for name in _REQUIRED_MARKERS):
         return
     if report.skipped:
         _tally.skipped.append(report.nodeid)

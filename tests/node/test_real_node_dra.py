@@ -30,8 +30,6 @@ from gpualloc.api import constants
 from gpualloc.devcluster import binaries, cluster, images, node
 from tests.conftest import CRD_DIR, progress_printer, wait_until
 
-pytestmark = pytest.mark.skipif(node.unable_reason() is not None, reason=str(node.unable_reason()))
-
 NAMESPACE = "dra-node-test"
 CLAIM = "one-gpu-gpus-0"
 RESOURCE = "/apis/resource.k8s.io/v1"

@@ -27,9 +27,7 @@ import pytest
 
 from gpualloc.devcluster import binaries, cdi, cluster, images, node
 from tests.conftest import CRD_DIR, progress_printer
-from tests.integration import real_node_support
-
-pytestmark = pytest.mark.skipif(node.unable_reason() is not None, reason=str(node.unable_reason()))
+from tests.node import real_node_support
 
 NAMESPACE = "real-node-test"
 MARKER = "hello-from-a-real-container"

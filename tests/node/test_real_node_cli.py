@@ -3,25 +3,27 @@
 `dev up --real-node` runs as a process of its own; an image built here is imported with `dev image
 import` and a pod runs from it; a second pod is left running; the `dev up` process is killed with
 SIGKILL (nothing of its own cleanup runs) and `dev down` must still leave the machine as it was.
+With its simulated GPUs the node is a DRA node by itself: the agent is the kubelet's plugin and
+gpualloc's controller and webhook run with `--dra`; `dev down` stops them too.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpualloc.devcluster import images, node
+from gpualloc.devcluster import cluster, images, node
 from tests.conftest import progress_printer
-from tests.integration import real_node_support
-
-pytestmark = pytest.mark.skipif(node.unable_reason() is not None, reason=str(node.unable_reason()))
+from tests.node import real_node_support
 
 IMPORTED = "gpualloc/imported-check:1"
 
@@ -53,7 +55,9 @@ def test_dev_down_after_dev_up_was_killed_leaves_the_machine_as_it_was_and_an_im
     say = progress_printer(request.config)
     programs = node.ensure_programs(say)
     before = real_node_support.snapshot(programs)
-    state_dir = tmp_path / "dev"
+    # A short path: the DRA plugin's socket, <state>/node/kubelet/plugins/gpu.gpualloc.dev/dra.sock,
+    # must fit a unix socket's 107 bytes, and pytest's tmp_path is long.
+    state_dir = Path(tempfile.mkdtemp(prefix="gpualloc-dev-", dir="/tmp"))
     log = tmp_path / "dev-up.log"
     started = time.monotonic()
     with log.open("w") as out:
@@ -67,13 +71,21 @@ def test_dev_down_after_dev_up_was_killed_leaves_the_machine_as_it_was_and_an_im
             str(state_dir),
             "--real-node",
         ]
-        up = subprocess.Popen([*argv, "--gpu-profile", ""], stdout=out, stderr=subprocess.STDOUT)
+        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    components_pids: dict[str, int] = {}
     try:
         while "ready: kubeconfig" not in log.read_text():
             assert up.poll() is None, log.read_text()
             assert time.monotonic() - started < 180, log.read_text()
             time.sleep(0.1)
         say(f"`gpualloc dev up --real-node` ready in {time.monotonic() - started:.1f} s")
+        assert "controller and webhook" in log.read_text() and "with --dra" in log.read_text()
+        components_pids = {
+            name: entry["pid"]
+            for name, entry in cluster.load_state(state_dir)["processes"].items()
+            if name in ("controller", "webhook")
+        }
+        assert sorted(components_pids) == ["controller", "webhook"]
         busybox = programs.busybox_root / "bin" / "busybox"
         toolbox = images.toolbox_image(busybox.read_bytes(), ["bin/sh", "bin/echo", "bin/sleep"])
         archive = tmp_path / "imported.oci.tar"
@@ -102,6 +114,8 @@ def test_dev_down_after_dev_up_was_killed_leaves_the_machine_as_it_was_and_an_im
         down = _gpualloc("dev", "down", "--state-dir", str(state_dir))
     after = real_node_support.snapshot(programs)
 
+    shutil.rmtree(state_dir, ignore_errors=True)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert [name for name, pid in components_pids.items() if Path(f"/proc/{pid}").exists()] == []
     assert "the machine is as it was" in down.stdout
     assert real_node_support.differences(before, after) == []
