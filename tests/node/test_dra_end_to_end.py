@@ -15,7 +15,6 @@ Leases and its ResourceClaim go. Then everything stops and the node leaves nothi
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,27 +22,15 @@ import pytest
 
 from gpualloc import cdi
 from gpualloc.api import constants
-from gpualloc.devcluster import binaries, cluster, components, images, node
-from tests.conftest import CRD_DIR, progress_printer, wait_until
+from gpualloc.devcluster import components, node
+from tests.conftest import progress_printer, wait_until
 from tests.node import podresources
+from tests.node.stack_support import LIST_DEVICES, Seen, Stack, devices, running_stack
 
 NAMESPACE = "dra-e2e"
 CLAIMS = ("first", "second")
 DONE = "done"  # release: OnPodsCompleted; its pod exits at once
 PLAIN = "no-claim"
-LISTED = "end-of-listing"
-RESOURCE = "/apis/resource.k8s.io/v1"
-CLAIM_PATH = f"/apis/gpu.scheduling/v1/namespaces/{NAMESPACE}/gpuclaims"
-LIST_DEVICES = f"ls /dev; echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES; echo {LISTED}"
-
-
-@dataclasses.dataclass(kw_only=True)
-class Seen:
-    """What one pod's container saw, from its log."""
-
-    nvidia: list[str]  # the nvidia* names in its /dev
-    cuda_visible_devices: str
-    pod: dict[str, Any]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,128 +47,28 @@ class Run:
     left_by_teardown: list[str] = dataclasses.field(default_factory=list)
 
 
-def _claim(name: str, release: str = "OnDelete") -> dict[str, Any]:
-    return {
-        "apiVersion": "gpu.scheduling/v1",
-        "kind": "GpuClaim",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"devices": {"count": 1}, "release": release},
-    }
-
-
-def _pod(name: str, command: str, *, claim: str | None) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": "main",
-        "image": images.TOOLBOX_IMAGE,
-        "imagePullPolicy": "Never",
-        "command": ["sh", "-c", command],
-    }
-    metadata: dict[str, Any] = {"name": name, "namespace": NAMESPACE}
-    if claim is None:
-        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
-    else:
-        metadata["annotations"] = {constants.ANNOTATION_CLAIM: claim}
-    spec = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 1,
-        "containers": [container],
-    }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-
-
-def _get(plane: cluster.ControlPlane, path: str) -> dict[str, Any]:
-    found: dict[str, Any] = plane.request("GET", path)
-    return found
-
-
-def _allocated(plane: cluster.ControlPlane, name: str) -> dict[str, Any]:
-    def allocated() -> dict[str, Any] | None:
-        claim = _get(plane, f"{CLAIM_PATH}/{name}")
-        return claim if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED else None
-
-    claim: dict[str, Any] = wait_until(f"GpuClaim {name} Allocated", allocated, within=60)
-    resource_claim = (
-        f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/{constants.resource_claim_name(name, 0)}"
-    )
-
-    def mirrored() -> bool:
-        try:
-            return bool((_get(plane, resource_claim).get("status") or {}).get("allocation"))
-        except cluster.RequestError as exc:
-            if exc.status == 404:
-                return False
-            raise
-
-    wait_until(f"the ResourceClaim of {name} allocated", mirrored, within=60)
-    return claim
-
-
-def _start_pod(plane: cluster.ControlPlane, pod: dict[str, Any], run: Run) -> None:
-    """Create the pod and time it to Running (or done, for a pod that exits at once)."""
-    name = pod["metadata"]["name"]
-    created = time.monotonic()
-    plane.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
-
-    def started() -> bool:
-        phase = (_get(plane, f"/api/v1/namespaces/{NAMESPACE}/pods/{name}").get("status") or {}).get("phase")
-        if phase == "Failed":
-            raise AssertionError(f"pod {name} failed")
-        return phase in ("Running", "Succeeded")
-
-    wait_until(f"pod {name} Running", started, within=90, every=0.05)
-    run.running_s[name] = time.monotonic() - created
-
-
-def _seen(plane: cluster.ControlPlane, name: str) -> Seen:
-    def listed() -> str | None:
-        text: str = plane.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/log", accept="*/*")
-        return text if LISTED in text else None
-
-    text: str = wait_until(f"pod {name} to list /dev", listed, within=60)
-    words = text.split()
-    cuda = next((w.split("=", 1)[1] for w in words if w.startswith("CUDA_VISIBLE_DEVICES=")), "")
-    return Seen(
-        nvidia=sorted(w for w in words if w.startswith("nvidia")),
-        cuda_visible_devices=cuda,
-        pod=_get(plane, f"/api/v1/namespaces/{NAMESPACE}/pods/{name}"),
-    )
-
-
 def _device(claim: dict[str, Any]) -> dict[str, Any]:
-    (allocation,) = claim["status"]["allocations"]
-    (device,) = allocation["devices"]
-    found: dict[str, Any] = device
-    return found
+    (device,) = devices(claim)
+    return device
 
 
-def _release_on_completion(plane: cluster.ControlPlane, run: Run) -> None:
-    plane.request("POST", CLAIM_PATH, _claim(DONE, "OnPodsCompleted"))
-    _allocated(plane, DONE)
-    plane.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", _pod(DONE, "ls /dev; exit 0", claim=DONE))
-
-    def released() -> dict[str, Any] | None:
-        claim = _get(plane, f"{CLAIM_PATH}/{DONE}")
-        return claim if (claim.get("status") or {}).get("phase") == constants.PHASE_RELEASED else None
-
-    run.done_claim = wait_until("GpuClaim done Released after its pod exited", released, within=90)
+def _release_on_completion(stack: Stack, run: Run) -> None:
+    stack.create_claim(DONE, release="OnPodsCompleted")
+    stack.wait_allocated(DONE)
+    stack.create_pod(DONE, "ls /dev; exit 0", claim=DONE)
+    run.done_claim = stack.wait_phase(DONE, constants.PHASE_RELEASED, within=90)
     selector = f"{constants.LABEL_CLAIM_NAMESPACE}={NAMESPACE},{constants.LABEL_CLAIM_NAME}={DONE}"
     leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{components.NAMESPACE}/leases"
 
     def leases_gone() -> bool:
-        found = plane.request("GET", f"{leases_path}?labelSelector={selector}")["items"]
+        found = stack.get(f"{leases_path}?labelSelector={selector}")["items"]
         run.done_leases_after = [lease["metadata"]["name"] for lease in found]
         return not found
 
     def resource_claim_gone() -> bool:
-        path = f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/{constants.resource_claim_name(DONE, 0)}"
-        try:
-            plane.request("GET", path)
-        except cluster.RequestError as exc:
-            run.done_resource_claim_status = exc.status
-            return exc.status == 404
-        run.done_resource_claim_status = 200
-        return False
+        gone = stack.get_or_none(stack.resource_claim(DONE)) is None
+        run.done_resource_claim_status = 404 if gone else 200
+        return gone
 
     wait_until("the device Leases of done gone", leases_gone, within=30)
     wait_until("the ResourceClaim of done gone", resource_claim_gone, within=30)
@@ -189,46 +76,25 @@ def _release_on_completion(plane: cluster.ControlPlane, run: Run) -> None:
 
 @pytest.fixture(scope="module")
 def e2e_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    say = progress_printer(request.config)
-    programs = node.ensure_programs(say)
-    paths = binaries.ensure(
-        ["etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"], progress=say
-    )
     run = Run()
-    plane = cluster.ControlPlane(tmp_path_factory.mktemp("e2e"), binaries=paths, progress=say, real_node=True)
-    plane.start()
-    real: node.RealNode | None = None
-    try:
-        plane.apply_crds(CRD_DIR)
-        plane.ensure_scheduler()
-        plane.ensure_controller_manager()
-        real = node.RealNode(plane, programs, progress=say, gpu_profile="h100-sxm-8")
-        real.start()
-        components.start(plane, dra=True)
-        plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
-        plane.ensure_service_account(NAMESPACE)
+    say = progress_printer(request.config)
+    with running_stack(tmp_path_factory.mktemp("e2e"), NAMESPACE, say) as stack:
         for name in CLAIMS:
-            plane.request("POST", CLAIM_PATH, _claim(name))
-            run.claims[name] = _allocated(plane, name)
-        _start_pod(plane, _pod(PLAIN, f"{LIST_DEVICES}; sleep 3600", claim=None), run)
+            stack.create_claim(name)
+            run.claims[name] = stack.wait_allocated(name)
+        run.running_s[PLAIN] = stack.create_pod(PLAIN, f"{LIST_DEVICES}; sleep 3600", claim=None)
         for name in CLAIMS:
-            _start_pod(plane, _pod(name, f"{LIST_DEVICES}; sleep 3600", claim=name), run)
+            run.running_s[name] = stack.create_pod(name, f"{LIST_DEVICES}; sleep 3600", claim=name)
         for name in (*CLAIMS, PLAIN):
-            run.seen[name] = _seen(plane, name)
-        run.pod_resources = podresources.list_claims(podresources.socket_path(real.kubelet_root))
-        _release_on_completion(plane, run)
+            run.seen[name] = stack.seen(name)
+        run.pod_resources = podresources.list_claims(podresources.socket_path(stack.real.kubelet_root))
+        _release_on_completion(stack, run)
         say(
             "created to Running (s): "
             + ", ".join(f"{name} {seconds:.2f}" for name, seconds in run.running_s.items())
             + f" (claim pods: {', '.join(CLAIMS)}; without a claim: {PLAIN})"
         )
-    finally:
-        try:
-            components.stop(plane)
-            if real is not None:
-                run.left_by_teardown = real.stop()
-        finally:
-            plane.stop()
+    run.left_by_teardown = stack.left_by_teardown
     yield run
 
 
