@@ -9,6 +9,7 @@ DEMO_ARGS ?=
 
 help:
 	@echo "make demo   - build what is missing, start a local cluster with 3 simulated GPU nodes, show allocation"
+	@echo "              (DEMO_ARGS=--real-node: the pods really run on a kubelet node; prints what each container saw; root)"
 	@echo "make test   - unit, property, integration and e2e tests against a real local kube-apiserver"
 	@echo "make test-node - the real-node tier alone (kubelet + containerd; root; part of make test)"
 	@echo "make test-gpu - on a machine with an NVIDIA GPU: NVML and CUDA against nvidia-smi (see docs/operations.md)"

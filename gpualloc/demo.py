@@ -6,6 +6,12 @@ node with a different hardware profile, the controller, and the webhook with a
 certificate from `gpualloc certs`; applies `examples/`, waits for the pods to
 land, prints what a user wants to see, then waits for Ctrl-C and tears it all
 down (or exits at once with `--exit`).
+
+With `--real-node` (root; `make demo DEMO_ARGS=--real-node`) the pods really run: the control plane
+and a real node (containerd and a kubelet, `gpualloc dev up --real-node`'s) whose agent is the
+kubelet's DRA plugin, the controller and the webhook with `--dra`; two claims each get a busybox pod,
+and a pod without a claim asks for every GPU; each container lists its /dev and the demo prints what
+each saw: exactly its claim's GPUs, and none without a claim.
 """
 
 from __future__ import annotations
@@ -378,12 +384,172 @@ async def register_webhook(api: Any, port: int, ca_bundle: bytes) -> None:
     await transport.request(api, "POST", path, body=body)
 
 
+# --real-node: claims of the real node's 8 simulated GPUs, each with a busybox pod that lists /dev.
+REAL_NODE_PROFILE = "h100-sxm-8"
+REAL_NODE_CLAIMS = (("train", 2), ("notebook", 1))
+REAL_NODE_PLAIN_POD = "no-claim"
+LISTED = "end-of-listing"
+
+
+def _real_node_pod(name: str, claim: str | None) -> dict[str, Any]:
+    """A busybox pod that prints its /dev and CUDA_VISIBLE_DEVICES, then sleeps; one without a claim
+    asks for every GPU the NVIDIA way (NVIDIA_VISIBLE_DEVICES=all)."""
+    from gpualloc.devcluster import images
+
+    command = f"ls /dev; echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES; echo {LISTED}; sleep 3600"
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": images.TOOLBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", command],
+    }
+    metadata: dict[str, Any] = {"name": name}
+    if claim is None:
+        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    else:
+        metadata["annotations"] = {constants.ANNOTATION_CLAIM: claim}
+    spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [container]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _poll(what: str, check: Any, limit_s: float, alive: Any) -> Any:
+    deadline = time.monotonic() + limit_s
+    while True:
+        alive()
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {limit_s:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def drive_real_node(cp: cluster.ControlPlane, alive: Any) -> bool:
+    """Claims and busybox pods on the real node; print what each container saw. True when each
+    claim pod saw exactly its claim's GPUs and the pod without a claim saw none."""
+    claims_path = f"/apis/{constants.API_VERSION}/namespaces/{DEMO_NAMESPACE}/{constants.CLAIM_PLURAL}"
+    pods_path = f"/api/v1/namespaces/{DEMO_NAMESPACE}/pods"
+    expected: dict[str, tuple[str, list[str]]] = {}  # pod -> (claim, the nvidia files it should see)
+    for name, count in REAL_NODE_CLAIMS:
+        body = {"apiVersion": constants.API_VERSION, "kind": constants.CLAIM_KIND, "metadata": {"name": name}}
+        cp.request("POST", claims_path, {**body, "spec": {"devices": {"count": count}}})
+
+        def allocated(name: str = name) -> Any:
+            claim = cp.request("GET", f"{claims_path}/{name}")
+            return claim if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED else None
+
+        claim = _poll(f"GpuClaim {name} to be Allocated", allocated, 60, alive)
+        devices = [d for a in claim["status"]["allocations"] for d in a["devices"]]
+        files = sorted(["nvidiactl", *(f"nvidia{d['minor']}" for d in devices)])
+        expected[f"{name}-pod"] = (name, files)
+        say(f"  GpuClaim {name}: Allocated, GPUs {','.join(str(d['index']) for d in devices)}")
+    expected[REAL_NODE_PLAIN_POD] = ("-", [])
+    for pod, (claim_name, _) in expected.items():
+        cp.request("POST", pods_path, _real_node_pod(pod, None if claim_name == "-" else claim_name))
+        say(f"  Pod {pod}" + ("" if claim_name == "-" else f" (claim {claim_name})"))
+    rows, ok = [], True
+    for pod, (claim_name, files) in expected.items():
+
+        def listed(pod: str = pod) -> Any:
+            try:
+                text = cp.request("GET", f"{pods_path}/{pod}/log", accept="*/*")
+            except cluster.RequestError as exc:
+                if exc.status == 400:  # its container is not started yet
+                    return None
+                raise
+            return text if isinstance(text, str) and LISTED in text else None
+
+        words = _poll(f"pod {pod} to list /dev", listed, 120, alive).split()
+        seen = sorted(w for w in words if w.startswith("nvidia"))
+        cuda = next((w.split("=", 1)[1] for w in words if w.startswith("CUDA_VISIBLE_DEVICES=")), "")
+        node = cp.request("GET", f"{pods_path}/{pod}")["spec"].get("nodeName", "-")
+        good = seen == files
+        ok = ok and good
+        rows.append([pod, claim_name, node, " ".join(seen) or "(none)", cuda or "-", "yes" if good else "NO"])
+    print("\n=== What each container saw on the real node (ls /dev, from its log)")
+    print(
+        views.table(
+            ["POD", "CLAIM", "NODE", "/dev/nvidia*", "CUDA_VISIBLE_DEVICES", "EXACTLY ITS GPUS"], rows
+        )
+    )
+    print()
+    return ok
+
+
+def real_node_main(state: Path, stay: bool) -> int:
+    """``--real-node``: the control plane, the real node (its agent the kubelet's DRA plugin), the
+    controller and the webhook with --dra; claims and pods whose containers really run."""
+    from gpualloc.devcluster import binaries, node
+
+    reason = node.unable_reason()
+    if reason is not None:
+        print(f"demo failed: --real-node: {reason}", file=sys.stderr)
+        return 2
+    say("building what is missing (cached in ~/.cache/gpualloc after the first run)")
+    bins = binaries.ensure(progress=lambda line: say("  " + line))
+    state.mkdir(parents=True, exist_ok=True)
+    say(f"starting the local control plane and the real node {node.NODE_NAME} in {state}")
+    cp = cluster.ControlPlane(state_dir=state, binaries=bins, real_node=True)
+    real: node.RealNode | None = None
+    try:
+        cp.start()
+        cp.apply_crds()
+        cp.ensure_scheduler()
+        cp.ensure_controller_manager()
+        cp.ensure_service_account(DEMO_NAMESPACE)
+        real = node.RealNode(
+            cp,
+            node.ensure_programs(say),
+            progress=lambda line: say("  " + line),
+            gpu_profile=REAL_NODE_PROFILE,
+        )
+        real.start()
+        port = components.start(cp, dra=True)
+        say(f"  controller and webhook (127.0.0.1:{port}) running with --dra")
+
+        def alive() -> None:
+            cp.check_alive()
+            if real is not None:
+                real.check_alive()
+
+        if not drive_real_node(cp, alive):
+            say("ERROR: a container did not see exactly its claim's GPUs")
+            return 1
+        if stay:
+            say(
+                f"running; try: kubectl --kubeconfig {cp.kubeconfig} get pods,gpuclaims; Ctrl-C tears it down"
+            )
+            while True:
+                time.sleep(1)
+                alive()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        say("tearing down")
+        components.stop(cp)
+        left = real.stop() if real is not None else []
+        cp.stop()
+        say(
+            "stopped every process the demo started" + (f"; the node left: {'; '.join(left)}" if left else "")
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from gpualloc.devcluster import binaries
 
     parser = argparse.ArgumentParser(prog="gpualloc-demo", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--state-dir", help="where the control plane keeps its files (default: a temp dir)")
     parser.add_argument("--exit", action="store_true", help="tear down right after the summary")
+    parser.add_argument(
+        "--real-node",
+        action="store_true",
+        help="run the pods for real: a kubelet and containerd node whose containers get exactly their "
+        "claim's GPUs (DRA and CDI; root)",
+    )
     args = parser.parse_args(argv)
     docs = [d for path in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
 
@@ -394,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"demo failed: --state-dir {state} is not empty; give a new or empty directory", file=sys.stderr
         )
         return 2
+    if args.real_node:
+        return real_node_main(state, stay=not args.exit)
     say("building what is missing (cached in ~/.cache/gpualloc after the first run)")
     bins = binaries.ensure(progress=lambda line: say("  " + line))
     state.mkdir(parents=True, exist_ok=True)
