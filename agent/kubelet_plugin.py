@@ -70,6 +70,18 @@ def dra_socket(kubelet_root: str) -> Path:
     return Path(kubelet_root) / "plugins" / constants.DRA_DRIVER / "dra.sock"
 
 
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its terminating NUL)
+
+
+def socket_problem(kubelet_root: str) -> str:
+    """Why the plugin's sockets cannot be made under ``kubelet_root`` ("" when they can)."""
+    for path in (registration_socket(kubelet_root), dra_socket(kubelet_root)):
+        size = len(str(path).encode())
+        if size > UNIX_PATH_MAX:
+            return f"the socket path {path} is {size} bytes; a unix socket's path is at most {UNIX_PATH_MAX}"
+    return ""
+
+
 def claim_reader(api: Any) -> ReadClaim:
     """Reads a ResourceClaim (resource.k8s.io/v1) with the agent's API client."""
 

@@ -189,6 +189,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     if not args.node_name:
         parser.error("--node-name is required (or set NODE_NAME)")
+    problem = kubelet_plugin.socket_problem(args.kubelet_root) if args.kubelet_plugin else ""
+    if problem:
+        parser.error(f"--kubelet-root {args.kubelet_root}: {problem}")
     return args
 
 

@@ -49,6 +49,17 @@ def test_node_name_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
     assert info.value.code == 2
 
 
+def test_a_kubelet_root_too_long_for_the_plugin_sockets_is_a_usage_error_that_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = "/var/lib/" + "k" * 100
+    with pytest.raises(SystemExit) as info:
+        main.parse_args(["--node-name", "n", "--kubelet-plugin", "--kubelet-root", root])
+    assert info.value.code == 2
+    assert "a unix socket's path is at most 107" in capsys.readouterr().err
+    assert main.parse_args(["--node-name", "n", "--kubelet-root", root]).kubelet_root == root  # no plugin
+
+
 def test_bad_profile_exits_with_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(main.runtime_logging, "setup", lambda *args, **kwargs: None)  # keep pytest's logging
     rc = main.main(
