@@ -9,6 +9,8 @@
                                             whose simulated GPUs are CDI devices (root only),
                                             its agent the kubelet's DRA plugin, and gpualloc's
                                             controller and webhook with --dra
+        [--real-node --no-gpualloc]         the real node without gpualloc, for installing the
+                                            chart on it (docs/real-node.md)
     gpualloc dev down --state-dir DIR       stop a cluster started by `dev up` elsewhere, and
                                             undo what its real node changed on the machine
     gpualloc dev image import ARCHIVE --state-dir DIR
@@ -72,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         "--gpu-profile",
         default="h100-sxm-8",
         help="the real node's simulated GPUs (an agent profile; '' for none), exposed as CDI devices",
+    )
+    up.add_argument(
+        "--no-gpualloc",
+        action="store_true",
+        default=False,
+        help="the real node without gpualloc's agent, controller and webhook, for installing the chart "
+        "on it: labelled nvidia.com/gpu.present=true, its nvidia<minor> files following the GPUs its "
+        "GpuNodeStatus lists",
     )
 
     down = commands.add_parser("down", help="stop the control plane `dev up` started in --state-dir")
@@ -167,13 +177,17 @@ def _up(args: argparse.Namespace) -> int:
             plane.ensure_service_account("default")  # kube-controller-manager makes it, a moment later
             _say("kube-scheduler and kube-controller-manager running")
             programs = node.ensure_programs(_say)
-            real = node.RealNode(plane, programs, progress=_say, gpu_profile=args.gpu_profile or None)
+            bare = bool(args.no_gpualloc)
+            profile = None if bare else args.gpu_profile or None
+            real = node.RealNode(plane, programs, progress=_say, gpu_profile=profile, external_agent=bare)
             real.start()
             gpus = f"{len(real.gpus)} GPUs as CDI devices ({real.cdi_spec})" if real.gpus else "no GPUs"
             _say(
                 f"node {node.NODE_NAME} Ready at {node.NODE_IP}: {gpus}; images {images.TOOLBOX_IMAGE} "
                 f"and {images.PAUSE_IMAGE} (`gpualloc dev image import ARCHIVE` adds one)"
             )
+            if bare:
+                _say(f"no gpualloc on the node: {_chart_hint(real)}")
             if real.gpus:
                 port = components.start(plane, dra=True)
                 _say(
@@ -190,6 +204,8 @@ def _up(args: argparse.Namespace) -> int:
             plane.check_alive()
             if real is not None:
                 real.check_alive()
+                if real.external_agent:
+                    real.follow_published_gpus()
     except _Interrupted as exc:
         _say(f"{exc}: stopping")
     except (
@@ -221,6 +237,20 @@ def _up(args: argparse.Namespace) -> int:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
     return code
+
+
+def _chart_hint(real: node.RealNode) -> str:
+    """The chart's values for an agent on ``real`` (its DaemonSet, the simulated source)."""
+    values = {
+        "certManager.enabled": "false",
+        "image.pullPolicy": "Never",
+        "agent.source": "simulated",
+        "agent.deviceDir": str(real.device_dir),
+        "dra.kubeletRoot": str(real.kubelet_root),
+    }
+    return "helm install gpualloc helm/gpualloc -n gpualloc-system --create-namespace " + " ".join(
+        f"--set {key}={value}" for key, value in values.items()
+    )
 
 
 def _cmdline(pid: int) -> str:

@@ -7,7 +7,10 @@ never routed off a machine), containerd with the CNI bridge (``gpualloc-br0``, p
 and ``gpualloc/toolbox:dev`` from Debian's busybox-static), then the kubelet, and waits until
 the Node is Ready (lifting the not-ready taint, as the node-lifecycle controller this cluster
 runs without would). With a GPU profile it also runs the simulated agent for the node and
-exposes its GPUs as CDI devices (``gpualloc.devcluster.cdi``).
+exposes its GPUs as CDI devices (``gpualloc.devcluster.cdi``). With ``external_agent`` it runs
+no agent: the node is labelled ``nvidia.com/gpu.present=true`` and keeps a device directory for
+an agent run elsewhere (the chart's DaemonSet), its ``nvidia<minor>`` files following the GPUs
+the node's GpuNodeStatus lists (``follow_published_gpus``).
 
 What the probe on this kind of machine found, and what is done about it:
 
@@ -70,6 +73,8 @@ POD_SUBNET = "198.18.128.0/24"
 KUBELET_PORT = 10250
 SERVICE_CHAIN = "GPUALLOC-SERVICES"
 AGENT_NAMESPACE = "gpualloc-system"
+# As NVIDIA GPU feature discovery labels a GPU node; the chart's agent selects it.
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
 STATE_FILE = "node.json"
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, 108 with its NUL)
 
@@ -261,14 +266,18 @@ class RealNode:
         *,
         progress: Progress | None = None,
         gpu_profile: str | None = None,
+        external_agent: bool = False,
         ready_timeout: float = 120.0,
     ) -> None:
         if not plane.real_node:
             raise NodeError("the control plane must be started with real_node=True")
+        if external_agent and gpu_profile:
+            raise NodeError("a node whose agent runs elsewhere has no GPU profile of its own")
         self.plane = plane
         self.programs = programs
         self.dir = plane.state_dir / "node"
         self.gpu_profile = gpu_profile
+        self.external_agent = external_agent
         self.gpus: list[cdi.Gpu] = []
         self.timings: dict[str, float] = {}
         self._progress: Progress = progress or (lambda message: None)
@@ -328,6 +337,8 @@ class RealNode:
             self._progress(f"node {NODE_NAME} Ready in {self.timings['node_ready_s']:.1f} s")
             if self.gpu_profile:
                 self._start_agent()
+            elif self.external_agent:
+                self.make_device_files([])  # nvidiactl, which the agent's spec names if present
         except BaseException:
             self.stop()
             raise
@@ -757,7 +768,7 @@ class RealNode:
             f"--cert-dir={self.dir / 'pki'}",
             f"--hostname-override={NODE_NAME}",
             f"--node-ip={NODE_IP}",
-            "--node-labels=gpualloc.dev/real-node=true",
+            f"--node-labels={','.join(self._labels())}",
             "--v=1",
         ]
         self._spawn("kubelet", argv, self._env())
@@ -768,6 +779,12 @@ class RealNode:
             alive=self._alive_or_raise,
         )
         self.timings["kubelet_ready_s"] = time.monotonic() - started
+
+    def _labels(self) -> list[str]:
+        labels = ["gpualloc.dev/real-node=true"]
+        if self.external_agent:
+            labels.append(f"{GPU_PRESENT_LABEL}=true")
+        return labels
 
     def _alive_or_raise(self) -> None:
         self.check_alive()
@@ -839,6 +856,22 @@ class RealNode:
             f"{len(self.gpus)} simulated GPUs ({self.gpu_profile}) as CDI devices in {self.cdi_spec}; "
             f"the agent is the kubelet's DRA plugin of {constants.DRA_DRIVER}"
         )
+
+    def follow_published_gpus(self) -> list[cdi.Gpu]:
+        """For an agent run elsewhere (``external_agent``): make the ``nvidia<minor>`` file of each
+        GPU the node's GpuNodeStatus lists, whoever published it; those GPUs (none before one is
+        published). Files of GPUs no longer listed are kept: a container may still hold them."""
+        try:
+            status = self.plane.request("GET", f"/apis/gpu.scheduling/v1/gpunodestatuses/{NODE_NAME}")
+        except cluster.RequestError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        listed = (status.get("status") or {}).get("devices") or []
+        gpus = [cdi.Gpu(minor=int(d["minor"]), uuid=str(d["uuid"])) for d in listed if "minor" in d]
+        self.make_device_files(gpus)
+        self.gpus = gpus
+        return gpus
 
     def make_device_files(self, gpus: Sequence[cdi.Gpu]) -> None:
         """``nvidiactl`` and each GPU's ``nvidia<minor>`` in ``device_dir``: character devices with
