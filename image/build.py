@@ -48,8 +48,9 @@ MIRRORS = (
     f"deb http://deb.debian.org/debian-security {SUITE}-security main",
 )
 PYTHON = "python3.11"
-# The roots of the package closure whose files the image holds.
-ROOTS = (PYTHON, "netbase", "base-files")
+# The roots of the package closure whose files the image holds. libstdc++6: grpcio's C extension
+# (the agent's kubelet plugin) links it, and nothing python3.11 depends on brings it.
+ROOTS = (PYTHON, "netbase", "base-files", "libstdc++6")
 # Dependencies that are only needed to install packages, never to run Python (base-passwd: the
 # image's /etc/passwd and /etc/group are written below).
 NOT_SHIPPED = frozenset(
@@ -204,7 +205,7 @@ def debian_root(work: Path) -> Path:
     run(
         "mmdebstrap",
         "--variant=essential",
-        f"--include={PYTHON},netbase",
+        f"--include={PYTHON},netbase,libstdc++6",
         "--mode=root",
         "--quiet",
         "--aptopt=Acquire::Retries 3",
