@@ -205,7 +205,8 @@ def _up(args: argparse.Namespace) -> int:
             if real is not None:
                 real.check_alive()
                 if real.external_agent:
-                    real.follow_published_gpus()
+                    with contextlib.suppress(cluster.ControlPlaneError, OSError):  # tried again in 1 s
+                        real.follow_published_gpus()
     except _Interrupted as exc:
         _say(f"{exc}: stopping")
     except (
