@@ -153,6 +153,8 @@ def _up(args: argparse.Namespace) -> int:
     code = 0
     try:
         pid_file.write_text(f"{os.getpid()}\n")
+        if args.no_gpualloc and not args.real_node:
+            raise node.NodeError("--no-gpualloc is an option of the real node: add --real-node")
         if args.real_node and (reason := node.unable_reason()) is not None:
             raise node.NodeError(reason)
         wanted = [name for name in binaries.NAMES if args.real_node or name not in binaries.NODE_NAMES]
