@@ -817,7 +817,7 @@ class ControlPlane:
         """Refuse a state directory another live process uses; stop what a killed run left behind."""
         state = self._load_state()
         owner = state.get("owner")
-        if isinstance(owner, int) and owner != os.getpid() and _alive(owner) and recorded_alive(state):
+        if isinstance(owner, int) and owner != os.getpid() and alive(owner) and recorded_alive(state):
             raise ControlPlaneError(
                 f"{self.state_dir} is in use by process {owner}; "
                 "stop it first (gpualloc dev down --state-dir ...)"
@@ -863,12 +863,12 @@ def stop_recorded(
         pid, executable = recorded[name]
         if pid in excluded or not process_matches(pid, executable):
             continue
-        terminate_group(pid, timeout=timeout, is_alive=functools.partial(_alive, pid))
+        terminate_group(pid, timeout=timeout, is_alive=functools.partial(alive, pid))
         stopped.append(name)
     return stopped
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
