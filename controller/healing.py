@@ -107,14 +107,12 @@ class Healer:
         return [], reason
 
     async def _evict(self, claim: models.GpuClaim, moving: Sequence[int]) -> bool:
-        """Evict the pods of the ``moving`` replicas that hold GPUs (gated ones hold none); True
-        while any is left, the claim looked at again later."""
+        """Evict the pods of the ``moving`` replicas; True while any is left, the claim looked at
+        again later. Gated pods too: they hold no GPU yet, but a gate that read the claim before
+        the fence may still lift theirs with the old devices (the simulation, seed 600,940); their
+        owners create them again, and the webhook admits them once the move is written."""
         pods = await self.cluster.list_pods(claim.metadata.namespace)
-        using = [
-            p
-            for p in gates.pods_using(claim.metadata.name, pods)
-            if not gates.is_gated(p) and gates.replica_index(p) in moving
-        ]
+        using = [p for p in gates.pods_using(claim.metadata.name, pods) if gates.replica_index(p) in moving]
         if not using:
             return False
         blocked = []

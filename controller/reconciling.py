@@ -442,10 +442,24 @@ class Reconciler:
         return True
 
     async def _move_fenced(self, claim: models.GpuClaim, *, grace: float, now: dt.datetime) -> bool:
-        """``_move_if_unplaceable`` behind its fence. Pods still at the gate hold no GPU: they
-        stay, and are placed on the claim's new node once it is allocated again."""
+        """``_move_if_unplaceable`` behind its fence. The stuck pods are evicted first, then the
+        pods still at the gate (they hold no GPU, but a gate that read the claim before the fence
+        could still lift theirs onto this node); their owners create them again for the new one."""
         _, listed_pods = await self._pods(claim)
         using = [p for p in listed_pods if not gates.is_gated(p)]
+        gated = [p for p in listed_pods if gates.is_gated(p)]
+        if not using and gated:
+            # They hold no GPU yet, but a gate that read the claim before the fence may still lift
+            # theirs with these devices (found on the failed-GPU path, seed 600,940): they go
+            # first, and their owners create them again for the new node.
+            for pod in gated:
+                meta = pod.get("metadata") or {}
+                with contextlib.suppress(errors.NotFound, errors.Conflict):
+                    await self.writer.evict(
+                        claim.metadata.namespace, str(meta.get("name", "")), uid=str(meta.get("uid", ""))
+                    )
+            self.requeue(claim.key, 0.5)
+            return True
         if not using:
             written = await self.writer.claim_status(claim, statuses.unplaceable_status(claim, now=now))
             if written is None:

@@ -693,3 +693,14 @@ def test_invariant_3_catches_a_replica_moved_while_its_pod_still_runs(
     assert found is not None and found.number == 3, found
     monkeypatch.undo()
     assert runner.run(672, keep_trace=False).violation is None
+
+
+def test_seed_600940_a_gate_that_read_the_claim_before_the_fence_cannot_lift_a_pod_onto_a_moved_replica(
+    runner: scheduler.Runner,
+) -> None:
+    """The long mode found it (a8072f4): a failed replica's pod, still gated when the healer listed
+    the pods behind its fence, was un-gated onto the old GPU by a controller whose GET of the claim
+    came before the fence; the move then released that GPU under it (invariant 3). Gated pods of
+    a moving replica are now evicted too."""
+    result = runner.run(600940)
+    assert result.violation is None, _failure(runner, 600940, frozenset())
