@@ -153,7 +153,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
                 ok = all(node_of(rc) == nodes[r] for r, rc in got.items())
                 return {f"gang-gpus-{r}": rc for r, rc in got.items() if rc is not None} if ok else None
 
-            found = await support.wait_for(mirrored, within=15, what="a ResourceClaim per replica")
+            found = await support.wait_for(mirrored, within=45, what="a ResourceClaim per replica")
             for allocation in claim["status"]["allocations"]:
                 rc = found[f"gang-gpus-{allocation['replica']}"]
                 assert rc["metadata"]["ownerReferences"] == [
@@ -189,7 +189,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
                 got = await support.get_claim(api, namespace, "gang")
                 return got if got and support.allocated_nodes(got).get(moving) == second else None
 
-            await support.wait_for(moved, within=30, what=f"replica {moving} allocated on {second}")
+            await support.wait_for(moved, within=60, what=f"replica {moving} allocated on {second}")
             await asyncio.sleep(1.0)
             held = await get_rc(api, namespace, name)
             assert node_of(held) == first, "a reserved ResourceClaim keeps its allocation"
@@ -199,7 +199,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
                 rc = await get_rc(api, namespace, name)
                 return rc if node_of(rc) == second else None
 
-            after = await support.wait_for(followed, within=15, what=f"{name} allocated on {second}")
+            after = await support.wait_for(followed, within=45, what=f"{name} allocated on {second}")
             assert after["metadata"]["uid"] == before["metadata"]["uid"], (
                 "the same ResourceClaim, re-allocated"
             )
@@ -209,7 +209,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
             async def gone() -> bool:
                 return all([await get_rc(api, namespace, f"gang-gpus-{r}") is None for r in (0, 1)])
 
-            await support.wait_for(gone, within=20, what="the claim's ResourceClaims deleted with it")
+            await support.wait_for(gone, within=45, what="the claim's ResourceClaims deleted with it")
     finally:
         for node in (first, second, other):
             await support.delete_gpu_node(api, node)
