@@ -35,6 +35,23 @@ def webhook_options() -> admission.Options:
     return admission.Options(dra=True)
 
 
+async def held_pod(api: Api, namespace: str, name: str) -> dict[str, str]:
+    """A ``reservedFor`` entry naming a real pod that never runs (held at a scheduling gate).
+    kube-controller-manager, once an earlier test has started it, drops an entry whose pod does
+    not exist, so a made-up pod would not hold a ResourceClaim."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "schedulingGates": [{"name": "example.com/held"}],
+            "containers": [{"name": "main", "image": support.PAUSE_IMAGE}],
+        },
+    }
+    created = await support.create_pod(api, namespace, body)
+    return {"resource": "pods", "name": name, "uid": str(created["metadata"]["uid"])}
+
+
 def rc_path(namespace: str, name: str = "") -> str:
     return RC_PATH.format(namespace=namespace) + (f"/{name}" if name else "")
 
@@ -108,7 +125,7 @@ async def test_the_api_server_serves_resource_v1_and_keeps_an_allocation_unchang
     # "field is immutable", past the part of the message the error keeps
     with pytest.raises(errors.Invalid, match=r"status\.allocation: Invalid value"):
         await patch_rc_status(api, namespace, "probe-gpus-0", {"status": {"allocation": on_b}})
-    pod = {"resource": "pods", "name": "p", "uid": str(uuid.uuid4())}
+    pod = await held_pod(api, namespace, "p")
     await patch_rc_status(api, namespace, "probe-gpus-0", {"status": {"reservedFor": [pod]}})
     with pytest.raises(errors.Invalid, match="reservedFor"):
         await patch_rc_status(api, namespace, "probe-gpus-0", {"status": {"allocation": None}})
@@ -180,7 +197,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
             moving = next(r for r, node in nodes.items() if node == first)
             name = f"gang-gpus-{moving}"
             before = found[name]
-            pod = {"resource": "pods", "name": "gone-soon", "uid": str(uuid.uuid4())}
+            pod = await held_pod(api, namespace, "gone-soon")
             await patch_rc_status(api, namespace, name, {"status": {"reservedFor": [pod]}})
             await support.create_gpu_node(api, second, labels={support.RUN_LABEL: run}, gpus=4)
             await support.delete_gpu_node(api, first)
@@ -193,6 +210,7 @@ async def test_an_allocated_gang_gets_a_resourceclaim_per_replica_that_follows_a
             await asyncio.sleep(1.0)
             held = await get_rc(api, namespace, name)
             assert node_of(held) == first, "a reserved ResourceClaim keeps its allocation"
+            await transport.request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/gone-soon")
             await patch_rc_status(api, namespace, name, {"status": {"reservedFor": None}})
 
             async def followed() -> dict[str, Any] | None:
