@@ -33,8 +33,8 @@ Policies (``--policies``)
     * node CPU and memory: the task's as the claim's ``podResources``, screened by the allocator
       (issue 41); for speed, only the nodes with enough free GPUs, CPU and memory are offered
       (the controller's ``NodeIndex`` skips nodes short of GPUs too): the decision is the same;
-    * GPU models: one accepted model goes in the claim's ``product``; ``A|B`` alternatives (issue
-      39 part 2) narrow the nodes offered instead;
+    * GPU models: one accepted model goes in the claim's ``product``, ``A|B`` alternatives in its
+      ``products`` (issue 39 part 2);
     * sharing tasks (one GPU, milli < 1000): the allocator has no milli-GPU shares (issue 39
       part 1), so a stand-in places them: the GPU with the least milli left that holds the share,
       on any node where the task fits (the lowest node, then GPU index, among equals);
@@ -106,8 +106,8 @@ GPUALLOC_NOTES = {
     "whole_gpu_tasks": (
         "controller.allocator.allocate, strategy {strategy}, the task's CPU and memory as the claim's "
         "podResources, screened against each node's (issue 41); the workload leastFragmentation judges "
-        "by: the GPU tasks seen so far (fragmentation.Recent, as the controller keeps it); one accepted "
-        "GPU model as the claim's product, A|B alternatives by narrowing the nodes offered"
+        "by: the GPU tasks seen so far (fragmentation.Recent, as the controller keeps it); the accepted "
+        "GPU model as the claim's product, A|B alternatives as its products"
     ),
     "sharing_tasks": (
         "not the allocator (it has no milli-GPU shares: issue 39 part 1): a stand-in places each on "
@@ -295,17 +295,15 @@ class AllocatorPolicy:
         # NodeIndex never visits nodes short of free GPUs, for speed; the decision is the same.
         could = (c.left == pp.MILLI).sum(axis=1) >= task.gpus
         could &= (c.cpu >= task.cpu) & (c.memory >= task.memory)
-        if len(accepted) > 1:
-            could &= c.accepting(task.spec)
         views = [v for v in (self.views[int(i)] for i in np.flatnonzero(could)) if v is not None]
         if not views:
             return None
         pods = {quantities.CPU: task.cpu, quantities.MEMORY: task.memory * MIB}
-        product = accepted[0] if len(accepted) == 1 else None
+        product, products = (accepted[0], ()) if len(accepted) == 1 else (None, tuple(accepted))
         claim = models.GpuClaim(
             metadata=models.ObjectMeta(name=task.name, namespace="openb"),
             spec=models.GpuClaimSpec(
-                devices=models.DeviceRequest(count=task.gpus, product=product),
+                devices=models.DeviceRequest(count=task.gpus, product=product, products=products),
                 strategy=self.strategy,
                 pod_resources=pods,
             ),

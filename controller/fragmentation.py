@@ -144,7 +144,7 @@ def shape_of(ask: Ask) -> Shape:
         gpus=ask.count,
         cpu=ask.pod_requests.get(quantities.CPU, 0),
         memory=ask.pod_requests.get(quantities.MEMORY, 0),
-        products=(ask.product,) if ask.product else (),
+        products=(ask.product,) if ask.product else ask.products,
     )
 
 
