@@ -161,7 +161,7 @@ class PendingReconciler:
         written = await self.writer.claim_status(claim, patch)
         if written is None:
             # Our write failed for good: no status will ever list these Leases (locking, rule 2).
-            await self.writer.release(leases.parse(raw) for raw in result.created.values())
+            await self.writer.release(result.held)
             return
         await self.writer.release_leftovers(written, leftovers, written)
         self._retry.pop(key, None)

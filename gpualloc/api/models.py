@@ -40,6 +40,9 @@ class SharingRequest:
     compute_percent: int | None = None  # MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     # MPS: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for each of its GPUs
     memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("memoryMiB"))
+    # A fractional share: this many milli-GPU (1..999) of one GPU, held in the GPU's own Lease's
+    # ledger (``leases``); None: a slot of a GPU the agent offers for sharing.
+    milli: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,10 +147,12 @@ class DeviceRef:
     minor: int
     uuid: str
     slot: int | None = None  # a slot of a shared GPU (exclusivity Shared)
+    milli: int | None = None  # a fractional share of the GPU (``sharing.milli``), in milli-GPU
 
     @property
     def lock_id(self) -> str:
-        """What its Lease is named from: the UUID, or the UUID and slot of a shared GPU."""
+        """What its Lease is named from: the UUID (a share's too: the GPU's Lease holds its ledger),
+        or the UUID and slot of a shared GPU."""
         return self.uuid if self.slot is None else constants.slot_id(self.uuid, self.slot)
 
 
