@@ -545,6 +545,9 @@ def _allocation(replica: int, node: str, choice: Choice) -> models.Allocation:
                 uuid=d.uuid,
                 slot=d.slot if isinstance(d, SlotDevice) else None,
                 milli=d.milli if isinstance(d, ShareDevice) else None,
+                memory_mib=d.memory_mib * d.milli // 1000
+                if isinstance(d, ShareDevice) and d.memory_mib
+                else None,
             )
             for d in choice.devices
         ),

@@ -148,6 +148,8 @@ class DeviceRef:
     uuid: str
     slot: int | None = None  # a slot of a shared GPU (exclusivity Shared)
     milli: int | None = None  # a fractional share of the GPU (``sharing.milli``), in milli-GPU
+    # A share's part of the GPU's memory (its milli of it), the MPS memory limit of its pods.
+    memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("memoryMiB"))
 
     @property
     def lock_id(self) -> str:
