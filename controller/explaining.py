@@ -115,8 +115,8 @@ def explain(
     verdict = decision.reason
     if decision.ok:
         product = quotas.products_of(decision.allocations, statuses)
-        gpus, uid = quotas.claim_gpus(claim), claim.metadata.uid
-        over = [quotas.verdict(q, uid, quotas.merged(q, uid, gpus, product)) for q in namespace_quotas]
+        milli, uid = quotas.claim_milli(claim), claim.metadata.uid
+        over = [quotas.verdict(q, uid, quotas.merged(q, uid, milli, product)) for q in namespace_quotas]
         held_back = next((why for why in over if why), "")
         fits = f"would fit ({decision.note})" if decision.note else "would fit"
         verdict = f"{fits}, but is held back by its quota: {held_back}" if held_back else fits

@@ -86,7 +86,7 @@ def _copy(claim: models.GpuClaim, number: int) -> models.GpuClaim:
 def _entered(quota: models.GpuQuota, claim: models.GpuClaim, product: str) -> models.GpuQuota:
     """The quota once its ledger holds ``claim`` as ``product``."""
     uid = claim.metadata.uid
-    entry = quotas.merged(quota, uid, quotas.claim_gpus(claim), product)
+    entry = quotas.merged(quota, uid, quotas.claim_milli(claim), product)
     entry = dataclasses.replace(entry, name=claim.metadata.name)
     status = dataclasses.replace(quota.status, claims={**quota.status.claims, uid: entry})
     return dataclasses.replace(quota, status=status)

@@ -376,13 +376,15 @@ class QuotaEntry:
     """One admitted claim in a quota's ledger."""
 
     name: str
-    gpus: int
+    gpus: int  # whole GPUs, or milli-GPU shares rounded up
     product: str = ""  # the product names of its devices, comma-separated; "" before a plan
+    milli: int | None = None  # milli-GPU shares: the exact count, in milli-GPU
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuQuotaStatus:
     used: int = 0
+    used_milli: int = 0  # exactly, milli-GPU shares counted as their fraction
     used_by_product: Mapping[str, int] = dataclasses.field(default_factory=dict)
     claims: Mapping[str, QuotaEntry] = dataclasses.field(default_factory=dict)  # claim uid ->
 

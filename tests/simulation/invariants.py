@@ -203,8 +203,8 @@ def _quota_problem(server: model.ApiServer) -> str | None:
                 )
             for devices in _stripped_in_use(server, namespace).values():
                 in_use += leases.WHOLE_MILLI * sum(1 for uuid in devices if _product_matches(uuid, pattern))
-            stored = sum(
-                int(e.get("gpus", 0))
+            stored = sum(  # milli-GPU: an entry's exact milli, else its whole GPUs
+                int(e["milli"]) if e.get("milli") is not None else int(e.get("gpus", 0)) * leases.WHOLE_MILLI
                 for e in ledger
                 if not pattern
                 or any(fnmatch.fnmatchcase(p, pattern) for p in str(e.get("product", "")).split(","))
@@ -213,8 +213,9 @@ def _quota_problem(server: model.ApiServer) -> str | None:
             if in_use > hard * leases.WHOLE_MILLI:
                 held = in_use / leases.WHOLE_MILLI
                 return f"{namespace}'s Allocated claims hold {held:g} {what}, quota {key} allows {hard}"
-            if stored > hard:
-                return f"quota {key}'s ledger counts {stored} {what}, above its {hard}"
+            if stored > hard * leases.WHOLE_MILLI:
+                counted = stored / leases.WHOLE_MILLI
+                return f"quota {key}'s ledger counts {counted:g} {what}, above its {hard}"
     return None
 
 
