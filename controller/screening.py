@@ -10,6 +10,7 @@ the node's own line. The rules are in the allocator's module docstring.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from controller import nodes
 from controller.asks import Ask, matches, matches_selector
@@ -192,6 +193,19 @@ def _screen_mig(
     return Screened(view, prep, position, total, len(free), usable)
 
 
+def _identity(gpu: models.Device) -> dict[str, Any]:
+    """What a slot or a share offered carries of its GPU: which one it is, and what ``matches``
+    and the allocation read."""
+    return {
+        "index": gpu.index,
+        "minor": gpu.minor,
+        "uuid": gpu.uuid,
+        "product": gpu.product,
+        "memory_mib": gpu.memory_mib,
+        "compute_capability": gpu.compute_capability,
+    }
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SlotDevice(models.Device):
     """A slot of a shared GPU, as screening offers it: the GPU, and which of its slots."""
@@ -221,16 +235,7 @@ def _screen_shared(
         if open_slots and gpu.uuid not in extra_taken and matches(ask, gpu):
             offered.append((len(open_slots), gpu.index, gpu, open_slots[0]))
     usable: list[models.Device] = [
-        SlotDevice(
-            index=gpu.index,
-            minor=gpu.minor,
-            uuid=gpu.uuid,
-            product=gpu.product,
-            memory_mib=gpu.memory_mib,
-            compute_capability=gpu.compute_capability,
-            slot=slot,
-        )
-        for _, _, gpu, slot in sorted(offered, key=lambda o: o[:2])
+        SlotDevice(**_identity(gpu), slot=slot) for _, _, gpu, slot in sorted(offered, key=lambda o: o[:2])
     ]
     if len(usable) < ask.count:
         limit = f" of at most {most} claims" if most is not None else ""
@@ -267,15 +272,7 @@ def _screen_milli(
     roomy = [d for d in open_gpus if left[d.uuid] >= milli and d.uuid not in extra_taken]
     fitting = [d for d in roomy if matches(ask, d)] if ask.filters else roomy
     usable: list[models.Device] = [
-        ShareDevice(
-            index=d.index,
-            minor=d.minor,
-            uuid=d.uuid,
-            product=d.product,
-            memory_mib=d.memory_mib,
-            compute_capability=d.compute_capability,
-            milli=milli,
-        )
+        ShareDevice(**_identity(d), milli=milli)
         for d in sorted(fitting, key=lambda d: (left[d.uuid] - milli, d.index))
     ]
     if not usable:

@@ -17,6 +17,7 @@ from gpualloc.kube import errors, resources, transport
 from gpualloc.kube.client import Api
 from tests.integration import controller_support as support
 from tests.integration.test_quota import get_quota, over_quota, quota
+from tests.integration.test_shared_claims import message_of
 from tests.integration.test_webhook_cluster import (  # noqa: F401 - webhook and its options: fixtures
     create_pod,
     env,
@@ -63,15 +64,6 @@ async def delete_claim(api: Api, namespace: str, name: str) -> None:
     await support.wait_for(gone, within=30, what=f"claim {name} to give its share back and go")
 
 
-async def says(api: Api, namespace: str, name: str, text: str) -> dict[str, Any]:
-    async def found() -> dict[str, Any] | None:
-        got = await support.get_claim(api, namespace, name)
-        return got if text in (got or {}).get("status", {}).get("message", "") else None
-
-    got: dict[str, Any] = await support.wait_for(found, within=30, what=f"claim {name} to say {text!r}")
-    return got
-
-
 @pytest.mark.usefixtures("webhook")
 async def test_shares_pack_a_gpu_in_its_lease_ledger_pods_get_mps_limits_and_release_frees_the_gpu(
     api: Api, kubeconfig: str, namespace: str
@@ -99,7 +91,7 @@ async def test_shares_pack_a_gpu_in_its_lease_ledger_pods_get_mps_limits_and_rel
             whole = await support.wait_phase(api, namespace, "whole", "Allocated", within=30)
             assert not {gpu, other} & set(support.status_uuids(whole))
             await crs.create_claim(namespace, share_claim("big", run, 800))
-            waiting = await says(api, namespace, "big", "no GPU with 800 milli-GPU free")
+            waiting = await message_of(api, namespace, "big", "no GPU with 800 milli-GPU free")
             assert waiting["status"]["phase"] == "Pending"
 
             # The webhook gives a's pod its GPU by UUID and the share's MPS limits, in every container.
