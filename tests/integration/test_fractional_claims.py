@@ -7,6 +7,7 @@ entries of each GPU's own Lease, ``gpu-<uuid>`` (``controller.locking``, rules 6
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from gpualloc.api import constants, leases
 from gpualloc.kube import errors, resources, transport
+from gpualloc.kube import leases as kube_leases
 from gpualloc.kube.client import Api
 from tests.integration import controller_support as support
 from tests.integration.test_quota import get_quota, over_quota, quota
@@ -143,5 +145,48 @@ async def test_a_quota_counts_a_share_as_its_fraction_of_a_gpu(
             await support.wait_phase(api, namespace, "c", "Allocated", within=30)
             stored = await get_quota(api, namespace, name)
             assert stored["status"]["usedMilli"] == 700
+    finally:
+        await support.delete_gpu_node(api, node)
+
+
+async def test_a_share_left_in_a_ledger_by_a_dead_attempt_of_the_same_claim_is_released_not_adopted(
+    api: Api, kubeconfig: str, namespace: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    node = f"frac-{run}"
+    inv = await support.publish_simulated_node(api, node, run, PROFILE)
+    crs = resources.CustomResources(api)
+    try:
+        created = await crs.create_claim(namespace, share_claim("c", run, 300, strategy="TimeSlicing"))
+        meta = created["metadata"]
+        # What an attempt killed between its ledger write and its status write leaves: an entry of
+        # this claim, at the version it planned from, in the ledger of every GPU of the node.
+        entry = leases.share_entry(
+            milli=300,
+            claim_namespace=namespace,
+            claim_name="c",
+            claim_resource_version=meta["resourceVersion"],
+        )
+        for device in inv.devices:
+            body = leases.share_lease(
+                namespace,
+                uuid=device.uuid,
+                node=node,
+                entries={meta["uid"]: entry},
+                now=datetime.datetime.now(datetime.UTC),
+            )
+            await kube_leases.create(api, namespace, body)
+        async with support.running_controller(kubeconfig, support.controller_argv(namespace, run=run)):
+            allocated = await support.wait_phase(api, namespace, "c", "Allocated", within=60)
+        gpu, milli = share_of(allocated)
+        assert milli == 300
+        shares = await ledger(api, namespace, gpu)
+        assert shares == {meta["uid"]: 300}
+        raw = await kube_leases.get_lease(api, namespace, constants.lease_name(gpu))
+        stamped = leases.ledger(raw)[meta["uid"]]["claimResourceVersion"]
+        assert stamped != meta["resourceVersion"]  # the live attempt's entry, not the dead one's
+        for device in inv.devices:
+            if device.uuid != gpu:
+                assert await ledger(api, namespace, device.uuid) is None  # released and deleted
     finally:
         await support.delete_gpu_node(api, node)
