@@ -77,8 +77,12 @@ share in milli-GPU and the resourceVersion its attempt planned from
    lists a share only when its own entry went in (rule 2), and a leftover
    entry is removed under rule 3 (``releasable`` reads the entry's own
    resourceVersion). Removing an entry is a PUT under the resourceVersion,
-   and removes only the entry with the releasing view's resourceVersion, so a
-   stale release never removes a newer attempt's entry. The last entry is not
+   and removes only an entry stamped with the version the releaser saw, so a
+   stale release never removes a later attempt's entry. Two attempts at one
+   version are not told apart, and need not be: an attempt releases as its
+   own only what it added, while it stands (no other attempt of the claim can
+   add one meanwhile), and the other releases (rule 3, the sweep, a deletion)
+   hold for every attempt at that version alike. The last entry is not
    PUT away: the Lease is deleted with a resourceVersion precondition while
    that entry still stands (rule 5's finalizer keeps it, Terminating), so no
    share can slip in between the check and the delete, and a Terminating

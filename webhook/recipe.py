@@ -164,8 +164,10 @@ def edit_gated(
     (a claim that does not exist yet has none: its pod gets no MPS limits)."""
     ops: list[mutations.Op] = []
     mutations.add_tolerations(pod, tolerations, ops)
-    # Only the controller may say which devices the pod gets: drop a user-set value.
+    # Only the controller may say which devices the pod gets (and an MPS share's memory limit):
+    # drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
+    mutations.remove_annotation(pod, constants.ANNOTATION_MPS_MEMORY_LIMIT, ops)
     mutations.add_scheduling_gate(pod, ops)
     mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
     mutations.set_env_everywhere(pod, [*_GATED_ENV, *extra_env], ops)
