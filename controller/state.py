@@ -567,7 +567,7 @@ class State:
         if type_ == watching.DELETED:
             self._bury(info.uid)
             self._wake_for_node(self._lease_node.get(info.name, info.node))  # capacity freed
-            for holder in {*before, *(h.holder for h in leases.holdings(info))}:
+            for holder in sorted({*before, *(h.holder for h in leases.holdings(info))}):
                 key = self._uid_to_key.get(holder)
                 if key is not None:
                     self._wake_claim(key)  # an Allocated claim may have lost a recorded Lease
