@@ -25,14 +25,26 @@ _SLOT = re.compile(r"^(?P<gpu>.+)-s(?P<slot>[0-9]+)$")  # constants.slot_id, low
 
 
 def gpus(facts: inventory.NodeFacts) -> list[cdi.Gpu]:
-    """The node's GPUs as the CDI spec and the device index need them; a lost GPU is left out (a
+    """The node's GPUs as the CDI spec and the device index need them, each MIG instance with the
+    minors of its two capability nodes where the source knows both; a lost GPU is left out (a
     claim naming it fails to prepare)."""
     found = []
     for d in facts.devices:
         if d.lost:
             continue
-        migs = tuple(m.uuid for m in d.mig.devices) if d.mig is not None and d.mig.enabled else ()
-        found.append(cdi.Gpu(minor=d.minor, uuid=d.uuid, mig_uuids=migs))
+        instances = {i.uuid: i for i in d.mig_instances}
+        migs = []
+        for m in d.mig.devices if d.mig is not None and d.mig.enabled else ():
+            where = instances.get(m.uuid)
+            caps = None
+            if (
+                where is not None
+                and where.gpu_instance_cap is not None
+                and where.compute_instance_cap is not None
+            ):
+                caps = (where.gpu_instance_cap, where.compute_instance_cap)
+            migs.append(cdi.Mig(uuid=m.uuid, caps=caps))
+        found.append(cdi.Gpu(minor=d.minor, uuid=d.uuid, migs=tuple(migs)))
     return found
 
 
@@ -53,8 +65,8 @@ def device_index(gpus: Sequence[cdi.Gpu], mode: str = "gpualloc") -> dict[str, s
     index: dict[str, str] = {}
     for gpu in gpus:
         index[constants.dra_device_name(gpu.uuid)] = cdi.qualified_name(gpu.uuid, kind)
-        for mig in gpu.mig_uuids:
-            index[constants.dra_device_name(mig)] = cdi.qualified_name(mig, kind)
+        for mig in gpu.migs:
+            index[constants.dra_device_name(mig.uuid)] = cdi.qualified_name(mig.uuid, kind)
     return index
 
 

@@ -115,6 +115,21 @@ class NvLinkEndpoint:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MigInstance:
+    """Where a MIG device lives in the driver: the ids of its GPU instance and compute instance
+    (NVML's ``nvmlDeviceGetGpuInstanceId`` and ``nvmlDeviceGetComputeInstanceId`` of the MIG
+    device), and the minor numbers of their ``/dev/nvidia-caps/nvidia-cap<N>`` nodes, which a
+    container needs besides its GPU's ``/dev/nvidia<minor>`` to use the instance (None: not
+    known)."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    gpu_instance_cap: int | None = None
+    compute_instance_cap: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceFacts:
     index: int
     minor: int
@@ -127,6 +142,7 @@ class DeviceFacts:
     pcie_generation: int = 0
     pcie_width: int = 0
     mig: models.MigInfo | None = None
+    mig_instances: tuple[MigInstance, ...] = ()  # of the MIG devices in ``mig``, where known
     nvlinks: tuple[NvLinkEndpoint, ...] = ()
     # Set by the source when the device is gone (GPU_IS_LOST, missing from a
     # re-scan): "lost: <why>". The facts are then the last ones seen.
@@ -180,6 +196,47 @@ def pod_uid_of_cgroup(text: str) -> str:
         if match:
             return match.group(1).replace("_", "-")
     return ""
+
+
+# Where the driver tells a MIG instance's capability minors, under /proc (NVIDIA's MIG user guide;
+# nvidia-container-toolkit reads the same files): one ``access`` file per GPU instance and per
+# compute instance, whose ``DeviceFileMinor: <N>`` line names ``/dev/nvidia-caps/nvidia-cap<N>``,
+# and the driver's whole table, one ``gpu<minor>/gi<g>/access <N>`` or
+# ``gpu<minor>/gi<g>/ci<c>/access <N>`` a line.
+MIG_CAPABILITIES = "driver/nvidia/capabilities"
+MIG_MINORS = "driver/nvidia-caps/mig-minors"
+
+
+def mig_cap_name(gpu_minor: int, gpu_instance: int, compute_instance: int | None = None) -> str:
+    """A MIG capability's name in ``mig-minors``: ``gpu0/gi1/access``, ``gpu0/gi1/ci0/access``."""
+    ci = "" if compute_instance is None else f"/ci{compute_instance}"
+    return f"gpu{gpu_minor}/gi{gpu_instance}{ci}/access"
+
+
+def mig_cap_access_path(gpu_minor: int, gpu_instance: int, compute_instance: int | None = None) -> str:
+    """The capability's ``access`` file, relative to /proc:
+    ``driver/nvidia/capabilities/gpu0/mig/gi1/ci0/access``."""
+    gpu, _, rest = mig_cap_name(gpu_minor, gpu_instance, compute_instance).partition("/")
+    return f"{MIG_CAPABILITIES}/{gpu}/mig/{rest}"
+
+
+def parse_cap_access(text: str) -> int | None:
+    """The ``DeviceFileMinor`` of a capability's ``access`` file; None when it has none."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "DeviceFileMinor" and value.strip().isdigit():
+            return int(value.strip())
+    return None
+
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """``mig-minors`` as capability name -> minor; malformed lines are left out."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].isdigit():
+            found[fields[0]] = int(fields[1])
+    return found
 
 
 def parse_sharing(text: str) -> models.DeviceSharing | None:

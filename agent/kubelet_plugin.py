@@ -177,6 +177,13 @@ class KubeletPlugin:
                 log.error("cannot write the CDI spec", extra={"node": self.node, "error": str(exc)})
                 return
             log.info("CDI spec written", extra={"node": self.node, "path": str(path), "gpus": len(current)})
+            blind = [f"gpu-{g.minor}/{m.uuid}" for g in current for m in g.migs if m.caps is None]
+            if blind:
+                log.warning(
+                    "MIG instances without their nvidia-caps nodes in the CDI spec (their capability "
+                    "minors could not be read): a container given one cannot use it",
+                    extra={"node": self.node, "instances": ",".join(blind)},
+                )
 
     def set_health(self, devices: Mapping[str, tuple[bool, str]]) -> None:
         """Every device's health now (``dra.health``); the health streams are told when it changed."""

@@ -3,8 +3,10 @@
 ``NvmlSource`` reads what ``inventory`` needs, per device: index, minor, UUID,
 name, memory, compute capability, PCI bus id (normalised to the sysfs form),
 NUMA node (NVML's memory affinity, else sysfs), max PCIe generation and
-width, MIG mode and MIG devices, and every NVLink's state, far end (PCI bus id
-and device type) and version; per pair of devices the common-ancestor level.
+width, MIG mode and MIG devices (with each one's GPU and compute instance ids,
+and the minors of their ``/dev/nvidia-caps`` nodes from /proc: ``read_mig_caps``),
+and every NVLink's state, far end (PCI bus id and device type) and version; per
+pair of devices the common-ancestor level.
 
 Calls that some devices do not support (NUMA, MIG, NVLink on consumer cards,
 remote device type on old drivers, power and temperature) tolerate
@@ -46,6 +48,32 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def read_mig_caps(
+    proc_root: Path, gpu_minor: int, gpu_instance: int, compute_instance: int
+) -> tuple[int | None, int | None]:
+    """The minors of the ``nvidia-cap`` nodes of GPU instance ``gpu_instance`` of GPU ``gpu_minor``
+    and of its compute instance ``compute_instance``: from their ``access`` files under
+    ``proc_root``, else from the driver's ``mig-minors``; None for one that neither tells."""
+
+    def read(relative: str) -> str:
+        try:
+            return (proc_root / relative).read_text()
+        except OSError:
+            return ""
+
+    gi_cap = inventory.parse_cap_access(read(inventory.mig_cap_access_path(gpu_minor, gpu_instance)))
+    ci_cap = inventory.parse_cap_access(
+        read(inventory.mig_cap_access_path(gpu_minor, gpu_instance, compute_instance))
+    )
+    if gi_cap is None or ci_cap is None:
+        table = inventory.parse_mig_minors(read(inventory.MIG_MINORS))
+        if gi_cap is None:
+            gi_cap = table.get(inventory.mig_cap_name(gpu_minor, gpu_instance))
+        if ci_cap is None:
+            ci_cap = table.get(inventory.mig_cap_name(gpu_minor, gpu_instance, compute_instance))
+    return gi_cap, ci_cap
+
+
 class NvmlSource:
     """``inventory.Source`` over NVML."""
 
@@ -58,7 +86,7 @@ class NvmlSource:
     ) -> None:
         self._module = nvml_module
         self._sysfs = Path(sysfs_root)
-        self._proc = Path(proc_root)  # the host's, to tell a GPU process's pod (needs hostPID)
+        self._proc = Path(proc_root)  # the host's: a GPU process's pod (needs hostPID), MIG caps
         self._initialised = False
         self._lock = threading.Lock()
         self.generation = 0  # incremented on every successful init
@@ -216,6 +244,7 @@ class NvmlSource:
         numa = self._numa(handle, bus_id)
         gen = self._optional("nvmlDeviceGetMaxPcieLinkGeneration", handle)
         width = self._optional("nvmlDeviceGetMaxPcieLinkWidth", handle)
+        mig, instances = self._mig(handle, int(minor) if minor is not None else index)
         return inventory.DeviceFacts(
             index=index,
             minor=int(minor) if minor is not None else index,
@@ -227,7 +256,8 @@ class NvmlSource:
             numa_node=numa,
             pcie_generation=int(gen) if gen is not None else 0,
             pcie_width=int(width) if width is not None else 0,
-            mig=self._mig(handle),
+            mig=mig,
+            mig_instances=instances,
             nvlinks=self._nvlinks(handle),
         )
 
@@ -252,15 +282,20 @@ class NvmlSource:
             return -1
         return max(node, -1)
 
-    def _mig(self, handle: Any) -> models.MigInfo | None:
+    def _mig(
+        self, handle: Any, minor: int
+    ) -> tuple[models.MigInfo | None, tuple[inventory.MigInstance, ...]]:
+        """The GPU's MIG mode and devices, and where each device lives in the driver (its GPU and
+        compute instance ids, and their capability minors from /proc: ``read_mig_caps``)."""
         mode = self._optional("nvmlDeviceGetMigMode", handle)
         if mode is None:
-            return None
+            return None, ()
         current = int(mode[0])
         if current != getattr(self.nvml, "NVML_DEVICE_MIG_ENABLE", 1):
-            return models.MigInfo(enabled=False)
+            return models.MigInfo(enabled=False), ()
         count = self._optional("nvmlDeviceGetMaxMigDeviceCount", handle) or 0
         found: list[models.MigDevice] = []
+        instances: list[inventory.MigInstance] = []
         for j in range(int(count)):
             mig_handle = self._optional("nvmlDeviceGetMigDeviceHandleByIndex", handle, j)
             if mig_handle is None:
@@ -268,7 +303,20 @@ class NvmlSource:
             uuid = _text(self.nvml.nvmlDeviceGetUUID(mig_handle))
             mem = self._optional("nvmlDeviceGetMemoryInfo", mig_handle)
             attrs = self._optional("nvmlDeviceGetAttributes", mig_handle)
-            start, size = self._mig_placement(handle, mig_handle)
+            gi_id = self._optional("nvmlDeviceGetGpuInstanceId", mig_handle)
+            ci_id = self._optional("nvmlDeviceGetComputeInstanceId", mig_handle)
+            start, size = self._mig_placement(handle, gi_id)
+            if gi_id is not None and ci_id is not None:
+                gi_cap, ci_cap = read_mig_caps(self._proc, minor, int(gi_id), int(ci_id))
+                instances.append(
+                    inventory.MigInstance(
+                        uuid=uuid,
+                        gpu_instance=int(gi_id),
+                        compute_instance=int(ci_id),
+                        gpu_instance_cap=gi_cap,
+                        compute_instance_cap=ci_cap,
+                    )
+                )
             found.append(
                 models.MigDevice(
                     index=j,
@@ -280,7 +328,7 @@ class NvmlSource:
                     compute_slices=int(attrs.gpuInstanceSliceCount) if attrs is not None else 0,
                 )
             )
-        return models.MigInfo(enabled=True, devices=tuple(found))
+        return models.MigInfo(enabled=True, devices=tuple(found)), tuple(instances)
 
     def _mig_profile(self, mig_handle: Any, attrs: Any) -> str:
         """``1g.10gb``: from the MIG device's name, else from its attributes."""
@@ -294,9 +342,8 @@ class NvmlSource:
             return f"{int(attrs.gpuInstanceSliceCount)}g.{gb}gb"
         return ""
 
-    def _mig_placement(self, handle: Any, mig_handle: Any) -> tuple[int, int]:
-        """(first memory slice, memory slices) of the MIG device's GPU instance; (-1, 0) if unknown."""
-        gi_id = self._optional("nvmlDeviceGetGpuInstanceId", mig_handle)
+    def _mig_placement(self, handle: Any, gi_id: Any) -> tuple[int, int]:
+        """(first memory slice, memory slices) of GPU instance ``gi_id``; (-1, 0) if unknown."""
         gpu_instance = (
             None if gi_id is None else self._optional("nvmlDeviceGetGpuInstanceById", handle, gi_id)
         )

@@ -231,6 +231,37 @@ def mig_uuid(node_name: str, index: int, mig_index: int) -> str:
     return f"MIG-{uuidlib.uuid5(UUID_NAMESPACE, f'{node_name}/{index}/mig/{mig_index}')}"
 
 
+# The driver's ``mig-minors`` table: ``config`` 1, ``monitor`` 2, then for each GPU minor 15 GPU
+# instances, each one ``gi<g>/access`` followed by 8 ``ci<c>/access`` (gpu0/gi0 3, gpu0/gi0/ci0 4,
+# gpu0/gi1 12). The simulated MIG devices' capability minors are laid out the same way.
+MIG_MINORS_FIRST = 3
+MIG_GPU_INSTANCES = 15
+MIG_COMPUTE_INSTANCES = 8
+
+
+def mig_cap_minor(gpu_minor: int, gpu_instance: int, compute_instance: int | None = None) -> int:
+    """The minor of a MIG capability in the driver's ``mig-minors`` layout."""
+    per_gi = 1 + MIG_COMPUTE_INSTANCES
+    gi = MIG_MINORS_FIRST + (gpu_minor * MIG_GPU_INSTANCES + gpu_instance) * per_gi
+    return gi if compute_instance is None else gi + 1 + compute_instance
+
+
+def mig_instance(node_name: str, index: int, mig_index: int) -> inventory.MigInstance:
+    """Where simulated MIG device ``mig_index`` of GPU ``index`` (whose minor is its index) lives:
+    GPU instance ``mig_index + 1`` (each simulated MIG device is a GPU instance of its own),
+    compute instance 0 (one taking the whole GPU instance, as ``nvidia-smi mig -cgi ... -C`` makes
+    it), and their capability minors in the driver's layout. A real GPU's ids are NVML's; these
+    are only stable and distinct."""
+    gi = mig_index + 1
+    return inventory.MigInstance(
+        uuid=mig_uuid(node_name, index, mig_index),
+        gpu_instance=gi,
+        compute_instance=0,
+        gpu_instance_cap=mig_cap_minor(index, gi),
+        compute_instance_cap=mig_cap_minor(index, gi, 0),
+    )
+
+
 def common_ancestor(a: SimDevice, b: SimDevice) -> int:
     """The NVML topology level between two simulated GPUs."""
     if a.numa != b.numa:
@@ -301,6 +332,7 @@ class SimulatedSource:
                 pcie_generation=d.pcie_generation,
                 pcie_width=d.pcie_width,
                 mig=self._mig(i, d),
+                mig_instances=tuple(mig_instance(node_name, i, j) for j in range(len(d.mig or ()))),
                 nvlinks=tuple(endpoints[i]),
             )
             for i, d in enumerate(profile.devices)

@@ -22,15 +22,19 @@ Measure
 Policies (``--policies``)
     ``random``, ``bestfit``, ``fgd``: the paper's baselines (``packing_policies``).
     ``gpualloc``: the controller's own pure allocator, ``controller.allocator.allocate``, with the
-    strategy a claim gets by default (``binpack``: the CRD's default; the chart sets none), on
+    strategy a claim gets by default (``binpack``: the CRD's default; the chart sets none) or
+    ``--strategy`` (``leastFragmentation``: ``controller.fragmentation``, judged against the GPU
+    tasks seen so far, kept by ``fragmentation.Recent`` as the controller keeps its claims), on
     one ``NodeView`` per GPU node (one simulated GPU per trace GPU, the model as its product,
-    taken = every GPU with anything on it). What the allocator does not do yet is done around it
-    and said in the output (``GPUALLOC_NOTES``):
+    taken = every GPU with anything on it, the node's CPU and memory as its allocatable and
+    free). What the allocator does not do yet is done around it and said in the output
+    (``GPUALLOC_NOTES``):
 
-    * node CPU and memory: a whole-GPU task is offered only the nodes where its CPU and memory fit
-      (the allocator does not screen them until issue 41);
-    * GPU models: one accepted model goes in the claim's ``product``; ``A|B`` alternatives (issue
-      39 part 2) narrow the nodes offered instead;
+    * node CPU and memory: the task's as the claim's ``podResources``, screened by the allocator
+      (issue 41); for speed, only the nodes with enough free GPUs, CPU and memory are offered
+      (the controller's ``NodeIndex`` skips nodes short of GPUs too): the decision is the same;
+    * GPU models: one accepted model goes in the claim's ``product``, ``A|B`` alternatives in its
+      ``products`` (issue 39 part 2);
     * sharing tasks (one GPU, milli < 1000): the allocator has no milli-GPU shares (issue 39
       part 1), so a stand-in places them: the GPU with the least milli left that holds the share,
       on any node where the task fits (the lowest node, then GPU index, among equals);
@@ -38,7 +42,9 @@ Policies (``--policies``)
       NodeResourcesFit plus BalancedAllocation on CPU and memory, ties at random, with the
       default LeastAllocated (spreading) or, ``--cpu-tasks MostAllocated``, the packing strategy
       an operator can configure. Which one moves gpualloc's figure by about a point; FGD, which
-      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md).
+      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--cpu-tasks
+      leastFragmentation`` is NOT shipped: the node ``fragmentation.pods_key`` ranks first, as
+      kube-scheduler would choose with an extender serving that score, which gpualloc lacks.
 
 Reported: the curves and the 100%/130% points per policy, printed and written to ``--json``
 (default ``bench/results/trace_replay_<trace>.json``) with a PNG of the curves beside it. The
@@ -70,13 +76,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import packing_policies as pp
 import procfs
 
-from controller import allocator
-from gpualloc.api import constants, models
+from controller import allocator, fragmentation
+from gpualloc.api import constants, models, quantities
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TRACES = REPO.parent / "shared" / "traces" / "openb"
 POLICIES = ("gpualloc", "fgd", "bestfit", "random")
+MIB = 2**20
+PODS = 1_000_000  # pod slots per node: the trace has no limit
 DEFAULT_STRATEGY = "binpack"  # a GpuClaim's default (the CRD); the chart's values set no other
 PERCENTS = range(0, 131)
 PROGRESS_EVERY_S = 30.0
@@ -91,12 +99,15 @@ PUBLISHED: dict[str, dict[str, tuple[float, float]]] = {
     "cpu050": {"random": (89.0, 91.2), "bestfit": (93.6, 93.8), "fgd": (95.0, 95.2)},
 }
 
-CPU_SCORINGS = ("LeastAllocated", "MostAllocated")  # kube-scheduler's NodeResourcesFit strategies
+# kube-scheduler's NodeResourcesFit strategies, and leastFragmentation's score for pods without GPUs
+# (``fragmentation.pods_key``), which needs a kube-scheduler extender gpualloc does not ship yet.
+CPU_SCORINGS = ("LeastAllocated", "MostAllocated", fragmentation.STRATEGY)
 GPUALLOC_NOTES = {
     "whole_gpu_tasks": (
-        f"controller.allocator.allocate, strategy {DEFAULT_STRATEGY}, offered only the nodes where the "
-        "task's CPU and memory fit (the allocator does not screen them yet: issue 41); one accepted "
-        "GPU model as the claim's product, A|B alternatives by narrowing the nodes offered"
+        "controller.allocator.allocate, strategy {strategy}, the task's CPU and memory as the claim's "
+        "podResources, screened against each node's (issue 41); the workload leastFragmentation judges "
+        "by: the GPU tasks seen so far (fragmentation.Recent, as the controller keeps it); the accepted "
+        "GPU model as the claim's product, A|B alternatives as its products"
     ),
     "sharing_tasks": (
         "not the allocator (it has no milli-GPU shares: issue 39 part 1): a stand-in places each on "
@@ -107,10 +118,17 @@ GPUALLOC_NOTES = {
         "BalancedAllocation on CPU and memory), ties at random"
     ),
 }
+CPU_ONLY_NOT_SHIPPED = (
+    "NOT SHIPPED: placed by fragmentation.pods_key (the fragmentation their CPU and memory add), as "
+    "a kube-scheduler extender serving that score would; gpualloc has no such extender yet"
+)
 
 
-def gpualloc_notes(cpu_scoring: str) -> dict[str, str]:
-    return {k: v.format(scoring=cpu_scoring) for k, v in GPUALLOC_NOTES.items()}
+def gpualloc_notes(cpu_scoring: str, strategy: str = DEFAULT_STRATEGY) -> dict[str, str]:
+    notes = {k: v.format(scoring=cpu_scoring, strategy=strategy) for k, v in GPUALLOC_NOTES.items()}
+    if cpu_scoring == fragmentation.STRATEGY:
+        notes["cpu_only_tasks"] = CPU_ONLY_NOT_SHIPPED
+    return notes
 
 
 # ------------------------------------------------------------------ the trace
@@ -188,10 +206,18 @@ def trace_name(pods: pathlib.Path) -> str:
 class AllocatorPolicy:
     """The ``gpualloc`` policy (module docstring, Policies)."""
 
-    def __init__(self, cluster: pp.Cluster, rng: random.Random, cpu_scoring: str = CPU_SCORINGS[0]) -> None:
+    def __init__(
+        self,
+        cluster: pp.Cluster,
+        rng: random.Random,
+        cpu_scoring: str = CPU_SCORINGS[0],
+        strategy: str = DEFAULT_STRATEGY,
+    ) -> None:
         self.cluster = cluster
         self.rng = rng
         self.cpu_scoring = cpu_scoring
+        self.strategy = strategy
+        self.recent = fragmentation.Recent()  # the claims seen, as the controller keeps them
         self.uuids: list[tuple[str, ...]] = [
             tuple(f"GPU-{node.name}-{g}" for g in range(node.gpus)) for node in cluster.nodes
         ]
@@ -207,6 +233,10 @@ class AllocatorPolicy:
                 product=node.model,
             )
             for i, node in enumerate(cluster.nodes)
+        ]
+        self.allocatable = [
+            {quantities.CPU: node.cpu, quantities.MEMORY: node.memory * MIB, quantities.PODS: PODS}
+            for node in cluster.nodes
         ]
         self.views: list[allocator.NodeView | None] = [
             self._view(i, frozenset()) if node.gpus else None for i, node in enumerate(cluster.nodes)
@@ -224,9 +254,28 @@ class AllocatorPolicy:
             ready=True,
             inventory=self.inventories[i],
             taken=taken,
+            allocatable=self.allocatable[i],
+            free={
+                quantities.CPU: int(self.cluster.cpu[i]),
+                quantities.MEMORY: int(self.cluster.memory[i]) * MIB,
+                quantities.PODS: PODS,
+            },
         )
 
     def choose(self, task: pp.Task) -> pp.Placement | None:
+        if task.gpus == 0 and self.cpu_scoring == fragmentation.STRATEGY:
+            found = least_fragmenting_pods(self.cluster, task, self.recent.workload())
+            self.stand_in["cpu_only_tasks"] += found is not None
+            return found
+        if task.gpus:
+            shape = fragmentation.Shape(
+                gpus=task.gpus,
+                milli=task.milli,
+                cpu=task.cpu,
+                memory=task.memory * MIB,
+                products=tuple(sorted(task.models)),
+            )
+            self.recent.observe(shape)
         if task.gpus == 0:
             found = kube_scheduler(self.cluster, task, self.rng, self.cpu_scoring)
             self.stand_in["cpu_only_tasks"] += found is not None
@@ -241,23 +290,25 @@ class AllocatorPolicy:
         c = self.cluster
         for node in np.flatnonzero(c.changes != self.seen):
             self._refresh(int(node))
-        offered = (c.cpu >= task.cpu) & (c.memory >= task.memory)
         accepted = sorted(task.models)
-        if len(accepted) > 1:
-            offered &= c.accepting(task.spec)
-        views = [v for v in (self.views[int(i)] for i in np.flatnonzero(offered)) if v is not None]
+        # The nodes that could take it (the allocator screens them again): as the controller's
+        # NodeIndex never visits nodes short of free GPUs, for speed; the decision is the same.
+        could = (c.left == pp.MILLI).sum(axis=1) >= task.gpus
+        could &= (c.cpu >= task.cpu) & (c.memory >= task.memory)
+        views = [v for v in (self.views[int(i)] for i in np.flatnonzero(could)) if v is not None]
         if not views:
             return None
+        pods = {quantities.CPU: task.cpu, quantities.MEMORY: task.memory * MIB}
+        product, products = (accepted[0], ()) if len(accepted) == 1 else (None, tuple(accepted))
         claim = models.GpuClaim(
             metadata=models.ObjectMeta(name=task.name, namespace="openb"),
             spec=models.GpuClaimSpec(
-                devices=models.DeviceRequest(
-                    count=task.gpus, product=accepted[0] if len(accepted) == 1 else None
-                ),
-                strategy=DEFAULT_STRATEGY,
+                devices=models.DeviceRequest(count=task.gpus, product=product, products=products),
+                strategy=self.strategy,
+                pod_resources=pods,
             ),
         )
-        decision = allocator.allocate(claim, views)
+        decision = allocator.allocate(claim, views, workload=self.recent.workload())
         if not decision.ok:
             return None
         (placed,) = decision.allocations
@@ -287,6 +338,33 @@ def fullest_gpu_share(cluster: pp.Cluster, task: pp.Task) -> pp.Placement | None
     return pp.Placement(node=int(candidates[row]), gpus=(gpu,))
 
 
+def least_fragmenting_pods(
+    cluster: pp.Cluster, task: pp.Task, workload: fragmentation.Workload
+) -> pp.Placement | None:
+    """Not shipped (``--cpu-tasks leastFragmentation``): a CPU-only task on the node
+    ``fragmentation.pods_key`` ranks first (the lowest node among equals), as kube-scheduler would
+    place it with an extender serving that score and weighed above its own."""
+    candidates = cluster.feasible(task)
+    if not len(candidates):
+        return None
+    shape = fragmentation.Shape(gpus=0, cpu=task.cpu, memory=task.memory * MIB)
+    best: tuple[fragmentation.Key, int] | None = None
+    for i in candidates.tolist():
+        node = cluster.nodes[i]
+        key = fragmentation.pods_key(
+            workload,
+            node.model,
+            cluster.left[i, : node.gpus].tolist(),
+            int(cluster.cpu[i]),
+            int(cluster.memory[i]) * MIB,
+            shape,
+        )
+        if best is None or key < best[0]:
+            best = (key, i)
+    assert best is not None
+    return pp.Placement(node=best[1], gpus=())
+
+
 def kube_scheduler(
     cluster: pp.Cluster, task: pp.Task, rng: random.Random, scoring: str = CPU_SCORINGS[0]
 ) -> pp.Placement | None:
@@ -294,7 +372,7 @@ def kube_scheduler(
     (``LeastAllocated``, its default: the free share after the placement; ``MostAllocated``: the
     used share) plus BalancedAllocation (1 - the spread of the two used shares), highest first,
     ties at random."""
-    if scoring not in CPU_SCORINGS:
+    if scoring not in CPU_SCORINGS[:2]:
         raise ValueError(f"unknown scoring {scoring!r} (known: {', '.join(CPU_SCORINGS)})")
     candidates = cluster.feasible(task)
     if not len(candidates):
@@ -325,6 +403,7 @@ class Job:
     tasks: tuple[pp.Task, ...]
     inflate: float
     cpu_scoring: str = CPU_SCORINGS[0]  # the gpualloc policy's stand-in for CPU-only tasks
+    strategy: str = DEFAULT_STRATEGY  # the gpualloc policy's claims'
     label: str = ""
 
 
@@ -337,10 +416,11 @@ def make_policy(
     ledger: pp.FragLedger,
     rng: random.Random,
     cpu_scoring: str = CPU_SCORINGS[0],
+    strategy: str = DEFAULT_STRATEGY,
 ) -> tuple[Chooser, AllocatorPolicy | None]:
     """The policy's chooser (and the gpualloc policy, for its counts)."""
     if name == "gpualloc":
-        policy = AllocatorPolicy(cluster, rng, cpu_scoring)
+        policy = AllocatorPolicy(cluster, rng, cpu_scoring, strategy)
         return policy.choose, policy
     if name == "fgd":
         return (lambda t: pp.choose_fgd(cluster, t, ledger)), None
@@ -373,7 +453,7 @@ def replay(job: Job) -> dict[str, Any]:
     workload = inflate(job.tasks, cluster.capacity_milli, job.inflate, job.seed)
     ledger = pp.FragLedger(pp.Fragmentation(pp.typical_tasks(job.tasks), cluster), cluster)
     rng = random.Random(f"trace-replay/{job.policy}/{job.seed}")
-    choose, gpualloc = make_policy(job.policy, cluster, ledger, rng, job.cpu_scoring)
+    choose, gpualloc = make_policy(job.policy, cluster, ledger, rng, job.cpu_scoring, job.strategy)
     n = len(workload)
     arrived = np.zeros(n)
     allocated = np.zeros(n)
@@ -506,7 +586,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-tasks",
         choices=CPU_SCORINGS,
         default=CPU_SCORINGS[0],
-        help="the gpualloc policy's kube-scheduler stand-in for CPU-only tasks (default LeastAllocated)",
+        help="the gpualloc policy's kube-scheduler stand-in for CPU-only tasks (default LeastAllocated; "
+        "leastFragmentation: not shipped, see the docstring)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=constants.STRATEGIES,
+        default=DEFAULT_STRATEGY,
+        help=f"the gpualloc policy's claims' spec.strategy (default {DEFAULT_STRATEGY}, the CRD's)",
     )
     parser.add_argument("--workers", type=int, default=1, help="processes (one job: a policy x a seed)")
     parser.add_argument(
@@ -531,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             tasks=tasks,
             inflate=args.inflate,
             cpu_scoring=args.cpu_tasks,
+            strategy=args.strategy,
             label=f"{trace}: ",
         )
         for p in policies
@@ -598,13 +686,13 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_s_per_seed": round(sum(r["cpu_s"] for r in mine) / len(mine), 2),
         }
         if name == "gpualloc":
-            entry["notes"] = gpualloc_notes(args.cpu_tasks)
+            entry["notes"] = gpualloc_notes(args.cpu_tasks, args.strategy)
         result["policies"][name] = entry
 
     print()
     print(table(result, trace))
     if "gpualloc" in policies:
-        notes = gpualloc_notes(args.cpu_tasks).items()
+        notes = gpualloc_notes(args.cpu_tasks, args.strategy).items()
         print("\ngpualloc: " + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in notes))
     for name, entry in result["policies"].items():
         print(f"{name}: {entry['cpu_s_per_seed']} CPU-s, {entry['wall_s_per_seed']} s wall per seed")

@@ -81,6 +81,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import procfs  # noqa: E402
 import webhook_request as request_shape  # noqa: E402
 
+from gpualloc.api import constants  # noqa: E402
 from gpualloc.devcluster import binaries, cluster  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "webhook_vegeta.json"
@@ -330,9 +331,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         allocation = claim["status"]["allocations"][0]
         claim_key = f"{claim['metadata']['namespace']}/{claim['metadata']['name']}"
         uuids = [d["uuid"] for d in allocation["devices"]]
-        (tmp / "claims.json").write_text(
-            json.dumps({claim_key: {"node": allocation["nodeName"], "uuids": uuids}})
-        )
+        served = {"node": allocation["nodeName"], "uuids": uuids}
+        if args.dra:
+            served["resourceClaim"] = constants.resource_claim_name(claim["metadata"]["name"], 0)
+        (tmp / "claims.json").write_text(json.dumps({claim_key: served}))
         try:
             print("starting etcd and kube-apiserver with the benchmark's claim", file=sys.stderr)
             plane = start_cluster(tmp / "cluster", bins)
@@ -341,7 +343,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             script = Path(sys.executable).with_name("gpualloc")  # the command a source checkout installs
             command = [str(script)] if script.exists() else [sys.executable, "-m", "gpualloc.cli"]
             gpualloc = subprocess.Popen(
-                [*pin, *command, *webhook_args(cert, key, gpualloc_port, plane.kubeconfig)],
+                [
+                    *pin,
+                    *command,
+                    *webhook_args(cert, key, gpualloc_port, plane.kubeconfig),
+                    *(["--dra"] if args.dra else []),
+                ],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
             )
@@ -460,6 +467,7 @@ def summarise(
             "sweep_duration_s": args.sweep_duration,
             "workers": args.workers,
             "rounds": args.rounds,
+            "dra": args.dra,
         },
         "gpualloc": servers["gpualloc"],
         **{name: servers[name] for name in GO_SERVERS},
@@ -529,6 +537,12 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="runs of each server, alternating")
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument(
+        "--dra",
+        action="store_true",
+        help="DRA on (issue 42): every server also gives the pod its replica's ResourceClaim"
+        " (spec.resourceClaims gpualloc-gpus and resources.claims in each container: 5 more operations)",
+    )
     parser.add_argument(
         "--go-prebuilt",
         type=Path,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from controller import (
     allocator,
     asks,
+    fragmentation,
     gates,
     locking,
     locks,
@@ -76,6 +77,7 @@ class PendingReconciler:
         self._retry: dict[str, retries.RetryState] = {}
         self._failed_event: dict[str, tuple[str, float]] = {}
         self._rr_cursor = 0
+        self._recent = fragmentation.Recent()  # the claims seen: strategy leastFragmentation's workload
 
     def forget(self, key: str) -> None:
         """The claim is gone: drop what was remembered about it."""
@@ -97,6 +99,7 @@ class PendingReconciler:
         )
         retry = self._retry.get(key)
         if retry is None or retry.generation != claim.metadata.generation:
+            self._recent.observe_claim(claim)
             if retry is not None:  # the spec changed: a fresh start
                 retry = retries.RetryState(generation=claim.metadata.generation)
             else:
@@ -121,6 +124,7 @@ class PendingReconciler:
                 seed=views.seed_for(uid),
                 round_robin_cursor=self._rr_cursor,
                 cost_label=self.settings.cost_label,
+                workload=self._recent.workload(),
             )
             if not decision.allocations:
                 preempting = await self._preempt(claim, node_index)

@@ -69,6 +69,8 @@ Nodes (choice)
       sorted-name order (wrapping); a gang's next replica starts after the last node used
     * ``costOptimized``: the node label ``cost_label`` ranked by ``cost_preference``
       (nodes without the label, or with another value, last), then ``binpack``
+    * ``leastFragmentation``: the least fragmentation the claim adds to the node's free GPUs
+      against ``workload``, the claims seen lately, then best fit (``controller.fragmentation``)
 
 Gangs
     ``replicas: N`` places replica 0..N-1 in turn against a local copy of the
@@ -137,6 +139,7 @@ import heapq
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+from controller import fragmentation
 from controller.asks import Ask, parse
 from controller.nodes import Bucket, NodeIndex, fewest_numa_nodes, in_mig_mode, per_numa
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
@@ -206,7 +209,10 @@ def _strategy_key(
     random_rank: Mapping[str, int],
     cost_label: str,
     cost_rank: Mapping[str, int],
+    workload: fragmentation.Workload | None = None,
 ) -> Key:
+    if ask.strategy == fragmentation.STRATEGY:
+        return fragmentation.node_key(node, ask, workload)
     if ask.strategy == "random":
         return (random_rank[node.view.name],)
     if ask.strategy == "roundRobin":
@@ -250,6 +256,7 @@ def allocate(
     cost_label: str = constants.LABEL_COST_TIER,
     cost_preference: Sequence[str] = ("low", "medium", "high"),
     explain: bool = False,
+    workload: fragmentation.Workload | None = None,
 ) -> Decision:
     """Place every replica of ``claim`` on ``nodes`` or none; see the module docstring.
 
@@ -263,6 +270,7 @@ def allocate(
         cost_label=cost_label,
         cost_preference=cost_preference,
         explain=explain,
+        workload=workload,
     )
     topology = claim.spec.topology
     if topology.mode == "Preferred" and topology.min_bandwidth_gbps > 0 and claim.spec.devices.count > 1:
@@ -288,6 +296,7 @@ class _Search:
     cost_label: str
     cost_preference: Sequence[str]
     explain: bool
+    workload: fragmentation.Workload | None = None  # leastFragmentation's (``fragmentation``)
 
     def views(self) -> Sequence[NodeView]:
         """Every node (an index's list is built only when it is needed)."""
@@ -316,6 +325,7 @@ class _Search:
             cost_label=self.cost_label,
             cost_preference=self.cost_preference,
             explain=self.explain,
+            workload=self.workload,
         )
 
 
@@ -429,6 +439,7 @@ def _allocate(
     cost_label: str,
     cost_preference: Sequence[str],
     explain: bool,
+    workload: fragmentation.Workload | None = None,
 ) -> Decision:
     """``allocate`` on one set of nodes."""
     ask = parse(claim)
@@ -475,6 +486,7 @@ def _allocate(
                     random_rank=random_rank,
                     cost_label=cost_label,
                     cost_rank=cost_rank,
+                    workload=workload,
                 ),
                 s.view.name,
                 s.position,

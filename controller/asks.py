@@ -75,6 +75,7 @@ class Ask:
     # requests of the claim's pods seen at our gate; always at least one pod slot.
     pod_requests: Mapping[str, int] = dataclasses.field(default_factory=lambda: {quantities.PODS: 1})
     avoid_nodes: frozenset[str] = frozenset()  # status.unplaceableNodes: its pods could not run there
+    products: tuple[str, ...] = ()  # spec.devices.products: globs, any of which will do
 
 
 def parse_compute_capability(text: str) -> tuple[int, int] | None:
@@ -127,9 +128,13 @@ def parse(claim: models.GpuClaim) -> Ask | str:
                 f"policy preferIds lists {len(prefer_ids)} distinct indices but count is {dev.count};"
                 " list at least count indices"
             )
+    if dev.product and dev.products:
+        return "product and products both name accepted products; set one"
     filters = []
     if dev.product:
         filters.append(f'product "{dev.product}"')
+    if dev.products:
+        filters.append("product " + " or ".join(f'"{p}"' for p in dev.products))
     if dev.min_memory_mib:
         filters.append(f">={dev.min_memory_mib} MiB")
     if min_cc is not None:
@@ -146,6 +151,7 @@ def parse(claim: models.GpuClaim) -> Ask | str:
         policy=dev.policy,
         prefer_ids=prefer_ids,
         product=dev.product or None,
+        products=dev.products,
         min_memory_mib=dev.min_memory_mib or None,
         min_cc=min_cc,
         mode=mode if whole else "Ignore",  # instances and slots are not ranked by links
@@ -162,6 +168,8 @@ def parse(claim: models.GpuClaim) -> Ask | str:
 
 def matches(ask: Ask, device: models.Device) -> bool:
     if ask.product is not None and not fnmatch.fnmatchcase(device.product, ask.product):
+        return False
+    if ask.products and not any(fnmatch.fnmatchcase(device.product, p) for p in ask.products):
         return False
     if ask.min_memory_mib is not None and device.memory_mib < ask.min_memory_mib:
         return False

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 from controller import queue as work_queue
 from controller import resourceclaims
 from controller.state import Feed, State
+from controller.workers import Workers
 from gpualloc.api import timestamps
 from gpualloc.kube import errors, watching
 from gpualloc.kube.client import Api
-from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ RESOURCE_CLAIMS = watching.ResourceKind(
     group="resource.k8s.io", version="v1", plural="resourceclaims", kind="ResourceClaim", namespaced=True
 )
 WORKERS = 2
-ERROR_BACKOFF_BASE = 0.5
-ERROR_BACKOFF_CAP = 60.0
 
 
 class ResourceClaims(Protocol):
@@ -94,7 +92,16 @@ class Mirror:
         self.writes: collections.Counter[str] = collections.Counter()  # create, status, clear, delete
         self._by_claim: dict[str, set[str]] = {}  # claim key -> its ResourceClaims' keys
         self._answers: dict[str, Obj] = {}  # our writes' answers the watch has not shown yet
-        self._errors: dict[str, int] = {}
+        self._workers = Workers(
+            self.queue,
+            self.sync,
+            what="resourceclaim sync",
+            stale=(
+                errors.Conflict,
+                errors.AlreadyExists,
+            ),  # our cache was behind (our write, or kube-scheduler's)
+            rng=self.rng,
+        )
         claims = state.feeds["claims"]
         handler = claims.on_event
 
@@ -203,32 +210,4 @@ class Mirror:
             self.queue.add(key)
         async with asyncio.TaskGroup() as group:
             for i in range(max(1, self.workers)):
-                group.create_task(self._worker(), name=f"dra-worker-{i}")
-
-    async def _worker(self) -> None:
-        while True:
-            key = await self.queue.get()
-            try:
-                await self.sync(key)
-                self._errors.pop(key, None)
-            except asyncio.CancelledError:
-                raise
-            except (errors.Conflict, errors.AlreadyExists) as exc:
-                # Our cache was behind (a write of ours or of kube-scheduler's); its event re-queues too.
-                log.debug("stale resourceclaim, retrying", extra={"claim": key, "error": str(exc)})
-                self.queue.add_after(key, 0.05 + 0.2 * self.rng.random())
-            except Exception as exc:
-                failures = self._errors[key] = self._errors.get(key, 0) + 1
-                delay = backoff.jittered_up(
-                    failures, base=ERROR_BACKOFF_BASE, cap=ERROR_BACKOFF_CAP, jitter=self.rng.random()
-                )
-                if isinstance(exc, errors.KubeError):
-                    log.warning(
-                        "resourceclaim write failed",
-                        extra={"claim": key, "error": str(exc), "retry_in": delay},
-                    )
-                else:
-                    log.exception("resourceclaim mirror crashed", extra={"claim": key, "retry_in": delay})
-                self.queue.add_after(key, delay)
-            finally:
-                self.queue.done(key)
+                group.create_task(self._workers.run(), name=f"dra-worker-{i}")

@@ -36,6 +36,8 @@ def describe_request(claim: models.GpuClaim) -> str:
         parts = [f"{spec.replicas} x a share of {milli} milli-GPU of one GPU"]
     if spec.devices.product:
         parts.append(f'product "{spec.devices.product}"')
+    if spec.devices.products:
+        parts.append("product " + " or ".join(f'"{p}"' for p in spec.devices.products))
     if spec.devices.min_memory_mib:
         parts.append(f">= {spec.devices.min_memory_mib} MiB")
     if spec.devices.min_compute_capability:

@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import logging
 import random
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -31,18 +30,16 @@ from controller.reconciling import Reconciler
 from controller.settings import Settings
 from controller.state import Feed, State, reflectors
 from controller.sweeping import Sweeper
+from controller.workers import Workers
 from controller.writer import Writer
 from gpualloc import usage
 from gpualloc.api import leases
 from gpualloc.kube import errors, watching
-from gpualloc.runtime import backoff
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-ERROR_BACKOFF_BASE = 0.5
-ERROR_BACKOFF_CAP = 60.0
 # Events waiting for a connection (cluster.EVENT_CONNECTIONS) beyond this are dropped: a burst of
 # allocations is not allowed to pile up tasks and memory for what is only a record.
 MAX_PENDING_EVENTS = 1000
@@ -115,7 +112,13 @@ class Controller:
                 raise ValueError("the DRA mirror (--dra) runs on a real API server only")
             self._dra_feed = dra.reflector(cluster.api)
             self.dra = dra.Mirror(cluster, self.state, self._dra_feed, rng=self.rng)
-        self._errors: dict[str, int] = {}
+        self.workers = Workers(
+            self.queue,
+            self.reconcile,
+            what="reconcile",
+            rng=self.rng,
+            observe=self.metrics.reconcile_duration.observe,
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._pending_events = 0
         self.active = False
@@ -183,7 +186,7 @@ class Controller:
                 self.queue.add(key)
             async with asyncio.TaskGroup() as group:
                 for i in range(max(1, self.settings.workers)):
-                    group.create_task(self._worker(), name=f"reconcile-worker-{i}")
+                    group.create_task(self.workers.run(), name=f"reconcile-worker-{i}")
                 group.create_task(self._sweep_loop(), name="sweep")
                 if self.dra is not None:
                     group.create_task(self.dra.run(), name="dra")
@@ -200,7 +203,7 @@ class Controller:
         if self.state.raw_claim(key) is None:  # deleted
             self.queue.forget(key)
             self.reconciler.forget(key)
-            self._errors.pop(key, None)
+            self.workers.forget(key)
             return
         self.queue.add(key)
 
@@ -226,36 +229,6 @@ class Controller:
             tenant=claim.metadata.namespace,
             age=tuple(age),
         )
-
-    async def _worker(self) -> None:
-        while True:
-            key = await self.queue.get()
-            started = time.perf_counter()
-            try:
-                await self.reconcile(key)
-                self._errors.pop(key, None)
-            except asyncio.CancelledError:
-                raise
-            except errors.Conflict as exc:
-                # Our cache was behind a write (another controller's, or the user's); its watch
-                # event re-queues the key too. Not an error worth a backoff.
-                log.debug("stale claim, retrying", extra={"claim": key, "error": str(exc)})
-                self.queue.add_after(key, 0.05 + 0.2 * self.rng.random())
-            except Exception as exc:
-                failures = self._errors[key] = self._errors.get(key, 0) + 1
-                delay = backoff.jittered_up(
-                    failures, base=ERROR_BACKOFF_BASE, cap=ERROR_BACKOFF_CAP, jitter=self.rng.random()
-                )
-                if isinstance(exc, errors.KubeError):
-                    log.warning(
-                        "reconcile failed", extra={"claim": key, "error": str(exc), "retry_in": delay}
-                    )
-                else:
-                    log.exception("reconcile crashed", extra={"claim": key, "retry_in": delay})
-                self.queue.add_after(key, delay)
-            finally:
-                self.queue.done(key)
-                self.metrics.reconcile_duration.observe(time.perf_counter() - started)
 
     async def _sweep_loop(self) -> None:
         while True:

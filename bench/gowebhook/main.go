@@ -48,6 +48,20 @@ const (
 type claim struct {
 	Node  string   `json:"node"`
 	UUIDs []string `json:"uuids"`
+	// With DRA on: the replica's ResourceClaim, named in spec.resourceClaims as gpualloc-gpus
+	// and in every container's resources.claims.
+	ResourceClaim string `json:"resourceClaim,omitempty"`
+}
+
+const draPodClaim = "gpualloc-gpus"
+
+type named struct {
+	Name string `json:"name"`
+}
+
+type podClaim struct {
+	Name              string `json:"name"`
+	ResourceClaimName string `json:"resourceClaimName,omitempty"`
 }
 
 type envVar struct {
@@ -59,6 +73,7 @@ type envVar struct {
 type resources struct {
 	Limits   map[string]json.RawMessage `json:"limits"`
 	Requests map[string]json.RawMessage `json:"requests"`
+	Claims   []named                    `json:"claims"`
 }
 
 type container struct {
@@ -85,6 +100,7 @@ type pod struct {
 		InitContainers  []container       `json:"initContainers"`
 		Containers      []container       `json:"containers"`
 		SchedulingGates []gate            `json:"schedulingGates"`
+		ResourceClaims  []podClaim        `json:"resourceClaims"`
 	} `json:"spec"`
 }
 
@@ -181,6 +197,13 @@ func fromPod(p *corev1.Pod) *pod {
 		out.Spec.SchedulingGates = append(out.Spec.SchedulingGates, gate{Name: g.Name})
 	}
 	out.Spec.NodeName, out.Spec.NodeSelector = p.Spec.NodeName, p.Spec.NodeSelector
+	for _, c := range p.Spec.ResourceClaims {
+		entry := podClaim{Name: c.Name}
+		if c.ResourceClaimName != nil {
+			entry.ResourceClaimName = *c.ResourceClaimName
+		}
+		out.Spec.ResourceClaims = append(out.Spec.ResourceClaims, entry)
+	}
 	out.Spec.InitContainers = fromContainers(p.Spec.InitContainers)
 	out.Spec.Containers = fromContainers(p.Spec.Containers)
 	return out
@@ -213,6 +236,9 @@ func fromContainers(list []corev1.Container) []container {
 			return m
 		}
 		out[i].Resources = &resources{Limits: quantities(c.Resources.Limits), Requests: quantities(c.Resources.Requests)}
+		for _, rc := range c.Resources.Claims {
+			out[i].Resources.Claims = append(out[i].Resources.Claims, named{Name: rc.Name})
+		}
 	}
 	return out
 }
@@ -357,6 +383,9 @@ func (h *webhook) decide(rv *review) response {
 	} else if p.Metadata.Labels[gatedLabel] != "true" {
 		ops = append(ops, op{Op: "add", Path: "/metadata/labels/" + escape(gatedLabel), Value: "true"})
 	}
+	if c.ResourceClaim != "" {
+		ops = draOps(p, c.ResourceClaim, ops)
+	}
 	patch, err := json.Marshal(ops)
 	if err != nil {
 		return deny("the patch could not be encoded: " + err.Error())
@@ -367,6 +396,45 @@ func (h *webhook) decide(rv *review) response {
 			strings.Join(replaced, ", "), namespace, name)}
 	}
 	return out
+}
+
+// draOps gives the pod its replica's ResourceClaim: the entry gpualloc-gpus in spec.resourceClaims,
+// and that name in every init container's and container's resources.claims.
+func draOps(p *pod, resourceClaim string, ops []op) []op {
+	has := false
+	for _, c := range p.Spec.ResourceClaims {
+		has = has || c.Name == draPodClaim
+	}
+	entry := podClaim{Name: draPodClaim, ResourceClaimName: resourceClaim}
+	if p.Spec.ResourceClaims == nil {
+		ops = append(ops, op{Op: "add", Path: "/spec/resourceClaims", Value: []podClaim{entry}})
+	} else if !has {
+		ops = append(ops, op{Op: "add", Path: "/spec/resourceClaims/-", Value: entry})
+	}
+	ref := named{Name: draPodClaim}
+	for _, group := range []struct {
+		prefix string
+		list   []container
+	}{{"/spec/initContainers/", p.Spec.InitContainers}, {"/spec/containers/", p.Spec.Containers}} {
+		for i, ct := range group.list {
+			path := fmt.Sprintf("%s%d/resources", group.prefix, i)
+			switch {
+			case ct.Resources == nil:
+				ops = append(ops, op{Op: "add", Path: path, Value: map[string][]named{"claims": {ref}}})
+			case ct.Resources.Claims == nil:
+				ops = append(ops, op{Op: "add", Path: path + "/claims", Value: []named{ref}})
+			default:
+				listed := false
+				for _, c := range ct.Resources.Claims {
+					listed = listed || c.Name == draPodClaim
+				}
+				if !listed {
+					ops = append(ops, op{Op: "add", Path: path + "/claims/-", Value: ref})
+				}
+			}
+		}
+	}
+	return ops
 }
 
 func (h *webhook) mutate(w http.ResponseWriter, r *http.Request) {

@@ -89,7 +89,16 @@ SHARING_STRATEGIES = ("TimeSlicing", "MPS")
 MAX_SHARING_SLOTS = 64  # claims on one shared GPU at most (the agent's --sharing, maxClaimsPerGPU)
 POLICIES = ("packed", "spread", "contiguous", "preferIds")
 TOPOLOGY_MODES = ("Required", "Preferred", "Ignore")
-STRATEGIES = ("binpack", "spread", "leastLoaded", "bestFit", "random", "roundRobin", "costOptimized")
+STRATEGIES = (
+    "binpack",
+    "spread",
+    "leastLoaded",
+    "bestFit",
+    "random",
+    "roundRobin",
+    "costOptimized",
+    "leastFragmentation",
+)
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
 LINK_TYPES_PCIE = ("PIX", "PXB", "PHB", "NODE", "SYS")
 SOURCES = ("nvml", "simulated")

@@ -52,6 +52,7 @@ class DeviceRequest:
     policy: str = "packed"
     prefer_ids: tuple[int, ...] = ()
     product: str | None = None
+    products: tuple[str, ...] = ()  # alternatives, globs: a GPU matching any will do (not with product)
     min_memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("minMemoryMiB"))
     min_compute_capability: str | None = None
     mig_profile: str = ""  # exclusivity MIG: the acceptable profiles, comma-separated ("" any)

@@ -6,7 +6,19 @@ owns and writes the spec with ``hostPath`` pointing there (``gpualloc.cdi``'s do
 
 from __future__ import annotations
 
-from gpualloc.cdi import CONTROL_DEVICE, KIND, SPEC_DIR, SPEC_NAME, Gpu, build_spec, device_file, device_name
+from gpualloc.cdi import (
+    CONTROL_DEVICE,
+    KIND,
+    SPEC_DIR,
+    SPEC_NAME,
+    Gpu,
+    Mig,
+    build_spec,
+    cap_file,
+    device_file,
+    device_name,
+    host_files,
+)
 
 __all__ = [
     "CONTROL_DEVICE",
@@ -14,7 +26,10 @@ __all__ = [
     "SPEC_DIR",
     "SPEC_NAME",
     "Gpu",
+    "Mig",
     "build_spec",
+    "cap_file",
     "device_file",
     "device_name",
+    "host_files",
 ]

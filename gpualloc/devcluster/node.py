@@ -851,6 +851,7 @@ class RealNode:
             return self.cdi_spec.exists() and "registered with the kubelet" in log
 
         self._wait(process, registered, "was not registered as the kubelet's DRA plugin", 60.0)
+        self.make_device_files(self.gpus)  # and the MIG caps the spec names
         self.timings["agent_registered_s"] = time.monotonic() - started
         self._progress(
             f"{len(self.gpus)} simulated GPUs ({self.gpu_profile}) as CDI devices in {self.cdi_spec}; "
@@ -874,13 +875,20 @@ class RealNode:
         return gpus
 
     def make_device_files(self, gpus: Sequence[cdi.Gpu]) -> None:
-        """``nvidiactl`` and each GPU's ``nvidia<minor>`` in ``device_dir``: character devices with
-        ``/dev/null``'s numbers."""
+        """``nvidiactl``, each GPU's ``nvidia<minor>`` and its MIG instances' capability nodes
+        (``nvidia-caps/nvidia-cap<N>``) in ``device_dir``, and every other file there that the
+        node's CDI spec names (the agent's, once written: its MIG instances' caps): character
+        devices with ``/dev/null``'s numbers."""
         null = os.stat("/dev/null")
         self.device_dir.mkdir(parents=True, exist_ok=True)
-        for name in [cdi.CONTROL_DEVICE, *(cdi.device_file(gpu.minor) for gpu in gpus)]:
+        names = [cdi.CONTROL_DEVICE, *(cdi.device_file(gpu.minor) for gpu in gpus)]
+        names += [cdi.cap_file(n) for gpu in gpus for mig in gpu.migs for n in mig.caps or ()]
+        with contextlib.suppress(OSError, ValueError):
+            names += cdi.host_files(json.loads(self.cdi_spec.read_text()), str(self.device_dir))
+        for name in dict.fromkeys(names):
             path = self.device_dir / name
             if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
                 os.mknod(path, 0o666 | stat.S_IFCHR, null.st_rdev)
 
     def expose_gpus(self, gpus: Sequence[cdi.Gpu]) -> Path:

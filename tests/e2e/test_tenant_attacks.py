@@ -262,3 +262,50 @@ async def test_a_tenants_toleration_opens_a_tainted_node_only_once_its_quota_all
         with contextlib.suppress(errors.KubeError):
             await tenants.call(setup.admin, "DELETE", f"{quotas}/pool")
         await support.delete_gpu_node(setup.admin, node)
+
+
+def naming_resource_claim(name: str, entry: str, resource_claim: str, claim: str = "") -> dict[str, Any]:
+    """A pod whose ``spec.resourceClaims`` entry ``entry`` names ``resource_claim``, given to its
+    container; a pod of ``claim`` when one is given."""
+    extra: dict[str, Any] = {"resourceClaims": [{"name": entry, "resourceClaimName": resource_claim}]}
+    if claim:
+        extra["annotations"] = {constants.ANNOTATION_CLAIM: claim}
+    main = tenants.container("main", resources={"claims": [{"name": entry}]})
+    return tenants.pod(name, [main], **extra)
+
+
+async def test_a_tenants_pod_gets_a_claims_resourceclaim_only_through_gpualloc(setup: tenants.Setup) -> None:
+    """With DRA on, a pod naming ``<claim>-gpus-<r>`` itself would get the claim's GPUs from the
+    kubelet while the controller, counting the claim's pods by annotation, sees none: the claim
+    could be released under it. The pod-resourceclaims policy refuses every such pod but what the
+    webhook makes (the entry gpualloc-gpus, in a pod of that claim)."""
+    pods = f"/api/v1/namespaces/{setup.tenant_ns}/pods"
+
+    async def attempt(body: dict[str, Any]) -> str:
+        """The refusal of the tenant's dry-run create of ``body`` ("" when accepted)."""
+        return await tenants.refusal(
+            tenants.call(setup.tenant, "POST", pods, body=body, query=[("dryRun", "All")])
+        )
+
+    bare = naming_resource_claim("bare", "mine", "train-gpus-0")
+    message = await tenants.eventually(
+        "the pod-resourceclaims ValidatingAdmissionPolicy", lambda: attempt(bare)
+    )
+    assert (
+        "pod bare: ResourceClaims named <claim>-gpus-<replica> are the GPUs of a GpuClaim (train-gpus-0)"
+        in (message)
+    )
+    # In a pod of the claim, under an entry of the tenant's choosing (the webhook checks only its own).
+    assert "(train-gpus-0)" in await attempt(
+        naming_resource_claim("aside", "mine", "train-gpus-0", claim="train")
+    )
+    # Under gpualloc's entry, in a pod of another claim.
+    assert "(train-gpus-0)" in await attempt(
+        naming_resource_claim("theft", constants.DRA_POD_CLAIM, "train-gpus-0", claim="other")
+    )
+    # What the webhook makes, and the tenant's own ResourceClaim, pass.
+    assert (
+        await attempt(naming_resource_claim("own", constants.DRA_POD_CLAIM, "train-gpus-0", claim="train"))
+        == ""
+    )
+    assert await attempt(naming_resource_claim("free", "mine", "my-gpus")) == ""

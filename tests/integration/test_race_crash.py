@@ -106,7 +106,7 @@ CHAOS_S = 30.0
 APISERVER_STOP_S = 3.0  # SIGTERM, then SIGKILL: watches keep a terminating API server alive
 # Liveness bounds, counted from the end of the faults (settling) and from the deletion of every claim
 # (releasing): no progress for the first, or not done after the second. A claim's error backoff
-# reaches 60 s after many failed attempts (running.ERROR_BACKOFF_CAP), so "stuck" means longer.
+# reaches 60 s after many failed attempts (workers.BACKOFF_CAP), so "stuck" means longer.
 SETTLE_STALL, SETTLE_WITHIN = 90.0, 300.0
 RELEASE_STALL, RELEASE_WITHIN = 90.0, 180.0
 LEASE_DURATION = 5.0

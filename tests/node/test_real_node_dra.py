@@ -1,12 +1,14 @@
 """The agent as the real node's DRA kubelet plugin: a pod's container gets exactly its
 ResourceClaim's GPU (issue 42, part 2, the node side).
 
-One scenario for the module: a control plane with kube-scheduler and kube-controller-manager, the
-real node (containerd, kubelet ``gpualloc-node-0``) without its own agent, the simulated GPUs'
-device files and CDI spec, and an agent process with ``--kubelet-plugin`` registered with that
-kubelet. A DeviceClass ``gpu.gpualloc.dev`` and a ResourceClaim allocated on the node for one GPU
-are made by hand, as the chart and the controller make them; a busybox pod naming the claim in
-``spec.resourceClaims`` and one without it (asking ``NVIDIA_VISIBLE_DEVICES=all``) list ``/dev``.
+One scenario per GPU profile (a whole H100; an A100's MIG instance, whose CDI device adds its GPU
+and compute instances' ``/dev/nvidia-caps`` nodes): a control plane with kube-scheduler and
+kube-controller-manager, the real node (containerd, kubelet ``gpualloc-node-0``) without its own
+agent, the simulated GPUs' device files and CDI spec, and an agent process with
+``--kubelet-plugin`` registered with that kubelet. A DeviceClass ``gpu.gpualloc.dev`` and a
+ResourceClaim allocated on the node for one device are made by hand, as the chart and the
+controller make them; a busybox pod naming the claim in ``spec.resourceClaims`` and one without
+it (asking ``NVIDIA_VISIBLE_DEVICES=all``) list the nvidia device files under ``/dev``.
 
 Skipped, with the reason, where a node cannot run (not root, no overlayfs).
 """
@@ -31,13 +33,14 @@ from gpualloc.devcluster import binaries, cluster, images, node
 from tests.conftest import CRD_DIR, progress_printer, wait_until
 
 NAMESPACE = "dra-node-test"
+WHOLE_PROFILE, MIG_PROFILE = "h100-sxm-8", "a100-mig"
 CLAIM = "one-gpu-gpus-0"
 RESOURCE = "/apis/resource.k8s.io/v1"
 
 
 @dataclasses.dataclass(kw_only=True)
 class Run:
-    gpu: cdi.Gpu | None = None
+    expected: list[str] = dataclasses.field(default_factory=list)  # the claim pod's nvidia files
     registered: bool = False
     claim_pod: dict[str, Any] = dataclasses.field(default_factory=dict)
     claim_pod_devices: list[str] = dataclasses.field(default_factory=list)
@@ -53,7 +56,7 @@ def _pod(name: str, *, claim: bool) -> dict[str, Any]:
         "name": "main",
         "image": images.TOOLBOX_IMAGE,
         "imagePullPolicy": "Never",
-        "command": ["sh", "-c", "ls /dev"],
+        "command": ["find", "/dev", "-name", "nvidia*", "!", "-type", "d"],
         "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
     }
     spec: dict[str, Any] = {
@@ -73,7 +76,7 @@ def _pod(name: str, *, claim: bool) -> dict[str, Any]:
     }
 
 
-def _allocate_one_gpu(plane: cluster.ControlPlane, gpu: cdi.Gpu) -> None:
+def _allocate_one_device(plane: cluster.ControlPlane, uuid: str) -> None:
     """The DeviceClass (the chart's) and a ResourceClaim allocated on the node (the controller's)."""
     plane.request(
         "POST",
@@ -100,7 +103,7 @@ def _allocate_one_gpu(plane: cluster.ControlPlane, gpu: cdi.Gpu) -> None:
             "spec": {"devices": {"requests": [request]}},
         },
     )
-    result = resourceclaims.Result(pool=node.NODE_NAME, device=constants.dra_device_name(gpu.uuid))
+    result = resourceclaims.Result(pool=node.NODE_NAME, device=constants.dra_device_name(uuid))
     allocation = resourceclaims.allocation_json(
         resourceclaims.Allocated(node=node.NODE_NAME, results=(result,))
     )
@@ -123,12 +126,26 @@ def _finished(plane: cluster.ControlPlane, name: str) -> dict[str, Any]:
 
 
 def _log(plane: cluster.ControlPlane, name: str) -> list[str]:
-    text: str = plane.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/log", accept="*/*")
-    return text.split()
+    text: str | None = plane.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/log", accept="*/*")
+    return (text or "").split()  # an empty log comes back as no body
 
 
-@pytest.fixture(scope="module")
+def _claimed(gpus: list[cdi.Gpu], profile: str) -> tuple[str, list[str]]:
+    """The device the claim names (the third GPU; on a MIG profile, the first MIG instance) and the
+    nvidia files its container must list, exactly."""
+    if profile == MIG_PROFILE:
+        gpu = next(g for g in gpus if g.migs)
+        mig = gpu.migs[0]
+        assert mig.caps is not None, "the simulated source gives every MIG instance its cap minors"
+        caps = [f"/dev/{cdi.cap_file(minor)}" for minor in mig.caps]
+        return mig.uuid, [f"/dev/{cdi.device_file(gpu.minor)}", f"/dev/{cdi.CONTROL_DEVICE}", *caps]
+    gpu = gpus[2]
+    return gpu.uuid, [f"/dev/{cdi.device_file(gpu.minor)}", f"/dev/{cdi.CONTROL_DEVICE}"]
+
+
+@pytest.fixture(scope="module", params=[WHOLE_PROFILE, MIG_PROFILE])
 def dra_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    profile: str = request.param
     say = progress_printer(request.config)
     programs = node.ensure_programs(say)
     paths = binaries.ensure(
@@ -148,10 +165,10 @@ def dra_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         plane.ensure_controller_manager()
         real = node.RealNode(plane, programs, progress=say, gpu_profile=None)
         real.start()
-        source = simulated.SimulatedSource(simulated.load_profile("h100-sxm-8"), node.NODE_NAME)
+        source = simulated.SimulatedSource(simulated.load_profile(profile), node.NODE_NAME)
         gpus = dra.gpus(source.scan())
         real.expose_gpus(gpus)  # the device files (/dev/null's numbers) the spec's hostPaths name
-        run.gpu = gpus[2]
+        device, run.expected = _claimed(gpus, profile)
         metrics, health = cluster.free_ports(2)
         argv = [
             sys.executable,
@@ -161,7 +178,7 @@ def dra_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             "--source",
             "simulated",
             "--profile",
-            "h100-sxm-8",
+            profile,
         ]
         argv += [
             "--node-name",
@@ -190,7 +207,7 @@ def dra_node_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         run.registered = True
         plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
         plane.ensure_service_account(NAMESPACE)
-        _allocate_one_gpu(plane, run.gpu)
+        _allocate_one_device(plane, device)
         for name, claim in (("with-claim", True), ("without-claim", False)):
             plane.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", _pod(name, claim=claim))
         run.claim_pod = _finished(plane, "with-claim")
@@ -217,19 +234,18 @@ def test_the_kubelet_registers_the_agent_as_the_dra_plugin_of_gpu_gpualloc_dev(d
     assert dra_node_run.registered
 
 
-def test_a_pod_naming_a_claim_of_one_gpu_sees_exactly_that_gpus_device_node_and_nvidiactl(
+def test_a_pod_naming_a_claim_of_one_device_sees_exactly_its_device_nodes_and_nvidiactl(
     dra_node_run: Run,
 ) -> None:
+    """A whole GPU: its /dev/nvidia<minor>. A MIG instance: its GPU's, and its two nvidia-caps."""
     assert dra_node_run.claim_pod["status"]["phase"] == "Succeeded", dra_node_run.claim_pod["status"]
     assert dra_node_run.claim_pod["spec"]["nodeName"] == node.NODE_NAME
-    assert dra_node_run.gpu is not None
-    nvidia = sorted(n for n in dra_node_run.claim_pod_devices if n.startswith("nvidia"))
-    assert nvidia == sorted([cdi.device_file(dra_node_run.gpu.minor), cdi.CONTROL_DEVICE])
+    assert sorted(dra_node_run.claim_pod_devices) == sorted(dra_node_run.expected)
 
 
 def test_a_pod_without_a_claim_sees_no_gpu_even_asking_for_all(dra_node_run: Run) -> None:
     assert dra_node_run.plain_pod["status"]["phase"] == "Succeeded", dra_node_run.plain_pod["status"]
-    assert [n for n in dra_node_run.plain_pod_devices if n.startswith("nvidia")] == []
+    assert dra_node_run.plain_pod_devices == []
 
 
 def test_the_plugins_sockets_are_gone_after_the_agent_stops_and_the_node_leaves_nothing(

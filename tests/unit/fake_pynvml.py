@@ -151,6 +151,7 @@ class FakeMig:
     slices: int = 1  # compute slices of its GPU instance
     start: int = 0  # its GPU instance's placement: first memory slice, and how many
     size: int = 1
+    ci: int = 0  # its compute instance's id inside its GPU instance
 
 
 @dataclasses.dataclass
@@ -371,6 +372,9 @@ class FakeNvml:
         self._mig_of(handle)
         assert handle.mig is not None
         return 10 + handle.mig  # GPU instance ids are not the MIG device indices
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: Handle) -> int:
+        return self._mig_of(handle).ci
 
     def nvmlDeviceGetGpuInstanceById(self, handle: Handle, gi_id: int) -> Handle:
         if handle.mig is not None:

@@ -12,7 +12,7 @@ NODE = "gpu-node-1"
 GPU_A = "GPU-AAAA1111-0000-0000-0000-000000000001"
 GPU_B = "GPU-BBBB2222-0000-0000-0000-000000000002"
 MIG_1 = "MIG-CCCC3333-0000-0000-0000-000000000003"
-GPUS = [cdi.Gpu(minor=0, uuid=GPU_A), cdi.Gpu(minor=1, uuid=GPU_B, mig_uuids=(MIG_1,))]
+GPUS = [cdi.Gpu(minor=0, uuid=GPU_A), cdi.Gpu(minor=1, uuid=GPU_B, migs=(cdi.Mig(uuid=MIG_1),))]
 
 
 def result(lock_id: str, *, driver: str = constants.DRA_DRIVER, pool: str = NODE) -> dict[str, str]:
@@ -106,7 +106,35 @@ def test_the_nodes_gpus_leave_out_lost_ones_and_carry_mig_instances_only_in_mig_
         ),
     )
 
-    assert dra.gpus(facts) == [cdi.Gpu(minor=0, uuid=GPU_A), cdi.Gpu(minor=1, uuid=GPU_B, mig_uuids=(MIG_1,))]
+    assert dra.gpus(facts) == [
+        cdi.Gpu(minor=0, uuid=GPU_A),
+        cdi.Gpu(minor=1, uuid=GPU_B, migs=(cdi.Mig(uuid=MIG_1),)),
+    ]
+
+
+def test_a_mig_instance_carries_its_cap_minors_only_where_the_source_knows_both() -> None:
+    mig = models.MigInfo(
+        enabled=True,
+        devices=tuple(models.MigDevice(index=j, uuid=f"MIG-{j}", profile="1g.10gb") for j in range(4)),
+    )
+    instances = (
+        inventory.MigInstance(
+            uuid="MIG-0", gpu_instance=1, compute_instance=0, gpu_instance_cap=147, compute_instance_cap=148
+        ),
+        inventory.MigInstance(uuid="MIG-1", gpu_instance=2, compute_instance=0, gpu_instance_cap=156),
+        inventory.MigInstance(uuid="MIG-2", gpu_instance=3, compute_instance=0),
+    )
+    facts = inventory.NodeFacts(
+        source="nvml",
+        devices=(inventory.DeviceFacts(index=0, minor=1, uuid=GPU_A, mig=mig, mig_instances=instances),),
+    )
+
+    assert dra.gpus(facts)[0].migs == (
+        cdi.Mig(uuid="MIG-0", caps=(147, 148)),
+        cdi.Mig(uuid="MIG-1"),  # one of the two only
+        cdi.Mig(uuid="MIG-2"),
+        cdi.Mig(uuid="MIG-3"),  # no ids from NVML
+    )
 
 
 def test_health_gives_each_gpus_mig_instances_and_slots_the_health_of_their_gpu() -> None:

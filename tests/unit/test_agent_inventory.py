@@ -348,3 +348,31 @@ def test_a_wrong_sharing_setting_is_refused_saying_what_is_wrong(text: str, erro
     with pytest.raises(ValueError, match=error):
         inventory.parse_sharing(text)
     assert inventory.parse_sharing("") is None
+
+
+# ------------------------------------------------------------ MIG capabilities under /proc
+
+
+def test_a_caps_access_file_gives_its_device_file_minor() -> None:
+    text = "DeviceFileMinor: 12\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+    assert inventory.parse_cap_access(text) == 12
+    assert inventory.parse_cap_access("DeviceFileMode: 292\n") is None
+    assert inventory.parse_cap_access("DeviceFileMinor: twelve\n") is None
+    assert inventory.parse_cap_access("") is None
+
+
+def test_mig_minors_parse_into_capability_names_and_skip_malformed_lines() -> None:
+    text = "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\nbroken\ngpu0/gi2/access x\n"
+    assert inventory.parse_mig_minors(text) == {
+        "config": 1,
+        "monitor": 2,
+        "gpu0/gi1/access": 12,
+        "gpu0/gi1/ci0/access": 13,
+    }
+
+
+def test_a_capabilitys_mig_minors_name_and_access_path_follow_the_drivers_layout() -> None:
+    assert inventory.mig_cap_name(2, 5) == "gpu2/gi5/access"
+    assert inventory.mig_cap_name(2, 5, 0) == "gpu2/gi5/ci0/access"
+    assert inventory.mig_cap_access_path(2, 5) == "driver/nvidia/capabilities/gpu2/mig/gi5/access"
+    assert inventory.mig_cap_access_path(2, 5, 1) == "driver/nvidia/capabilities/gpu2/mig/gi5/ci1/access"

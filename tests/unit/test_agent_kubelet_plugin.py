@@ -261,6 +261,36 @@ def test_on_a_gpu_node_the_spec_names_dev_without_host_paths(root: Path) -> None
     assert all("hostPath" not in n for n in spec["containerEdits"]["deviceNodes"])
 
 
+def test_update_writes_mig_caps_into_the_spec_and_logs_the_instances_it_could_not_give_them(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = asyncio.new_event_loop()  # not run: update writes the spec without the API server
+    served = kubelet_plugin.KubeletPlugin(
+        node=NODE,
+        kubelet_root=str(root),
+        read_claim=Claims().read,
+        loop=loop,
+        cdi_dir=str(root / "cdi"),
+        device_dir=str(root / "dev"),
+    )
+    known, blind = cdi.Mig(uuid="MIG-1", caps=(12, 13)), cdi.Mig(uuid="MIG-2")
+
+    with caplog.at_level("WARNING", logger=kubelet_plugin.__name__):
+        served.update([cdi.Gpu(minor=0, uuid=GPU, migs=(known, blind))])
+    loop.close()
+
+    spec = json.loads((root / "cdi" / cdi.SPEC_NAME).read_text())
+    nodes = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
+    assert nodes["MIG-1"] == [
+        "/dev/nvidia0",
+        "/dev/nvidia-caps/nvidia-cap12",
+        "/dev/nvidia-caps/nvidia-cap13",
+    ]
+    assert nodes["MIG-2"] == ["/dev/nvidia0"]
+    warned = [r for r in caplog.records if "nvidia-caps" in r.getMessage()]
+    assert [getattr(r, "instances", "") for r in warned] == ["gpu-0/MIG-2"]
+
+
 def test_the_agent_is_no_kubelet_plugin_unless_asked_and_defaults_to_the_kubelets_and_cdis_paths() -> None:
     from agent import main
 

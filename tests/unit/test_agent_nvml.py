@@ -142,6 +142,65 @@ def test_mig_placement_is_unknown_where_the_driver_does_not_say(monkeypatch: pyt
     assert [m.compute_slices for m in device.mig.devices] == [3, 1, 1]
 
 
+def _access_file(proc: Path, relative: str, minor: int) -> None:
+    path = proc / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+
+
+def test_mig_instances_carry_nvmls_instance_ids_and_the_cap_minors_of_their_access_files(
+    tmp_path: Path,
+) -> None:
+    machine = fake.a100_mig_box()
+    machine.gpus[0].minor = 3
+    assert machine.gpus[0].mig is not None
+    machine.gpus[0].mig[1].ci = 2
+    # The fake's GPU instance ids are 10 + the MIG device's index.
+    _access_file(tmp_path, "driver/nvidia/capabilities/gpu3/mig/gi10/access", 408)
+    _access_file(tmp_path, "driver/nvidia/capabilities/gpu3/mig/gi10/ci0/access", 409)
+    _access_file(tmp_path, "driver/nvidia/capabilities/gpu3/mig/gi11/access", 417)
+    _access_file(tmp_path, "driver/nvidia/capabilities/gpu3/mig/gi11/ci2/access", 420)
+    lib = fake.FakeNvml(machine)
+    source = nvml.NvmlSource(nvml_module=lib, sysfs_root="/nonexistent-sysfs", proc_root=tmp_path)
+
+    facts = source.scan().devices[0]
+
+    assert [
+        (i.uuid[-4:], i.gpu_instance, i.compute_instance, i.gpu_instance_cap, i.compute_instance_cap)
+        for i in facts.mig_instances
+    ] == [
+        ("5555", 10, 0, 408, 409),
+        ("6666", 11, 2, 417, 420),
+        ("7777", 12, 0, None, None),  # no access files, no mig-minors: not known
+    ]
+
+
+def test_mig_cap_minors_come_from_mig_minors_where_the_access_files_are_missing(tmp_path: Path) -> None:
+    (tmp_path / "driver" / "nvidia-caps").mkdir(parents=True)
+    (tmp_path / "driver" / "nvidia-caps" / "mig-minors").write_text(
+        "config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\n"
+        "gpu1/gi2/access 156\ngpu1/gi2/ci0/access 157\ngpu1/gi2/ci1/access 158\n"
+    )
+    _access_file(tmp_path, "driver/nvidia/capabilities/gpu1/mig/gi2/access", 156)
+
+    assert nvml.read_mig_caps(tmp_path, 1, 2, 1) == (156, 158)
+    assert nvml.read_mig_caps(tmp_path, 0, 0, 0) == (3, 4)
+    assert nvml.read_mig_caps(tmp_path, 0, 5, 0) == (None, None)
+    assert nvml.read_mig_caps(tmp_path / "missing", 0, 0, 0) == (None, None)
+
+
+def test_a_driver_without_compute_instance_ids_leaves_the_instances_unknown_not_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source, lib = _source(fake.a100_mig_box())
+    monkeypatch.delattr(type(lib), "nvmlDeviceGetComputeInstanceId")
+
+    facts = source.scan().devices[0]
+
+    assert facts.mig is not None and len(facts.mig.devices) == 3
+    assert facts.mig_instances == ()
+
+
 def test_mig_capable_gpu_with_mig_off_says_disabled() -> None:
     source, _ = _source(fake.h100_nvswitch_box())
     device = inventory.derive(source.scan()).devices[0]

@@ -199,3 +199,31 @@ def test_mig_instances_are_published_with_placement_and_slices_as_nvml_places_th
     assert len({m.uuid for m in mig.devices}) == 4
     assert all(m.uuid.startswith("MIG-") for m in mig.devices)
     assert inv.devices[1].mig is None  # GPU 1 runs without MIG
+
+
+def test_mig_instances_get_stable_distinct_instance_ids_and_cap_minors_in_the_drivers_layout() -> None:
+    facts = _source("a100-mig", "mig-node").scan()
+    again = _source("a100-mig", "mig-node").scan()
+    gpu = facts.devices[0]
+    assert gpu.mig is not None
+    instances = gpu.mig_instances
+
+    assert [i.uuid for i in instances] == [m.uuid for m in gpu.mig.devices]
+    assert [(i.gpu_instance, i.compute_instance) for i in instances] == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    # mig-minors: gpu0/gi0/access 3, its ci0..ci7 4..11, gpu0/gi1/access 12, gpu0/gi1/ci0/access 13.
+    assert [(i.gpu_instance_cap, i.compute_instance_cap) for i in instances] == [
+        (12, 13),
+        (21, 22),
+        (30, 31),
+        (39, 40),
+    ]
+    assert again.devices[0].mig_instances == instances
+    assert facts.devices[1].mig_instances == ()  # GPU 1 runs without MIG
+
+
+def test_the_simulated_cap_minors_follow_the_drivers_mig_minors_table() -> None:
+    assert simulated.mig_cap_minor(0, 0) == 3
+    assert simulated.mig_cap_minor(0, 0, 0) == 4
+    assert simulated.mig_cap_minor(0, 0, 7) == 11
+    assert simulated.mig_cap_minor(0, 1) == 12
+    assert simulated.mig_cap_minor(1, 0) == 3 + 15 * 9  # each GPU: 15 GPU instances of 1 + 8 caps

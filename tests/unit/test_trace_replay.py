@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import packing_policies as pp
 import trace_replay as tr
 
+from controller import fragmentation
+
 
 def _task(
     name: str, *, cpu: int = 1000, memory: int = 1024, gpus: int = 1, milli: int = 1000, spec: str = ""
@@ -221,3 +223,26 @@ def test_gpualloc_stand_in_for_cpu_only_tasks_spreads_or_packs_as_kube_scheduler
     found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
     assert found is not None and cluster.nodes[found.node].name == expected
     assert policy.stand_in["cpu_only_tasks"] == 1
+
+
+def test_gpualloc_with_least_fragmentation_leaves_room_for_the_claims_it_has_seen() -> None:
+    cluster = pp.Cluster([_node("a", gpus=4), _node("b", gpus=4)])
+    cluster.place(_task("earlier-a", gpus=1), pp.Placement(node=0, gpus=(0,)))
+    cluster.place(_task("earlier-b", gpus=2), pp.Placement(node=1, gpus=(0, 1)))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), strategy="leastFragmentation")
+    for _ in range(3):  # the claims seen ask two GPUs
+        policy.recent.observe(fragmentation.Shape(gpus=2, cpu=1000, memory=1024 * tr.MIB))
+    # binpack would take b and leave it one GPU, which no 2-GPU claim can use; a keeps two.
+    assert policy.choose(_task("t", gpus=1)) == pp.Placement(node=0, gpus=(1,))
+    assert policy.by_allocator == 1
+
+
+def test_the_not_shipped_cpu_only_scoring_puts_pods_where_the_gpus_are_in_use_and_says_so() -> None:
+    cluster = pp.Cluster([_node("a", gpus=2), _node("b", gpus=2)])
+    cluster.place(_task("busy", gpus=2), pp.Placement(node=1, gpus=(0, 1)))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), "leastFragmentation", "leastFragmentation")
+    policy.choose(_task("seen", gpus=1))  # the workload: 1-GPU claims
+    found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
+    assert found is not None and cluster.nodes[found.node].name == "b"
+    assert "NOT SHIPPED" in tr.gpualloc_notes("leastFragmentation")["cpu_only_tasks"]
+    assert "NOT SHIPPED" not in tr.gpualloc_notes("LeastAllocated")["cpu_only_tasks"]
