@@ -22,7 +22,9 @@ Ranking
 ``F`` depends only on the node's product, the milli left on its GPUs (as a multiset), and
 which shapes' CPU and memory its free CPU and memory still hold, so a ``Workload`` memoises it
 by those: a cluster of many alike nodes is scored with a dictionary look-up per node.
-``Recent`` keeps the last claims' shapes and gives the workload of the most frequent of them.
+``Recent`` keeps the last claims' shapes and gives the workload of the most frequent of them;
+the controller's allocation of Pending claims passes it. Callers that pass none (``explain``,
+moving a claim off a failed GPU, the simulation) rank such claims by best fit alone.
 """
 
 from __future__ import annotations
