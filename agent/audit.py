@@ -5,7 +5,7 @@ each one's pod UID from its cgroup (``inventory.pod_uid_of_cgroup``). A
 process is *unexpected* when:
 
 * no claim holds its GPU (no Lease of the GPU, of one of its MIG instances or
-  of one of its sharing slots), whatever it is; or
+  of one of its sharing slots, no share in its Lease's ledger), whatever it is; or
 * a claim holds the GPU and the process runs in a pod on this node that is not
   a pod of a holding claim (its ``gpu.scheduling/claim`` annotation names
   another claim, or none), or in a pod the agent does not know.
@@ -65,9 +65,11 @@ def unexpected(
     samples: Sequence[inventory.DeviceSample],
     holders: Mapping[str, LeaseHolder],
     pods: Mapping[str, PodRef] | None,
+    shares: Mapping[str, Sequence[LeaseHolder]] | None = None,
 ) -> list[models.UnexpectedProcess]:
     """Every unexpected process, by GPU index and pid. ``holders`` maps lock ids (``Device.lock_ids``)
-    to the claim holding them; ``pods`` maps pod UIDs to this node's pods (None: pods are not
+    to the claim holding them, ``shares`` GPU UUIDs to the claims holding milli-GPU shares of them
+    (each of them holds the GPU); ``pods`` maps pod UIDs to this node's pods (None: pods are not
     tracked, so only processes on GPUs no claim holds are reported)."""
     by_uuid = {d.uuid: d for d in devices}
     found: list[models.UnexpectedProcess] = []
@@ -75,8 +77,10 @@ def unexpected(
         device = by_uuid.get(sample.uuid)
         if device is None:
             continue
+        sharers = (shares or {}).get(device.uuid, ())
         claims = sorted(
             {(h.claim_namespace, h.claim_name) for lock in device.lock_ids if (h := holders.get(lock))}
+            | {(h.claim_namespace, h.claim_name) for h in sharers}
         )
         for process in sorted(sample.processes, key=lambda p: p.pid):
             pod = pods.get(process.pod_uid) if pods is not None and process.pod_uid else None

@@ -278,14 +278,21 @@ class Agent:
         offered = inventory.derive(self.facts, sharing=self.sharing).devices if self.facts else ()
         by_lease = {constants.lease_name(lock_id): lock_id for d in offered for lock_id in d.lock_ids}
         holders: dict[str, agent_metrics.LeaseHolder] = {}
+        shares: dict[str, tuple[agent_metrics.LeaseHolder, ...]] = {}
         for lease in map(lease_format.parse, self.leases.cache.values()):
             uuid = by_lease.get(lease.name)
-            if uuid is not None:
-                holders[uuid] = agent_metrics.LeaseHolder(
-                    claim_namespace=lease.claim_namespace, claim_name=lease.claim_name, claim_uid=lease.holder
+            held = tuple(
+                agent_metrics.LeaseHolder(
+                    claim_namespace=h.claim_namespace, claim_name=h.claim_name, claim_uid=h.holder
                 )
-        if holders != self.metrics.leases:
-            self.metrics.leases = holders
+                for h in lease_format.holdings(lease)  # a share ledger's entries, or the Lease
+            )
+            if uuid is not None and held:
+                holders[uuid] = held[0]
+                if lease.ledger:
+                    shares[uuid] = held
+        if holders != self.metrics.leases or shares != self.metrics.shares:
+            self.metrics.leases, self.metrics.shares = holders, shares
             self.wake.set()
 
     # -- scanning -------------------------------------------------------------
@@ -337,7 +344,9 @@ class Agent:
         if self.pods is not None and self.pods.synced.is_set():
             pods = audit.pods_by_uid(self.pods.cache.values())
         devices = self.desired().devices
-        found = audit.unexpected(devices, self.metrics.samples, self.metrics.leases, pods)
+        found = audit.unexpected(
+            devices, self.metrics.samples, self.metrics.leases, pods, self.metrics.shares
+        )
         self.metrics.unexpected = found
         current = {(p.uuid, p.pid) for p in found}
         for stray in found:

@@ -55,6 +55,9 @@ class AgentMetrics:
         self.inventory = models.NodeInventory()
         self.samples: Sequence[inventory.DeviceSample] = ()
         self.leases: Mapping[str, LeaseHolder] = {}  # lock id (Device.lock_ids) -> holder
+        # GPU UUID -> the claims holding milli-GPU shares of it (its Lease's ledger); such a GPU is in
+        # ``leases`` too, under its first share's claim.
+        self.shares: Mapping[str, tuple[LeaseHolder, ...]] = {}
         self.unexpected: Sequence[models.UnexpectedProcess] = ()  # the usage audit's last findings
         self.source_ready = False
         self.scan_duration = prometheus_client.Histogram(
@@ -128,10 +131,8 @@ class _GpuCollector(Collector):
             holder = next((owner.leases[u] for u in device.lock_ids if u in owner.leases), None)
             allocated.add_metric(labels, 1.0 if holder else 0.0)
             strays.add_metric(labels, float(stray_counts[uuid]))
-            if holder:
-                lease_info.add_metric(
-                    [*labels, holder.claim_namespace, holder.claim_name, holder.claim_uid], 1.0
-                )
+            for each in owner.shares.get(uuid) or ((holder,) if holder else ()):
+                lease_info.add_metric([*labels, each.claim_namespace, each.claim_name, each.claim_uid], 1.0)
             sample = samples.get(uuid)
             if sample is None:
                 continue

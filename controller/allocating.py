@@ -157,6 +157,12 @@ class PendingReconciler:
                 self._advance_cursor(node_index, decision.allocations)
                 break
             self.metrics.allocation_failures.labels(reason="LockConflict").inc()
+        if result is not None and result.conflict in {i.name for i in leftovers if i.milli}:
+            # Our own earlier attempt's share is in that GPU's ledger, and a share is never adopted
+            # (locking, rule 1): say so, which moves the claim on, so that rule 3 releases it.
+            message = f"an earlier attempt's share in Lease {result.conflict} is released first"
+            await self._unfit(claim, message, leftovers)
+            return
         if result is None or decision is None or not result.ok:
             self.requeue(key, 0.2 + self.rng.random())
             return
@@ -165,7 +171,7 @@ class PendingReconciler:
         written = await self.writer.claim_status(claim, patch)
         if written is None:
             # Our write failed for good: no status will ever list these Leases (locking, rule 2).
-            await self.writer.release(leases.parse(raw) for raw in result.created.values())
+            await self.writer.release(result.held)
             return
         await self.writer.release_leftovers(written, leftovers, written)
         self._retry.pop(key, None)

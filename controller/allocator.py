@@ -111,6 +111,16 @@ Shared claims
     *free* count slots for the strategies. A shared GPU is never handed out
     whole, a GPU in MIG mode is never shared, and topology does not apply.
 
+Fractional shares
+    ``exclusivity: Shared`` with ``sharing.milli`` asks for that many milli-GPU
+    of one GPU per replica, of the healthy whole GPUs (not in MIG mode, not
+    offered as slots) that are free or hold only shares with that much left
+    (``NodeView.milli_used``); best fit first (the least left once placed), so
+    shares pack and whole GPUs stay whole. The GPU's own Lease holds the
+    shares' ledger (``locking``, rules 6 to 8): a GPU with a share is never
+    free for a whole claim, nor the other way round. ``total`` and *free*
+    count the GPUs shares may go on and those with room.
+
 Indexed nodes
     Given a ``nodes.NodeIndex`` instead of a list, a one-replica claim ranked by
     load (binpack, leastLoaded, spread, bestFit, costOptimized, without
@@ -133,7 +143,7 @@ from controller import fragmentation
 from controller.asks import Ask, parse
 from controller.nodes import Bucket, NodeIndex, fewest_numa_nodes, in_mig_mode, per_numa
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
-from controller.screening import Miss, Screened, SlotDevice, screen, taking_pods
+from controller.screening import Miss, Screened, ShareDevice, SlotDevice, screen, taking_pods
 from controller.sets import NO_PAIRS, Choice, Key, best_set
 from gpualloc.api import constants, models
 
@@ -542,7 +552,14 @@ def _allocation(replica: int, node: str, choice: Choice) -> models.Allocation:
         node_name=node,
         devices=tuple(
             models.DeviceRef(
-                index=d.index, minor=d.minor, uuid=d.uuid, slot=d.slot if isinstance(d, SlotDevice) else None
+                index=d.index,
+                minor=d.minor,
+                uuid=d.uuid,
+                slot=d.slot if isinstance(d, SlotDevice) else None,
+                milli=d.milli if isinstance(d, ShareDevice) else None,
+                memory_mib=d.memory_mib * d.milli // 1000
+                if isinstance(d, ShareDevice) and d.memory_mib
+                else None,
             )
             for d in choice.devices
         ),

@@ -10,7 +10,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpualloc.api import constants, models, quantities, taints
+from gpualloc.api import constants, leases, models, quantities, taints
 
 
 def matches_selector(selector: models.LabelSelector | None, labels: Mapping[str, str]) -> bool:
@@ -101,6 +101,13 @@ def parse(claim: models.GpuClaim) -> Ask | str:
     if dev.exclusivity == "Shared" and sharing.strategy not in constants.SHARING_STRATEGIES:
         known = ", ".join(constants.SHARING_STRATEGIES)
         return f"unknown sharing.strategy {sharing.strategy!r}; use one of {known}"
+    if dev.exclusivity == "Shared" and sharing.milli is not None:
+        if not 1 <= sharing.milli < leases.WHOLE_MILLI:
+            return f"sharing.milli must be 1..999 (got {sharing.milli}); ask for a whole GPU with Exclusive"
+        if dev.count != 1:
+            return f"a sharing.milli share is of one GPU: devices.count must be 1 (got {dev.count})"
+        if sharing.max_claims_per_gpu is not None:
+            return "sharing.milli and sharing.maxClaimsPerGPU do not go together: milli shares any GPU"
     if dev.policy not in constants.POLICIES:
         return f"unknown devices.policy {dev.policy!r}; use one of {', '.join(constants.POLICIES)}"
     if spec.strategy not in constants.STRATEGIES:

@@ -8,9 +8,10 @@ the same controller code runs against both:
 
 * ``create_lease``: atomic; ``errors.AlreadyExists`` when the name exists
   (also while it is being deleted but held by a finalizer);
-* ``delete_lease``: with a uid precondition, ``errors.Conflict`` when the
-  Lease by that name has another uid, ``errors.NotFound`` when there is none;
-  a Lease with finalizers only gets a ``deletionTimestamp``;
+* ``delete_lease``: with a uid precondition (and a resourceVersion one when
+  given: a share ledger's last entry, ``locking`` rule 8), ``errors.Conflict``
+  when the Lease by that name has another uid or version, ``errors.NotFound``
+  when there is none; a Lease with finalizers only gets a ``deletionTimestamp``;
 * ``replace_lease``: a PUT of the whole Lease, ``errors.Conflict`` when its
   ``metadata.resourceVersion`` is stale. A PUT that empties the finalizers of
   a Lease being deleted removes it, and that removal carries the body's uid
@@ -45,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gpualloc.api import constants
+from gpualloc.api import leases as lease_format
 from gpualloc.kube import events, leases, resources, transport
 from gpualloc.kube.client import Api
 
@@ -65,7 +67,7 @@ class Cluster(Protocol):
 
     async def get_lease(self, name: str) -> Obj: ...
 
-    async def delete_lease(self, name: str, *, uid: str) -> None: ...
+    async def delete_lease(self, name: str, *, uid: str, resource_version: str | None = None) -> None: ...
 
     async def replace_lease(self, body: Obj) -> Obj: ...
 
@@ -111,8 +113,8 @@ class KubeCluster:
     async def get_lease(self, name: str) -> Obj:
         return await leases.get_lease(self.api, self.namespace, name)
 
-    async def delete_lease(self, name: str, *, uid: str) -> None:
-        await leases.delete_lease(self.api, self.namespace, name, uid=uid)
+    async def delete_lease(self, name: str, *, uid: str, resource_version: str | None = None) -> None:
+        await leases.delete_lease(self.api, self.namespace, name, uid=uid, resource_version=resource_version)
 
     async def replace_lease(self, body: Obj) -> Obj:
         return await leases.replace_lease(self.api, self.namespace, str(body["metadata"]["name"]), body)
@@ -169,11 +171,14 @@ class KubeCluster:
                 return items
 
     async def list_claim_leases(self, uid: str) -> list[Obj]:
-        """The device Leases the claim with this uid holds (by their claim-uid label): a few."""
+        """The device Leases the claim with this uid holds (by their claim-uid label), and the share
+        ledgers it has an entry in (by the entry's label): a few."""
         path = transport.collection_path("coordination.k8s.io", "v1", "leases", self.namespace)
-        query = [("labelSelector", f"{constants.LABEL_CLAIM_UID}={uid}")]
-        page = await transport.request(self.api, "GET", path, query=query)
-        return list(page.get("items") or [])
+        items: list[Obj] = []
+        for selector in (f"{constants.LABEL_CLAIM_UID}={uid}", lease_format.SHARE_LABEL_PREFIX + uid):
+            page = await transport.request(self.api, "GET", path, query=[("labelSelector", selector)])
+            items.extend(page.get("items") or [])
+        return items
 
     async def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:
         path = transport.collection_path("", "v1", "pods", namespace, name)

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller import allocator, asks, gates, locks, preemption, quotas
+from controller import allocator, asks, gates, preemption, quotas
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
@@ -31,6 +31,9 @@ from gpualloc.api import codecs, constants, models, taints
 def describe_request(claim: models.GpuClaim) -> str:
     spec = claim.spec
     parts = [f"{spec.replicas} x {spec.devices.count} GPU{'s' if spec.devices.count > 1 else ''}"]
+    milli = spec.devices.sharing.milli if spec.devices.sharing is not None else None
+    if spec.devices.exclusivity == "Shared" and milli:
+        parts = [f"{spec.replicas} x a share of {milli} milli-GPU of one GPU"]
     if spec.devices.product:
         parts.append(f'product "{spec.devices.product}"')
     if spec.devices.products:
@@ -74,7 +77,10 @@ def explain(
     lines.append(f"  wants:   {describe_request(claim)}")
     if claim.status.phase == constants.PHASE_ALLOCATED:
         for a in claim.status.allocations:
-            devices = ", ".join(constants.device_display(d.index, d.uuid) for d in a.devices)
+            devices = ", ".join(
+                constants.device_display(d.index, d.uuid) + (f" ({d.milli} milli-GPU)" if d.milli else "")
+                for d in a.devices
+            )
             lines.append(
                 f"  replica {a.replica}: {a.node_name} [{devices}] least {a.min_bandwidth_gbps} GB/s"
             )
@@ -92,16 +98,12 @@ def explain(
         own = [p for p in pods if (p.get("metadata") or {}).get("namespace") == claim.metadata.namespace]
         gated = [p for p in gates.pods_using(claim.metadata.name, own) if gates.is_gated(p)]
         claim = asks.with_pods_requests(claim, (gates.kept_requests(dict(p)) for p in gated))
-    taken = {
-        uuid
-        for other in claims
-        if other.metadata.uid != claim.metadata.uid
-        for uuid in locks.listed_devices(other)
-    }
+    taken, milli_used = node_views_.held_by_claims(c for c in claims if c.metadata.uid != claim.metadata.uid)
     node_views = node_views_.build_node_views(
         statuses=statuses,
         nodes=nodes,
         is_taken=taken.__contains__,
+        milli_used=milli_used,
         heartbeat_ages={
             name: node_views_.heartbeat_age_by_clock(heartbeats.get(name), now) for name in statuses
         },
@@ -115,8 +117,8 @@ def explain(
     verdict = decision.reason
     if decision.ok:
         product = quotas.products_of(decision.allocations, statuses)
-        gpus, uid = quotas.claim_gpus(claim), claim.metadata.uid
-        over = [quotas.verdict(q, uid, quotas.merged(q, uid, gpus, product)) for q in namespace_quotas]
+        milli, uid = quotas.claim_milli(claim), claim.metadata.uid
+        over = [quotas.verdict(q, uid, quotas.merged(q, uid, milli, product)) for q in namespace_quotas]
         held_back = next((why for why in over if why), "")
         fits = f"would fit ({decision.note})" if decision.note else "would fit"
         verdict = f"{fits}, but is held back by its quota: {held_back}" if held_back else fits

@@ -205,6 +205,9 @@ def ungate_patch(pod: Mapping[str, Any], allocation: models.Allocation) -> list[
     if annotations is None:
         annotations = metadata["annotations"] = {}
     annotations[constants.ANNOTATION_DEVICES] = ",".join(d.uuid for d in allocation.devices)
+    limit = pods.share_memory_limit(allocation.devices)
+    if limit:
+        annotations[constants.ANNOTATION_MPS_MEMORY_LIMIT] = limit
     spec = new.setdefault("spec", {})
     selector = spec.get("nodeSelector")
     if selector is None:

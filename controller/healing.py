@@ -30,7 +30,7 @@ from controller.ledger import Ledger
 from controller.settings import Settings
 from controller.state import State
 from controller.writer import Writer
-from gpualloc.api import constants, leases, models
+from gpualloc.api import constants, models
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class Healer:
         written = await self.writer.claim_status(claim, patch)
         if written is None:
             # Our write failed for good: no status will ever list these Leases (locking, rule 2).
-            await self.writer.release(leases.parse(raw) for raw in result.created.values())
+            await self.writer.release(result.held)
             return True
         await self.writer.release_leftovers(written, leftovers, written)
         log.warning("moved a failed replica", extra={"claim": claim.key, "moved": written.status.message})

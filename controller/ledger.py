@@ -28,10 +28,10 @@ class Ledger:
 
     def check(self, claim: models.GpuClaim) -> str:
         """Why the claim cannot be admitted whatever its plan ("" when it may be)."""
-        gpus = quotas.claim_gpus(claim)
+        milli = quotas.claim_milli(claim)
         for quota in self.state.quotas(claim.metadata.namespace):
             why = quotas.verdict(
-                quota, claim.metadata.uid, quotas.merged(quota, claim.metadata.uid, gpus, "")
+                quota, claim.metadata.uid, quotas.merged(quota, claim.metadata.uid, milli, "")
             )
             if why:
                 return why
@@ -39,9 +39,9 @@ class Ledger:
 
     def holds(self, claim: models.GpuClaim, product: str) -> bool:
         """Does every quota of the namespace hold the claim for ``product``?"""
-        gpus = quotas.claim_gpus(claim)
+        milli = quotas.claim_milli(claim)
         return all(
-            quotas.covers(q, claim.metadata.uid, gpus, product)
+            quotas.covers(q, claim.metadata.uid, milli, product)
             for q in self.state.quotas(claim.metadata.namespace)
         )
 
@@ -50,12 +50,12 @@ class Ledger:
 
         "" when every one holds it now; the quota's message when one cannot; None
         when a ledger changed meanwhile (the claim is retried shortly)."""
-        gpus = quotas.claim_gpus(claim)
+        milli = quotas.claim_milli(claim)
         uid = claim.metadata.uid
         for quota in self.state.quotas(claim.metadata.namespace):
-            if quotas.covers(quota, uid, gpus, product):
+            if quotas.covers(quota, uid, milli, product):
                 continue
-            entry = quotas.merged(quota, uid, gpus, product)
+            entry = quotas.merged(quota, uid, milli, product)
             why = quotas.verdict(quota, uid, entry)
             if why:
                 return why
@@ -70,11 +70,11 @@ class Ledger:
         """An Allocated claim missing from a ledger (allocated before the quota existed) is entered
         without a check: it holds its GPUs already."""
         uid = claim.metadata.uid
-        gpus = quotas.claim_gpus(claim)
+        milli = quotas.claim_milli(claim)
         product = quotas.products_of(claim.status.allocations, self.state.statuses)
         for quota in self.state.quotas(claim.metadata.namespace):
-            if not quotas.covers(quota, uid, gpus, product):
-                entry = quotas.merged(quota, uid, gpus, product)
+            if not quotas.covers(quota, uid, milli, product):
+                entry = quotas.merged(quota, uid, milli, product)
                 await self.writer.quota_status(
                     quota, quotas.entry_patch(quota, claim, entry), reconciling=claim.key
                 )

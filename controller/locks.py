@@ -17,13 +17,17 @@ class LockItem:
     lock_id: str  # the device's UUID, or a shared GPU's slot (``models.DeviceRef.lock_id``)
     lease: str
     node: str
+    milli: int = 0  # a share of the GPU, an entry of its Lease's ledger; 0: the whole Lease
 
 
 def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
     """The Leases to hold for these allocations, sorted by lock id (the acquisition order)."""
     items = {
         device.lock_id: LockItem(
-            lock_id=device.lock_id, lease=constants.lease_name(device.lock_id), node=alloc.node_name
+            lock_id=device.lock_id,
+            lease=constants.lease_name(device.lock_id),
+            node=alloc.node_name,
+            milli=device.milli or 0,
         )
         for alloc in allocations
         for device in alloc.devices
@@ -32,8 +36,19 @@ def lock_plan(allocations: Iterable[models.Allocation]) -> tuple[LockItem, ...]:
 
 
 def listed_devices(claim: models.GpuClaim) -> frozenset[str]:
-    """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists."""
+    """The lock ids (device UUIDs, or shared GPUs' slots) a claim's status lists, its shares'
+    GPUs included."""
     return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices)
+
+
+def listed_whole(claim: models.GpuClaim) -> frozenset[str]:
+    """The lock ids a claim's status lists whole: not as a milli-GPU share."""
+    return frozenset(d.lock_id for a in claim.status.allocations for d in a.devices if not d.milli)
+
+
+def listed_shares(claim: models.GpuClaim) -> dict[str, int]:
+    """The GPUs (UUIDs) a claim's status lists a share of, and the share in milli-GPU."""
+    return {d.uuid: d.milli for a in claim.status.allocations for d in a.devices if d.milli}
 
 
 def recorded(claim: models.GpuClaim) -> frozenset[str]:

@@ -40,6 +40,9 @@ class NodeView:
     # pods' fit is not checked.
     allocatable: Mapping[str, int] = dataclasses.field(default_factory=dict)
     free: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Taken GPUs (UUIDs) that hold milli-GPU shares and nothing whole, and how much of each the
+    # shares take (up to 1000); a taken GPU not here is held whole.
+    milli_used: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def in_mig_mode(device: models.Device) -> bool:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from controller import allocator
+from controller import allocator, locks
 from controller.nodes import in_mig_mode
 from gpualloc.api import constants, models
 
@@ -175,10 +175,25 @@ def _rank(plan: Plan, priority: Callable[[models.GpuClaim], int]) -> tuple[int, 
 def _freed(
     views: Sequence[allocator.NodeView], victims: Iterable[models.GpuClaim]
 ) -> list[allocator.NodeView]:
-    free = {d.lock_id for v in victims for a in v.status.allocations for d in a.devices}
-    return [
-        dataclasses.replace(view, taken=view.taken - free) if view.taken & free else view for view in views
-    ]
+    free = {d.lock_id for v in victims for a in v.status.allocations for d in a.devices if not d.milli}
+    shares: dict[str, int] = {}
+    for victim in victims:
+        for uuid, milli in locks.listed_shares(victim).items():
+            shares[uuid] = shares.get(uuid, 0) + milli
+    out = []
+    for view in views:
+        used = dict(view.milli_used)
+        gone = set(free)
+        for uuid, milli in shares.items():
+            if uuid in used:  # a GPU its shares leave entirely is free whole
+                used[uuid] -= milli
+                if used[uuid] <= 0:
+                    del used[uuid]
+                    gone.add(uuid)
+        if view.taken & gone or used != view.milli_used:
+            view = dataclasses.replace(view, taken=view.taken - gone, milli_used=used)
+        out.append(view)
+    return out
 
 
 def _fits(

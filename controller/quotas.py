@@ -23,25 +23,56 @@ of its devices. ``used`` is the ledger's sum.
    which a deletion moves on.
 
 So the GPUs that live Allocated claims of a namespace list never exceed the
-ledger's sum, which never grows past the limit. Claims Allocated before a
+ledger's sum, which never grows past the limit. The ledger counts in milli-GPU:
+a claim for milli-GPU shares (``sharing.milli``) counts for its shares, 460 of
+them 0.46 GPU; its entry says so in ``milli`` (an entry without one counts for
+``gpus`` whole GPUs). Claims Allocated before a
 quota existed are entered without a check (``used`` may then exceed the limit,
 and nothing more is admitted until it falls back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpualloc.api import codecs, models
+from gpualloc.api import codecs, leases, models
 
 REASON = "QuotaExceeded"
 
 
 def claim_gpus(claim: models.GpuClaim) -> int:
-    """The GPUs a claim counts for: ``count`` per replica."""
+    """The devices a claim asks for: ``count`` per replica."""
     return claim.spec.devices.count * max(1, claim.spec.replicas)
+
+
+def claim_milli(claim: models.GpuClaim) -> int:
+    """What a claim counts for, in milli-GPU: its share per replica (``sharing.milli``), else 1000
+    per device."""
+    sharing = claim.spec.devices.sharing
+    if claim.spec.devices.exclusivity == "Shared" and sharing is not None and sharing.milli is not None:
+        return sharing.milli * max(1, claim.spec.replicas)
+    return claim_gpus(claim) * leases.WHOLE_MILLI
+
+
+def entry_milli(entry: models.QuotaEntry) -> int:
+    """What a ledger entry counts for, in milli-GPU."""
+    return entry.milli if entry.milli is not None else entry.gpus * leases.WHOLE_MILLI
+
+
+def _entry(name: str, milli: int, product: str) -> models.QuotaEntry:
+    """An entry for ``milli`` milli-GPU: whole GPUs as ``gpus`` alone, a fraction in ``milli`` too
+    (``gpus`` then rounded up)."""
+    gpus = -(-milli // leases.WHOLE_MILLI)
+    fraction = milli if milli % leases.WHOLE_MILLI else None
+    return models.QuotaEntry(name=name, gpus=gpus, milli=fraction, product=product)
+
+
+def _gpus(milli: int) -> str:
+    """Milli-GPU as GPUs for a message: ``3``, ``2.46``."""
+    return f"{milli / leases.WHOLE_MILLI:g}"
 
 
 def products_of(
@@ -66,20 +97,21 @@ def _label(quota: models.GpuQuota) -> str:
     return f"quota {quota.metadata.namespace}/{quota.metadata.name}"
 
 
-def merged(quota: models.GpuQuota, uid: str, gpus: int, product: str) -> models.QuotaEntry:
-    """The ledger entry that covers claim ``uid`` as ``gpus`` of ``product`` and whatever its entry
-    covers already: an entry only grows while its claim lives, so it covers every attempt of it."""
+def merged(quota: models.GpuQuota, uid: str, milli: int, product: str) -> models.QuotaEntry:
+    """The ledger entry that covers claim ``uid`` as ``milli`` milli-GPU (``claim_milli``) of
+    ``product`` and whatever its entry covers already: an entry only grows while its claim lives,
+    so it covers every attempt of it."""
     entry = quota.status.claims.get(uid)
     if entry is None:
-        return models.QuotaEntry(name="", gpus=gpus, product=product)
+        return _entry("", milli, product)
     names = {n for n in f"{entry.product},{product}".split(",") if n}
-    return models.QuotaEntry(name=entry.name, gpus=max(gpus, entry.gpus), product=",".join(sorted(names)))
+    return _entry(entry.name, max(milli, entry_milli(entry)), ",".join(sorted(names)))
 
 
-def covers(quota: models.GpuQuota, uid: str, gpus: int, product: str) -> bool:
+def covers(quota: models.GpuQuota, uid: str, milli: int, product: str) -> bool:
     """Does the ledger hold claim ``uid`` for at least this?"""
     entry = quota.status.claims.get(uid)
-    return entry is not None and merged(quota, uid, gpus, product) == entry
+    return entry is not None and merged(quota, uid, milli, product) == entry
 
 
 def verdict(quota: models.GpuQuota, uid: str, entry: models.QuotaEntry) -> str:
@@ -87,15 +119,17 @@ def verdict(quota: models.GpuQuota, uid: str, entry: models.QuotaEntry) -> str:
     it can. An entry with no product (no plan yet) is checked against the total only."""
     others = [e for u, e in quota.status.claims.items() if u != uid]
     namespace = quota.metadata.namespace
-    used = sum(e.gpus for e in others) + entry.gpus
-    if used > quota.spec.gpus:
-        return f"namespace {namespace} would use {used} of {quota.spec.gpus} GPUs ({_label(quota)})"
+    used = sum(map(entry_milli, others)) + entry_milli(entry)
+    if used > quota.spec.gpus * leases.WHOLE_MILLI:
+        return f"namespace {namespace} would use {_gpus(used)} of {quota.spec.gpus} GPUs ({_label(quota)})"
     for limit in quota.spec.products:
         if _matches(entry.product, limit.pattern):
-            used = sum(e.gpus for e in others if _matches(e.product, limit.pattern)) + entry.gpus
-            if used > limit.gpus:
+            used = sum(entry_milli(e) for e in others if _matches(e.product, limit.pattern)) + entry_milli(
+                entry
+            )
+            if used > limit.gpus * leases.WHOLE_MILLI:
                 return (
-                    f"namespace {namespace} would use {used} of {limit.gpus} {limit.pattern} GPUs "
+                    f"namespace {namespace} would use {_gpus(used)} of {limit.gpus} {limit.pattern} GPUs "
                     f"({_label(quota)})"
                 )
     return ""
@@ -105,11 +139,11 @@ def admissible(quotas: Iterable[models.GpuQuota], claim: models.GpuClaim, produc
     """Why one of the namespace's ``quotas`` would not admit ``claim`` counted for ``product``; ""
     when every one would. The check ``Ledger.admit`` makes: a quota that holds the claim for this
     already admits it."""
-    gpus, uid = claim_gpus(claim), claim.metadata.uid
+    milli, uid = claim_milli(claim), claim.metadata.uid
     for quota in quotas:
-        if covers(quota, uid, gpus, product):
+        if covers(quota, uid, milli, product):
             continue
-        why = verdict(quota, uid, merged(quota, uid, gpus, product))
+        why = verdict(quota, uid, merged(quota, uid, milli, product))
         if why:
             return why
     return ""
@@ -117,15 +151,22 @@ def admissible(quotas: Iterable[models.GpuQuota], claim: models.GpuClaim, produc
 
 def _status(quota: models.GpuQuota, claims: Mapping[str, models.QuotaEntry]) -> dict[str, Any]:
     by_product = {
-        limit.pattern: sum(e.gpus for e in claims.values() if _matches(e.product, limit.pattern))
+        limit.pattern: _rounded_up(
+            sum(entry_milli(e) for e in claims.values() if _matches(e.product, limit.pattern))
+        )
         for limit in quota.spec.products
     }
-    return {"used": sum(e.gpus for e in claims.values()), "usedByProduct": by_product}
+    milli = sum(map(entry_milli, claims.values()))
+    return {"used": _rounded_up(milli), "usedMilli": milli, "usedByProduct": by_product}
+
+
+def _rounded_up(milli: int) -> int:
+    return -(-milli // leases.WHOLE_MILLI)
 
 
 def entry_patch(quota: models.GpuQuota, claim: models.GpuClaim, entry: models.QuotaEntry) -> dict[str, Any]:
     """The status merge patch that enters (or updates) ``claim`` in the ledger as ``entry``."""
-    entry = models.QuotaEntry(name=claim.metadata.name, gpus=entry.gpus, product=entry.product)
+    entry = dataclasses.replace(entry, name=claim.metadata.name)
     claims = {**quota.status.claims, claim.metadata.uid: entry}
     return {"status": {**_status(quota, claims), "claims": {claim.metadata.uid: codecs.encode(entry)}}}
 

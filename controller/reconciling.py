@@ -225,10 +225,14 @@ class Reconciler:
             except errors.NotFound:
                 self.requeue(claim.key, 0.5)  # released meanwhile: try again
                 continue
-            if info.holder != claim.metadata.uid:
-                holder = f"{info.claim_namespace}/{info.claim_name}" if info.claim_name else info.holder
+            holdings = leases.holdings(info)  # a ledger's entries, or the Lease
+            if all(h.holder != claim.metadata.uid for h in holdings):
+                holder = ", ".join(
+                    f"{h.claim_namespace}/{h.claim_name}" if h.claim_name else h.holder for h in holdings
+                )
                 device = constants.device_display(self._minor(claim, item.lock_id), item.lock_id)
-                taken[item.lease] = f"{device} is held by claim {holder}"
+                what = "is shared by claims" if info.ledger else "is held by claim"
+                taken[item.lease] = f"{device} {what} {holder or '(none, being deleted)'}"
         return taken
 
     @staticmethod
@@ -509,7 +513,8 @@ class Reconciler:
         # An authoritative list, not the cache: a Lease the cache has not seen yet would outlive
         # the claim's quota entries, which go next (the simulation, seed 10,395,109). No attempt
         # can record a Lease any more: the deletion moved the claim's version on (rule 3).
-        held = [leases.parse(raw) for raw in await self.cluster.list_claim_leases(uid)]
+        listed = await self.cluster.list_claim_leases(uid)
+        held = [info for raw in listed if (info := leases.held_by(raw, uid)) is not None]
         gone = await self.writer.release(held)
         released = len(gone)
         if len(gone) < len(held):

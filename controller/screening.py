@@ -10,11 +10,12 @@ the node's own line. The rules are in the allocator's module docstring.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from controller import nodes
 from controller.asks import Ask, matches, matches_selector
 from controller.nodes import MIG_MODE, SHARED, NodeView, in_mig_mode
-from gpualloc.api import constants, models, requests, taints
+from gpualloc.api import constants, leases, models, requests, taints
 
 _NOUNS = {"cpu": "CPU", "pods": "pod slots"}
 
@@ -49,6 +50,8 @@ def screen(view: NodeView, ask: Ask, position: int, extra_taken: set[str], n_nod
     assert view.inventory is not None
     if ask.exclusivity == "MIG":
         return _screen_mig(view, ask, position, extra_taken, n_nodes)
+    if ask.exclusivity == "Shared" and ask.sharing.milli is not None:
+        return _screen_milli(view, ask, position, extra_taken, n_nodes)
     if ask.exclusivity == "Shared":
         return _screen_shared(view, ask, position, extra_taken, n_nodes)
     prep = nodes.prepare(view.name, view.inventory, n_nodes)
@@ -190,6 +193,19 @@ def _screen_mig(
     return Screened(view, prep, position, total, len(free), usable)
 
 
+def _identity(gpu: models.Device) -> dict[str, Any]:
+    """What a slot or a share offered carries of its GPU: which one it is, and what ``matches``
+    and the allocation read."""
+    return {
+        "index": gpu.index,
+        "minor": gpu.minor,
+        "uuid": gpu.uuid,
+        "product": gpu.product,
+        "memory_mib": gpu.memory_mib,
+        "compute_capability": gpu.compute_capability,
+    }
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SlotDevice(models.Device):
     """A slot of a shared GPU, as screening offers it: the GPU, and which of its slots."""
@@ -219,16 +235,7 @@ def _screen_shared(
         if open_slots and gpu.uuid not in extra_taken and matches(ask, gpu):
             offered.append((len(open_slots), gpu.index, gpu, open_slots[0]))
     usable: list[models.Device] = [
-        SlotDevice(
-            index=gpu.index,
-            minor=gpu.minor,
-            uuid=gpu.uuid,
-            product=gpu.product,
-            memory_mib=gpu.memory_mib,
-            compute_capability=gpu.compute_capability,
-            slot=slot,
-        )
-        for _, _, gpu, slot in sorted(offered, key=lambda o: o[:2])
+        SlotDevice(**_identity(gpu), slot=slot) for _, _, gpu, slot in sorted(offered, key=lambda o: o[:2])
     ]
     if len(usable) < ask.count:
         limit = f" of at most {most} claims" if most is not None else ""
@@ -240,6 +247,43 @@ def _screen_shared(
         return Miss(6, f"has {phrase}", f"have {phrase}", detail)
     prep = nodes.prepare(view.name, view.inventory, n_nodes)
     return Screened(view, prep, position, total, free, usable)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ShareDevice(models.Device):
+    """A milli-GPU share of a GPU, as screening offers it: the GPU, and the share."""
+
+    milli: int
+
+
+def _screen_milli(
+    view: NodeView, ask: Ask, position: int, extra_taken: set[str], n_nodes: int
+) -> Screened | Miss:
+    """A fractional claim's screening: the healthy whole GPUs (not in MIG mode, not offered as
+    slots) that are free or hold only shares, with ``sharing.milli`` left, best fit first (the least
+    left once the share is placed, then by index), so shares pack onto GPUs already shared and whole
+    GPUs stay whole. A gang's replicas never share a GPU (``extra_taken``). ``total`` and ``free``
+    count GPUs: those shares may go on, and those with room for this one."""
+    assert view.inventory is not None and ask.sharing.milli is not None
+    milli, taken, used = ask.sharing.milli, view.taken, view.milli_used
+    prep = nodes.prepare(view.name, view.inventory, n_nodes)
+    open_gpus = [d for d in prep.healthy if d.uuid not in taken or d.uuid in used]
+    left = {d.uuid: leases.WHOLE_MILLI - used.get(d.uuid, 0) for d in open_gpus}
+    roomy = [d for d in open_gpus if left[d.uuid] >= milli and d.uuid not in extra_taken]
+    fitting = [d for d in roomy if matches(ask, d)] if ask.filters else roomy
+    usable: list[models.Device] = [
+        ShareDevice(**_identity(d), milli=milli)
+        for d in sorted(fitting, key=lambda d: (left[d.uuid] - milli, d.index))
+    ]
+    if not usable:
+        phrase = f"no GPU with {milli} milli-GPU free{ask.filters}"
+        most = max(left.values(), default=0)
+        detail = (
+            f"{len(open_gpus)} of {len(prep.by_index)} GPUs free or shared, the most free has"
+            f" {most} milli-GPU ({len(roomy)} with room{', none matching' if roomy else ''}); need {milli}"
+        )
+        return Miss(6, f"has {phrase}", f"have {phrase}", detail)
+    return Screened(view, prep, position, len(open_gpus), len(roomy), usable)
 
 
 def _screen_prefer_ids(

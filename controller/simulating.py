@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from controller import allocator, asks, explaining, locks, preemption, quotas, waking
+from controller import allocator, asks, explaining, preemption, quotas, waking
 from controller import views as node_views_
 from controller.nodes import NodeIndex
 from gpualloc import views
@@ -86,7 +86,7 @@ def _copy(claim: models.GpuClaim, number: int) -> models.GpuClaim:
 def _entered(quota: models.GpuQuota, claim: models.GpuClaim, product: str) -> models.GpuQuota:
     """The quota once its ledger holds ``claim`` as ``product``."""
     uid = claim.metadata.uid
-    entry = quotas.merged(quota, uid, quotas.claim_gpus(claim), product)
+    entry = quotas.merged(quota, uid, quotas.claim_milli(claim), product)
     entry = dataclasses.replace(entry, name=claim.metadata.name)
     status = dataclasses.replace(quota.status, claims={**quota.status.claims, uid: entry})
     return dataclasses.replace(quota, status=status)
@@ -113,7 +113,7 @@ def simulate(
     requested: dict[str, dict[str, int]] | None = None
     if snapshot.pods is not None:
         requested = node_views_.requested_by_node(snapshot.pods)
-    taken = {uuid for other in snapshot.claims for uuid in locks.listed_devices(other)}
+    holding = list(snapshot.claims)  # and each copy placed so far, as Allocated
     ahead = pending_ahead(claim, snapshot.claims)
     landed: list[tuple[models.Allocation, ...]] = []
     notes: list[str] = []
@@ -128,10 +128,12 @@ def simulate(
                 asked=count, landed=tuple(landed), notes=tuple(notes), reason=why, quota=why, ahead=ahead
             )
         copy = _copy(claim, number)
+        taken, milli_used = node_views_.held_by_claims(holding)
         node_views = node_views_.build_node_views(
             statuses=snapshot.statuses,
             nodes=snapshot.nodes,
             is_taken=taken.__contains__,
+            milli_used=milli_used,
             heartbeat_ages=ages,
             stale_after=node_views_.NODE_STALE_AFTER_S,
             requested=requested,
@@ -169,7 +171,9 @@ def simulate(
             )
         landed.append(decision.allocations)
         notes.append(decision.note)
-        taken.update(d.lock_id for a in decision.allocations for d in a.devices)
+        holding.append(
+            dataclasses.replace(copy, status=models.GpuClaimStatus(allocations=decision.allocations))
+        )
         if requested is not None and copy.spec.pod_resources:
             for allocation in decision.allocations:
                 requests.add(requested.setdefault(allocation.node_name, {}), copy.spec.pod_resources)

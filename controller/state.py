@@ -199,7 +199,9 @@ class State:
         self._fits: dict[waking.Need, bool] = {}
         self._allocated_on: dict[str, set[str]] = collections.defaultdict(set)  # node -> claim keys
         self._claim_nodes: dict[str, frozenset[str]] = {}
-        self._listed: dict[str, str] = {}  # lock id -> uid of the claim whose status lists it
+        self._listed: dict[str, str] = {}  # lock id -> uid of the claim whose status lists it whole
+        # GPU UUID -> {uid of a live claim whose status lists a share of it: its milli-GPU}
+        self._listed_shares: dict[str, dict[str, int]] = collections.defaultdict(dict)
         self._claim_listed: dict[str, tuple[str, frozenset[str]]] = {}  # key -> (uid, lock ids)
         # Nodes.
         self.statuses: dict[str, models.GpuNodeStatus] = {}  # node name -> parsed
@@ -336,10 +338,26 @@ class State:
         if not self._stale:
             return self._index
         held, listed, reserved, pods = self.leases, self._listed, self.reserved, self._held_by_pods
+        listed_shares = self._listed_shares
 
         def is_taken(uuid: str) -> bool:
             name = constants.lease_name(uuid)
-            return name in held or name in reserved or uuid in listed or uuid in pods
+            return name in held or name in reserved or uuid in listed or uuid in pods or uuid in listed_shares
+
+        def milli_used(uuid: str) -> int | None:
+            """What the shares take of a taken GPU: the union, by claim, of its Lease's ledger and
+            the statuses that list a share of it; None when anything holds it whole (a whole Lease
+            or status, this process's reservation, a pod no share explains)."""
+            lease = held.get(constants.lease_name(uuid))
+            shares = dict(listed_shares.get(uuid, {}))
+            for entry in lease.shares if lease is not None else ():
+                shares[entry.holder] = max(entry.milli, shares.get(entry.holder, 0))
+            whole = (
+                (lease is not None and not lease.ledger) or uuid in listed or (uuid in pods and not shares)
+            )
+            if whole or constants.lease_name(uuid) in reserved:
+                return None
+            return min(leases.WHOLE_MILLI, sum(shares.values()))
 
         for node in sorted(self._stale):
             status = self.statuses.get(node)
@@ -352,6 +370,7 @@ class State:
                 status,
                 self.facts.get(node),
                 is_taken=is_taken,
+                milli_used=milli_used,
                 heartbeat_age=age,
                 stale_after=self.node_stale_after,
                 requested=self._node_requested.get(node, {}),
@@ -390,9 +409,13 @@ class State:
         for node, status in sorted(self.statuses.items()):
             counts = dict.fromkeys(controller_metrics.DEVICE_STATES, 0)
             for device in status.status.devices:
-                if device.uuid in self._held_by_pods or any(
-                    constants.lease_name(lock_id) in self.leases or lock_id in self._listed
-                    for lock_id in device.lock_ids
+                if (
+                    device.uuid in self._held_by_pods
+                    or device.uuid in self._listed_shares
+                    or any(
+                        constants.lease_name(lock_id) in self.leases or lock_id in self._listed
+                        for lock_id in device.lock_ids
+                    )
                 ):
                     counts["allocated"] += 1
                 elif device.health != constants.HEALTHY:
@@ -475,6 +498,11 @@ class State:
         for uuid in old_listed:
             if self._listed.get(uuid) == old_uid:
                 del self._listed[uuid]
+            shares = self._listed_shares.get(uuid)
+            if shares is not None:
+                shares.pop(old_uid, None)
+                if not shares:
+                    del self._listed_shares[uuid]
         self._mark_device_nodes(old_listed)
         if type_ == watching.DELETED:
             self._bury(uid)
@@ -507,8 +535,10 @@ class State:
             listed = locks.listed_devices(claim)
             if listed:
                 self._claim_listed[key] = (uid, listed)
-                for uuid in listed:
+                for uuid in locks.listed_whole(claim):
                     self._listed[uuid] = uid
+                for uuid, milli in locks.listed_shares(claim).items():
+                    self._listed_shares[uuid][uid] = milli
                 self._mark_device_nodes(listed)
             self._claim_uuids[key] = frozenset(d.uuid for a in claim.status.allocations for d in a.devices)
             nodes = frozenset(a.node_name for a in claim.status.allocations)
@@ -527,25 +557,31 @@ class State:
         info = leases.parse(raw)
         self._mark_lease_node(info.name, info.node)
         old = self.leases.pop(info.name, None)
-        if old is not None:
-            held = self._held.get(old.holder)
+        before = {h.holder: h for h in leases.holdings(old)} if old is not None else {}
+        for holder in before:
+            held = self._held.get(holder)
             if held is not None:
-                held.pop(old.name, None)
+                held.pop(info.name, None)
                 if not held:
-                    del self._held[old.holder]
+                    del self._held[holder]
         if type_ == watching.DELETED:
             self._bury(info.uid)
             self._wake_for_node(self._lease_node.get(info.name, info.node))  # capacity freed
-            key = self._uid_to_key.get(info.holder)
-            if key is not None:
-                self._wake_claim(key)  # an Allocated claim may have lost a recorded Lease
+            for holder in sorted({*before, *(h.holder for h in leases.holdings(info))}):
+                key = self._uid_to_key.get(holder)
+                if key is not None:
+                    self._wake_claim(key)  # an Allocated claim may have lost a recorded Lease
             return
         self.leases[info.name] = info
-        self._held[info.holder][info.name] = info
-        if old is None or old.deleting != info.deleting:
-            key = self._uid_to_key.get(info.holder)
-            if key is not None:
-                self._wake_claim(key)
+        for holding in leases.holdings(info):
+            self._held[holding.holder][info.name] = holding
+            seen = before.get(holding.holder)
+            if seen is None or seen.deleting != holding.deleting:
+                key = self._uid_to_key.get(holding.holder)
+                if key is not None:
+                    self._wake_claim(key)
+        if old is not None and old.used_milli > info.used_milli:
+            self._wake_for_node(self._lease_node.get(info.name, info.node))  # a share given back
 
     def _on_node_status(self, type_: str, raw: Obj) -> None:
         name = str(_meta(raw).get("name", ""))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from controller import allocator, gates
-from gpualloc.api import constants, models, requests, taints, timestamps
+from gpualloc.api import constants, leases, models, requests, taints, timestamps
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +100,7 @@ def build_node_views(
     heartbeat_ages: Mapping[str, float | None],  # by node name, see node_ready
     stale_after: float,
     requested: Mapping[str, Mapping[str, int]] | None = None,  # by node name: ``requested_by_node``
+    milli_used: Callable[[str], int | None] | None = None,  # by taken GPU UUID (``node_view``)
 ) -> list[allocator.NodeView]:
     """One ``NodeView`` per GPU node (a node with a GpuNodeStatus), sorted by name.
 
@@ -113,6 +114,7 @@ def build_node_views(
             statuses[name],
             nodes.get(name),
             is_taken=is_taken,
+            milli_used=milli_used,
             heartbeat_age=heartbeat_ages.get(name),
             stale_after=stale_after,
             requested=None if requested is None else requested.get(name, {}),
@@ -130,11 +132,16 @@ def node_view(
     heartbeat_age: float | None,
     stale_after: float,
     requested: Mapping[str, int] | None = None,
+    milli_used: Callable[[str], int | None] | None = None,
 ) -> allocator.NodeView:
     """The ``NodeView`` of one GPU node (see ``build_node_views``); ``requested``: what the
-    non-terminal pods bound to it request (``requests.add`` of each), None when not known."""
+    non-terminal pods bound to it request (``requests.add`` of each), None when not known;
+    ``milli_used``: what the milli-GPU shares take of a taken GPU, None when it is held whole
+    (``milli_used`` None: every taken GPU is held whole)."""
     inventory = status.status
     allocatable = facts.allocatable if facts is not None and requested is not None else {}
+    taken = taken_on(inventory, is_taken)
+    used = {} if milli_used is None else shares_on(inventory, taken, milli_used)
     return allocator.NodeView(
         name=name,
         labels=facts.labels if facts else {},
@@ -143,10 +150,27 @@ def node_view(
         node_present=facts is not None,
         ready=node_ready(inventory, heartbeat_age=heartbeat_age, stale_after=stale_after),
         inventory=inventory,
-        taken=taken_on(inventory, is_taken),
+        taken=taken,
         allocatable=allocatable,
         free=requests.node_free(allocatable, requested or {}),
+        milli_used=used,
     )
+
+
+def shares_on(
+    inventory: models.NodeInventory, taken: frozenset[str], milli_used: Callable[[str], int | None]
+) -> dict[str, int]:
+    """The taken GPUs of a node that hold milli-GPU shares and nothing whole, and what the shares
+    use of each. A GPU whose MIG instances or sharing slots are taken is the same silicon, held
+    whole."""
+    used: dict[str, int] = {}
+    for device in inventory.devices:
+        if device.uuid not in taken or any(i in taken for i in device.lock_ids[1:]):
+            continue
+        milli = milli_used(device.uuid)
+        if milli is not None:
+            used[device.uuid] = milli
+    return used
 
 
 def taken_on(inventory: models.NodeInventory, is_taken: Callable[[str], bool]) -> frozenset[str]:
@@ -162,6 +186,28 @@ def taken_on(inventory: models.NodeInventory, is_taken: Callable[[str], bool]) -
         if instances:
             taken |= instances | {device.uuid}
     return frozenset(taken)
+
+
+def held_by_claims(claims: Iterable[models.GpuClaim]) -> tuple[frozenset[str], Callable[[str], int | None]]:
+    """What these claims' statuses hold, for a one-off reader (``explain``, ``simulate``): the lock
+    ids they list (the GPUs of their shares included), and what the shares use of each GPU (None:
+    a claim lists it whole): the ``is_taken`` and ``milli_used`` of ``node_view``."""
+    taken: set[str] = set()
+    whole: set[str] = set()
+    shares: dict[str, int] = {}
+    for claim in claims:
+        for alloc in claim.status.allocations:
+            for device in alloc.devices:
+                taken.add(device.lock_id)
+                if device.milli:
+                    shares[device.uuid] = shares.get(device.uuid, 0) + device.milli
+                else:
+                    whole.add(device.lock_id)
+
+    def milli_used(uuid: str) -> int | None:
+        return None if uuid in whole else min(shares.get(uuid, 0), leases.WHOLE_MILLI)
+
+    return frozenset(taken), milli_used
 
 
 def seed_for(uid: str) -> int:

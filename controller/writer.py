@@ -134,10 +134,14 @@ class Writer:
 
     async def release(self, held: Iterable[leases.LeaseInfo]) -> list[leases.LeaseInfo]:
         """``locking.release``, the Leases now gone forgotten."""
-        gone = await locking.release(self.cluster, held)
+        gone = await locking.release(self.cluster, held, self._ledger_written)
         for info in gone:
-            self.state.forget_lease(info.name, info.uid)
+            if not info.milli:  # a ledger entry's Lease may stay: its PUTs were remembered
+                self.state.forget_lease(info.name, info.uid)
         return gone
+
+    def _ledger_written(self, raw: dict[str, Any]) -> None:
+        self.state.remember("leases", raw, reconciling="")
 
     async def release_leftovers(
         self,

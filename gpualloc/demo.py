@@ -180,7 +180,13 @@ async def summary(api: Any, kubeconfig: Path) -> bool:
     beats = (await lease_api.list_leases(api, leases.heartbeat_namespace(NAMESPACE)))["items"]
     print("\n=== GPU nodes")
     print(
-        views.format_nodes(nodes, views.allocated_uuids(claims), now, views.latest_heartbeats(nodes, beats))
+        views.format_nodes(
+            nodes,
+            views.allocated_uuids(claims),
+            now,
+            views.latest_heartbeats(nodes, beats),
+            views.allocated_milli(claims),
+        )
     )
     print("\n=== Topology of gpu-node-b (gpualloc topo gpu-node-b)")
     node_b = next(n for n in nodes if n.metadata.name == "gpu-node-b")

@@ -72,15 +72,29 @@ def allocated_uuids(claims: Iterable[models.GpuClaim]) -> dict[str, str]:
     return held
 
 
+def allocated_milli(claims: Iterable[models.GpuClaim]) -> dict[str, int]:
+    """GPU UUID -> the milli-GPU that claims' shares (``sharing.milli``) hold of it."""
+    used: dict[str, int] = {}
+    for claim in claims:
+        for allocation in claim.status.allocations:
+            for device in allocation.devices:
+                if device.milli:
+                    used[device.uuid] = used.get(device.uuid, 0) + device.milli
+    return used
+
+
 def format_nodes(
     nodes: Sequence[models.GpuNodeStatus],
     held: dict[str, str],
     now: dt.datetime,
     heartbeats: Mapping[str, str] | None = None,
+    shares: Mapping[str, int] | None = None,
 ) -> str:
     """The node table; HEARTBEAT is the age of ``heartbeats[node]`` (``latest_heartbeats``), else of
-    the GpuNodeStatus's own heartbeat."""
+    the GpuNodeStatus's own heartbeat; MILLI the milli-GPU used of each GPU that holds shares
+    (``allocated_milli``: ``<index>:<milli>``, of 1000)."""
     beats = heartbeats or {}
+    shares = shares or {}
     rows = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
         inv = node.status
@@ -109,6 +123,7 @@ def format_nodes(
             if d.health == constants.HEALTHY and m.uuid not in held and d.uuid not in held
         )
         mig = f"{open_instances}/{len(instances)}" if in_mig else "-"
+        milli = ",".join(f"{d.index}:{shares[d.uuid]}" for d in inv.devices if d.uuid in shares) or "-"
         islands = " ".join("[" + ",".join(map(str, i)) + "]" for i in inv.islands if len(i) > 1) or "-"
         rows.append(
             [
@@ -119,6 +134,7 @@ def format_nodes(
                 str(free),
                 mig,
                 shared,
+                milli,
                 inv.product or "-",
                 islands,
                 age(beats.get(node.spec.node_name) or inv.last_heartbeat_time, now),
@@ -132,6 +148,7 @@ def format_nodes(
         "FREE",
         "MIG",
         "SHARED",
+        "MILLI",
         "PRODUCT",
         "NVLINK ISLANDS",
         "HEARTBEAT",
@@ -319,7 +336,8 @@ def get_main(argv: Sequence[str]) -> int:
         nodes = [codecs.parse_node_status(n) for n in raw["statuses"]]
         claims = [codecs.parse_claim(c) for c in raw["claims"]]
         beats = latest_heartbeats(nodes, raw["heartbeats"])
-        print(format_nodes(nodes, allocated_uuids(claims), _now(), beats) if nodes else "No GPU nodes found.")
+        out = format_nodes(nodes, allocated_uuids(claims), _now(), beats, allocated_milli(claims))
+        print(out if nodes else "No GPU nodes found.")
         return 0
     namespace = None if args.all_namespaces else args.namespace
     where = "any namespace" if args.all_namespaces else f"namespace {args.namespace}"

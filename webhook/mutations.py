@@ -160,16 +160,21 @@ def value_env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
-def annotation_env(name: str) -> dict[str, Any]:
-    """An env var the kubelet fills from the ``gpu.scheduling/devices`` annotation when the container starts.
+def annotation_env(name: str, annotation: str = constants.ANNOTATION_DEVICES) -> dict[str, Any]:
+    """An env var the kubelet fills from the pod's annotation (``gpu.scheduling/devices`` unless
+    told) when the container starts.
 
     ``apiVersion: v1`` is written out because the API server defaults it: a
     reinvoked webhook then sees exactly what it wrote and changes nothing.
     """
-    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": DEVICES_FIELD_PATH}}}
+    path = f"metadata.annotations['{annotation}']"
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-_GATED_SOURCE = annotation_env("")["valueFrom"]
+_GATED_SOURCES = [
+    annotation_env("")["valueFrom"],
+    annotation_env("", constants.ANNOTATION_MPS_MEMORY_LIMIT)["valueFrom"],  # an MPS share's memory limit
+]
 
 
 # ------------------------------------------------------------------ editing
@@ -186,8 +191,9 @@ def _defines(item: objects.EnvVar, entry: Mapping[str, Any]) -> bool:
 
 
 def _ours(item: objects.EnvVar) -> bool:
-    """Whether the entry is the one gate mode writes (read from the devices annotation): not the user's."""
-    return item.value is None and bool(msgspec.json.decode(item.value_from) == _GATED_SOURCE)
+    """Whether the entry is one gate mode writes (read from an annotation the controller sets): not
+    the user's."""
+    return item.value is None and msgspec.json.decode(item.value_from) in _GATED_SOURCES
 
 
 def set_env(

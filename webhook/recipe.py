@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from gpualloc.api import constants, models, taints
+from gpualloc.api import constants, models, pods, taints
 from webhook import mutations, objects
 
 DeviceIdMode = Literal["uuid", "index"]
@@ -67,7 +67,7 @@ def edits(
     ``resource_claim`` (DRA on): the pod also uses that ResourceClaim (``dra_edits``)."""
     spec = claim.spec if claim is not None else None
     tolerations = taints.claim_tolerations(spec) if spec is not None else taints.DEFAULT_TOLERATIONS
-    extra_env = sharing_env(spec) if spec is not None else []
+    extra_env = sharing_env(spec, allocation) if spec is not None else []
     replaced: list[str] = []
     if allocation is None:
         ops = edit_gated(pod, tolerations, extra_env)
@@ -100,12 +100,30 @@ def device_env(
     return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
 
 
-def sharing_env(spec: models.GpuClaimSpec) -> list[dict[str, Any]]:
+def sharing_env(
+    spec: models.GpuClaimSpec, allocation: models.Allocation | None = None
+) -> list[dict[str, Any]]:
     """The MPS client limits of a Shared MPS claim (``sharing.computePercent``, ``memoryMiB``), for
-    each of its ``count`` GPUs as the container numbers them (0, 1, ...); none for other claims."""
+    each of its ``count`` GPUs as the container numbers them (0, 1, ...); none for other claims.
+
+    A milli-GPU share's follow from its share: the thread percentage is its milli in percent, and
+    the memory limit its part of the GPU's memory, which the allocation says (``DeviceRef.memoryMiB``)
+    or, for a pod waiting at the gate, the annotation the controller sets when it lifts the gate
+    (``gpu.scheduling/mps-memory-limit``, through the downward API)."""
     sharing = spec.devices.sharing
     if spec.devices.exclusivity != "Shared" or sharing is None or sharing.strategy != "MPS":
         return []
+    if sharing.milli is not None:
+        percent = str(pods.share_thread_percentage(sharing.milli))
+        if allocation is None:
+            limit = mutations.annotation_env(
+                mutations.ENV_MPS_MEMORY_LIMIT, constants.ANNOTATION_MPS_MEMORY_LIMIT
+            )
+        else:
+            limit = mutations.value_env(
+                mutations.ENV_MPS_MEMORY_LIMIT, pods.share_memory_limit(allocation.devices)
+            )
+        return [mutations.value_env(mutations.ENV_MPS_THREAD_PERCENTAGE, percent), limit]
     entries = []
     if sharing.compute_percent is not None:
         entries.append(mutations.value_env(mutations.ENV_MPS_THREAD_PERCENTAGE, str(sharing.compute_percent)))
@@ -146,8 +164,10 @@ def edit_gated(
     (a claim that does not exist yet has none: its pod gets no MPS limits)."""
     ops: list[mutations.Op] = []
     mutations.add_tolerations(pod, tolerations, ops)
-    # Only the controller may say which devices the pod gets: drop a user-set value.
+    # Only the controller may say which devices the pod gets (and an MPS share's memory limit):
+    # drop a user-set value.
     mutations.remove_annotation(pod, constants.ANNOTATION_DEVICES, ops)
+    mutations.remove_annotation(pod, constants.ANNOTATION_MPS_MEMORY_LIMIT, ops)
     mutations.add_scheduling_gate(pod, ops)
     mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
     mutations.set_env_everywhere(pod, [*_GATED_ENV, *extra_env], ops)

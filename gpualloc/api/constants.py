@@ -23,6 +23,9 @@ QUOTA_PLURAL = "gpuquotas"
 ANNOTATION_CLAIM = f"{GROUP}/claim"
 ANNOTATION_REPLICA = f"{GROUP}/replica"
 ANNOTATION_DEVICES = f"{GROUP}/devices"
+# On a gated pod of an MPS milli-GPU share: its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("0=<MiB>M"), set
+# by the controller with the devices annotation and read by the container through the downward API.
+ANNOTATION_MPS_MEMORY_LIMIT = f"{GROUP}/mps-memory-limit"
 # On a gated pod: the uid of the claim of its name that vanished while it waited (the sweep's fence).
 ANNOTATION_CLAIM_GONE = f"{GROUP}/claim-gone"
 LABEL_NODE = f"{GROUP}/node"

@@ -40,6 +40,9 @@ class SharingRequest:
     compute_percent: int | None = None  # MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     # MPS: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for each of its GPUs
     memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("memoryMiB"))
+    # A fractional share: this many milli-GPU (1..999) of one GPU, held in the GPU's own Lease's
+    # ledger (``leases``); None: a slot of a GPU the agent offers for sharing.
+    milli: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,10 +148,14 @@ class DeviceRef:
     minor: int
     uuid: str
     slot: int | None = None  # a slot of a shared GPU (exclusivity Shared)
+    milli: int | None = None  # a fractional share of the GPU (``sharing.milli``), in milli-GPU
+    # A share's part of the GPU's memory (its milli of it), the MPS memory limit of its pods.
+    memory_mib: int | None = dataclasses.field(default=None, metadata=json_name("memoryMiB"))
 
     @property
     def lock_id(self) -> str:
-        """What its Lease is named from: the UUID, or the UUID and slot of a shared GPU."""
+        """What its Lease is named from: the UUID (a share's too: the GPU's Lease holds its ledger),
+        or the UUID and slot of a shared GPU."""
         return self.uuid if self.slot is None else constants.slot_id(self.uuid, self.slot)
 
 
@@ -370,13 +377,15 @@ class QuotaEntry:
     """One admitted claim in a quota's ledger."""
 
     name: str
-    gpus: int
+    gpus: int  # whole GPUs, or milli-GPU shares rounded up
     product: str = ""  # the product names of its devices, comma-separated; "" before a plan
+    milli: int | None = None  # milli-GPU shares: the exact count, in milli-GPU
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GpuQuotaStatus:
     used: int = 0
+    used_milli: int = 0  # exactly, milli-GPU shares counted as their fraction
     used_by_product: Mapping[str, int] = dataclasses.field(default_factory=dict)
     claims: Mapping[str, QuotaEntry] = dataclasses.field(default_factory=dict)  # claim uid ->
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpualloc.api import constants
+from gpualloc.api import constants, models
 
 # Where a pod's replica index comes from, first present wins: (metadata part, key, words for messages).
 REPLICA_SOURCES: tuple[tuple[str, str, str], ...] = (
@@ -129,3 +129,15 @@ def _term_refusal(term: Mapping[str, Any], node: str) -> str | None:
                 )
                 return f"{key} {requirement.get('operator')}{shown}"
     return None
+
+
+def share_memory_limit(devices: Sequence[models.DeviceRef]) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` of the pods of an MPS milli-GPU share: ``0=<MiB>M``, its
+    part of the GPU's memory (the GPU is device 0 in the container); "" for other devices."""
+    return ",".join(f"{i}={d.memory_mib}M" for i, d in enumerate(devices) if d.milli and d.memory_mib)
+
+
+def share_thread_percentage(milli: int) -> int:
+    """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of an MPS milli-GPU share: its milli in percent, rounded
+    up (a share of 5 milli-GPU still gets 1%)."""
+    return min(100, max(1, -(-milli // 10)))

@@ -45,6 +45,7 @@ import aiohttp
 import yaml
 
 from gpualloc.api import constants, models
+from gpualloc.api import leases as lease_format
 from gpualloc.devcluster import cluster
 from gpualloc.kube import errors, resources, transport, watching
 from gpualloc.kube.client import Api
@@ -239,6 +240,25 @@ def recorded(claim: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def listed_shares(claim: Mapping[str, Any]) -> dict[str, int]:
+    """Lease name -> the milli-GPU share of its GPU a claim's status lists (``sharing.milli``)."""
+    allocations = (claim.get("status") or {}).get("allocations") or []
+    return {
+        constants.lease_name(d["uuid"]): int(d["milli"])
+        for a in allocations
+        for d in a.get("devices") or []
+        if d.get("milli")
+    }
+
+
+def share_ledger(lease: Mapping[str, Any]) -> dict[str, int] | None:
+    """A share ledger's entries (claim uid -> milli-GPU); None for a Lease that is not one."""
+    labels = (lease.get("metadata") or {}).get("labels") or {}
+    if labels.get(lease_format.LABEL_SHARES) != lease_format.SHARES_MARK:
+        return None
+    return {uid: int(entry.get("milli", 0)) for uid, entry in lease_format.ledger(lease).items()}
+
+
 def silicon_of(inventories: Iterable[models.NodeInventory]) -> dict[str, str]:
     """Lease name of each MIG instance and sharing slot -> the Lease name of its GPU (the same
     silicon), from the published inventories."""
@@ -314,7 +334,10 @@ class Books:
 
     * no GPU is listed by two claims (a claim being deleted counts only while it
       still holds that GPU's Lease: its finalizer releases the Leases before the
-      claim goes, and the Lease, not the dying status, is then what locks the GPU);
+      claim goes, and the Lease, not the dying status, is then what locks the GPU),
+      except as milli-GPU shares (``sharing.milli``): those of one GPU add up to at
+      most 1000 and are never listed beside a claim listing it whole, and every
+      share ledger (the GPU's Lease) sums to at most 1000 too;
     * every GPU an Allocated claim lists has a Lease (Terminating or not) held
       by that claim's UID, unless the claim is being deleted; so has every GPU a
       Preempted claim still lists (it lists them until its pods are evicted, and
@@ -438,7 +461,7 @@ class Books:
                     problems.append(
                         f"pod {pod_key} uses {gpu}, which its claim {claim_key} (uid {uid}) does not list"
                     )
-                elif self.holder(constants.lease_name(locks[gpu])) != uid:
+                elif not self.holds(constants.lease_name(locks[gpu]), uid):
                     held = self.holder(constants.lease_name(locks[gpu]))
                     problems.append(
                         f"pod {pod_key} uses {gpu} of claim {claim_key} (uid {uid}), whose Lease {held=}"
@@ -446,13 +469,27 @@ class Books:
         return problems
 
     def holder(self, lease_name: str) -> str | None:
+        """Who holds the Lease: its holder, or for a share ledger ``shares={uid: milli}``."""
         lease = self.leases.get(lease_name)
-        return None if lease is None else str((lease.get("spec") or {}).get("holderIdentity"))
+        if lease is None:
+            return None
+        shares = share_ledger(lease)
+        if shares is not None:
+            return f"shares={shares}"
+        return str((lease.get("spec") or {}).get("holderIdentity"))
+
+    def holds(self, lease_name: str, uid: str) -> bool:
+        """Whether claim ``uid`` holds the Lease, whole or by an entry of its share ledger."""
+        lease = self.leases.get(lease_name)
+        if lease is None:
+            return False
+        shares = share_ledger(lease)
+        return uid in shares if shares is not None else (lease.get("spec") or {}).get("holderIdentity") == uid
 
     def _counts(self, key: str, lease_name: str) -> bool:
         """Whether claim ``key`` locks the GPU of ``lease_name`` by listing it (see the class doc)."""
         metadata = self.claims[key]["metadata"]
-        return not metadata.get("deletionTimestamp") or self.holder(lease_name) == metadata["uid"]
+        return not metadata.get("deletionTimestamp") or self.holds(lease_name, metadata["uid"])
 
     def claim_problems(self, key: str) -> list[str]:
         claim = self.claims.get(key)
@@ -475,18 +512,28 @@ class Books:
             name = constants.lease_name(gpu)
             if name not in self.leases:
                 problems.append(f"{key} (uid {uid}) is {phase} and lists {gpu}, which has no Lease")
-            elif self.holder(name) != uid:
+            elif not self.holds(name, uid):
                 held = self.holder(name)
                 problems.append(f"{key} (uid {uid}) is {phase} and lists {gpu}, whose Lease {held=}")
         return problems
 
     def lease_problems(self, name: str) -> list[str]:
-        owners = sorted(k for k in self._listers.get(name, ()) if self._counts(k, name))
+        listers = sorted(k for k in self._listers.get(name, ()) if self._counts(k, name))
+        shares = {k: m for k in listers if (m := listed_shares(self.claims[k]).get(name))}
+        owners = [k for k in listers if k not in shares]  # those listing it whole
         problems = []
-        if len(owners) >= 2:
+        if len(owners) >= 2 or (owners and shares):
             problems.append(
-                f"{name} is listed by {len(owners)} claims: {owners} (Lease held by {self.holder(name)!r})"
+                f"{name} is listed by {len(listers)} claims: {owners} whole, {shares} in shares"
+                f" (Lease held by {self.holder(name)!r})"
             )
+        if sum(shares.values()) > lease_format.WHOLE_MILLI:
+            problems.append(
+                f"{name} is shared past the whole GPU: {shares} (Lease held by {self.holder(name)!r})"
+            )
+        stored = share_ledger(self.leases.get(name) or {}) or {}
+        if sum(stored.values()) > lease_format.WHOLE_MILLI:
+            problems.append(f"{name}'s share ledger sums past the whole GPU: {stored}")
         if owners and self.silicon and name not in self.silicon and _PART.fullmatch(name):
             problems.append(f"{owners} list {name}, which no GPU has")
         gpu = self.silicon.get(name, name)

@@ -360,6 +360,32 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         {"devices": {"count": 1, "exclusivity": "Shared", "sharing": {"strategy": "Fair"}}},
         "spec.devices.sharing.strategy",
     ),
+    (
+        "milli-share-of-two-gpus",
+        {"devices": {"count": 2, "exclusivity": "Shared", "sharing": {"milli": 500}}},
+        "spec.devices.count",
+    ),
+    (
+        "milli-a-whole-gpu",
+        {"devices": {"count": 1, "exclusivity": "Shared", "sharing": {"milli": 1000}}},
+        "spec.devices.sharing.milli",
+    ),
+    (
+        "milli-with-max-claims-per-gpu",
+        {"devices": {"count": 1, "exclusivity": "Shared", "sharing": {"milli": 500, "maxClaimsPerGPU": 2}}},
+        "spec.devices.sharing",
+    ),
+    (
+        "milli-with-hand-set-mps-limits",
+        {
+            "devices": {
+                "count": 1,
+                "exclusivity": "Shared",
+                "sharing": {"strategy": "MPS", "milli": 500, "computePercent": 50},
+            }
+        },
+        "spec.devices.sharing",
+    ),
     ("zero-replicas", {"devices": {"count": 1}, "replicas": 0}, "spec.replicas"),
     ("unknown-strategy", {"devices": {"count": 1}, "strategy": "cheapest"}, "spec.strategy"),
     ("bad-node-name", {"devices": {"count": 1}, "nodeName": "Not_A_Node"}, "spec.nodeName"),

@@ -2,8 +2,9 @@
 
 Sixteen nodes have 8 whole GPUs each; two have a GPU in MIG mode (the a100-mig profile) and
 two share their 4 GPUs by time-slicing, 3 slots each. Most claims ask for whole GPUs, some
-for a MIG instance, some for one or two shared slots, so the three kinds race on one API
-server and one controller state.
+for a MIG instance, some for one or two shared slots, some for a milli-GPU share of a whole
+GPU (``sharing.milli``, issue 39), so the four kinds race on one API server and one
+controller state.
 
 Three controllers run without leader election (they really compete: only the
 Leases keep them honest) and a pair with it (one leads, one stands by). For
@@ -25,10 +26,11 @@ Safety is checked from a watch of claims and Leases (``chaos_support.Mirror``)
 after every event, at one revision at a time:
 
 * no two claims list the same GPU, MIG instance or slot, no GPU is listed whole
-  while another claim lists an instance or a slot of it, and every device an
-  Allocated claim lists has its Lease (Terminating or not) held by that claim's
-  UID (a claim being deleted releases its Leases first: ``chaos_support.Books``
-  says how it counts);
+  while another claim lists an instance, a slot or a share of it, the shares of
+  a GPU listed and those its Lease's ledger holds add up to at most 1000, and
+  every device an Allocated claim lists has its Lease (Terminating or not) held
+  by that claim's UID, whole or by a ledger entry (a claim being deleted
+  releases its Leases first: ``chaos_support.Books`` says how it counts);
 
 and once the faults are healed and the controllers have settled (liveness):
 
@@ -62,7 +64,9 @@ from typing import Any
 
 import pytest
 
+from controller.nodes import in_mig_mode
 from gpualloc.api import codecs, constants, models
+from gpualloc.api import leases as lease_format
 from gpualloc.devcluster import binaries
 from gpualloc.kube import errors, leases, resources, transport
 from gpualloc.kube.client import Api
@@ -75,6 +79,7 @@ from tests.integration.chaos_support import (
     consistent_snapshot,
     proxied_kubeconfig,
     recorded,
+    share_ledger,
     silicon_of,
     until_available,
 )
@@ -94,6 +99,7 @@ MIG_NODES, SHARED_NODES = 2, 2  # the last four nodes
 SHARING = models.DeviceSharing(strategy="TimeSlicing", replicas=3)
 CLAIMS = 300
 SIZES = (1, 2, 4, 8)
+MILLI_SHARES = (250, 300, 400, 500, 750)  # sharing.milli of the fractional claims
 RACERS = 3  # slots 0..2, without leader election
 ELECTORS = 2  # slots 3 and 4, with it
 CHAOS_S = 30.0
@@ -550,15 +556,20 @@ def audited_writes(path: Path, offset: int, identity: str) -> dict[str, int]:
     return dict(writes)
 
 
-def room(inventory: models.NodeInventory, held: set[str]) -> dict[str, int]:
+def room(inventory: models.NodeInventory, held: set[str], shared: dict[str, int]) -> dict[str, int]:
     """What a node has free, by the claim kind that could use it, with ``held`` the device Lease
-    names that exist: whole GPUs, MIG instances, shared GPUs with a free slot."""
+    names that exist and ``shared`` what their share ledgers hold (Lease name -> milli-GPU): whole
+    GPUs, MIG instances, shared GPUs with a free slot, and the most milli-GPU one GPU has left."""
 
     def free(lock_id: str) -> bool:
         return constants.lease_name(lock_id) not in held
 
-    out = {"Exclusive": 0, "MIG": 0, "Shared": 0}
+    out = {"Exclusive": 0, "MIG": 0, "Shared": 0, "milli": 0}
     for device in inventory.devices:
+        name = constants.lease_name(device.uuid)
+        whole_gpu = device.health == constants.HEALTHY and not device.shared and not in_mig_mode(device)
+        if whole_gpu and (free(device.uuid) or name in shared):
+            out["milli"] = max(out["milli"], lease_format.WHOLE_MILLI - shared.get(name, 0))
         if device.health != constants.HEALTHY or not free(device.uuid):
             continue
         if device.mig is not None and device.mig.enabled:
@@ -576,10 +587,15 @@ def settled_problems(
     """Why the system has not settled yet (empty once it has)."""
     problems: list[str] = []
     held: dict[str, set[str]] = collections.defaultdict(set)
+    shared: dict[str, int] = {}  # a share ledger's name -> the milli-GPU its entries hold
     for lease in leases:
-        held[str(lease["spec"].get("holderIdentity"))].add(lease["metadata"]["name"])
+        ledger = share_ledger(lease)
+        for holder in ledger if ledger is not None else [str(lease["spec"].get("holderIdentity"))]:
+            held[holder].add(lease["metadata"]["name"])
+        if ledger is not None:
+            shared[lease["metadata"]["name"]] = sum(ledger.values())
     names = {lease["metadata"]["name"] for lease in leases}
-    free = {node: room(inventory, names) for node, inventory in inventories.items()}
+    free = {node: room(inventory, names, shared) for node, inventory in inventories.items()}
     uids = set()
     for claim in claims:
         uid = claim["metadata"]["uid"]
@@ -599,6 +615,9 @@ def settled_problems(
         elif status["phase"] == constants.PHASE_PENDING:
             count = claim["spec"]["devices"]["count"]
             kind = claim["spec"]["devices"].get("exclusivity", "Exclusive")
+            milli = (claim["spec"]["devices"].get("sharing") or {}).get("milli")
+            if milli:
+                kind, count = "milli", milli
             roomy = [n for n, f in free.items() if f[kind] >= count]
             if roomy:
                 problems.append(
@@ -761,12 +780,18 @@ async def race(
             priorities = [rng.choice((0, 0, 0, 10)) for _ in range(CLAIMS)]
             # An RNG of its own, so that a seed's sizes and priorities stay what they were.
             kinds = random.Random(f"{seed}-kinds")
-            asks = [kinds.choices(("Exclusive", "MIG", "Shared"), (70, 15, 15))[0] for _ in range(CLAIMS)]
+            asks = [
+                kinds.choices(("Exclusive", "MIG", "Shared", "Milli"), (58, 12, 12, 18))[0]
+                for _ in range(CLAIMS)
+            ]
             limit = asyncio.Semaphore(16)
 
             async def create(i: int) -> None:
                 body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
-                if asks[i] != "Exclusive":  # one MIG instance, or one or two slots of shared GPUs
+                if asks[i] == "Milli":  # a milli-GPU share of one whole GPU
+                    sharing = {"milli": MILLI_SHARES[i % len(MILLI_SHARES)]}
+                    body["spec"]["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": sharing}
+                elif asks[i] != "Exclusive":  # one MIG instance, or one or two slots of shared GPUs
                     count = 1 + i % 2 if asks[i] == "Shared" else 1
                     body["spec"]["devices"] = {"count": count, "exclusivity": asks[i]}
                 async with limit:
@@ -808,7 +833,10 @@ async def race(
                 allocated=len(allocated),
                 allocated_by_kind=dict(
                     collections.Counter(
-                        c["spec"]["devices"].get("exclusivity", "Exclusive") for c in allocated
+                        "Milli"
+                        if (c["spec"]["devices"].get("sharing") or {}).get("milli")
+                        else c["spec"]["devices"].get("exclusivity", "Exclusive")
+                        for c in allocated
                     )
                 ),
                 pending=len(claims) - len(allocated),
@@ -817,9 +845,11 @@ async def race(
             )
             timeline.note(f"settled: {len(allocated)} claims Allocated, {len(held)} GPUs held")
             assert len(claims) == CLAIMS + counts["created"] - counts["deleted"] and allocated, report
-            assert {c["metadata"]["uid"] for c in allocated} >= {
-                lease["spec"]["holderIdentity"] for lease in held
-            }
+            holders = set()
+            for lease in held:
+                ledger = share_ledger(lease)
+                holders |= set(ledger) if ledger is not None else {lease["spec"]["holderIdentity"]}
+            assert {c["metadata"]["uid"] for c in allocated} >= holders
 
             await until_available(
                 lambda: transport.request(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpualloc.api import constants
+from gpualloc.api import constants, leases
 from tests.integration.chaos_support import CLAIMS, LEASES, PODS, Mirror, Timeline
 
 NS = "ns"
@@ -287,3 +287,45 @@ def test_a_gated_pod_with_devices_no_claim_holds_is_not_a_violation_until_its_ga
     for kind in (CLAIMS, LEASES):
         m._watched(kind, bookmark(7))
     assert len(m.violations) == 1 and "which its claim ns/a (uid uid-a) does not list" in m.violations[0]
+
+
+def share_claim(name: str, rv: int, milli: int) -> dict[str, Any]:
+    """An Allocated claim holding a milli-GPU share of ``GPU``."""
+    body = claim(name, rv, gpus=(GPU,))
+    body["status"]["allocations"][0]["devices"][0]["milli"] = milli
+    return body
+
+
+def share_ledger(rv: int, shares: dict[str, int]) -> dict[str, Any]:
+    """``GPU``'s Lease as a share ledger holding these shares (claim uid -> milli)."""
+    entries = {
+        uid: leases.share_entry(milli=m, claim_namespace=NS, claim_name=uid, claim_resource_version="1")
+        for uid, m in shares.items()
+    }
+    raw = leases.with_ledger(lease(rv, ""), entries)
+    raw["metadata"]["labels"][leases.LABEL_SHARES] = leases.SHARES_MARK
+    return raw
+
+
+def test_shares_of_one_gpu_up_to_the_whole_are_fine_and_past_it_a_violation() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", share_ledger(2, {"uid-a": 600, "uid-b": 400})))
+    m._watched(CLAIMS, event("ADDED", share_claim("a", 3, 600)))
+    m._watched(CLAIMS, event("ADDED", share_claim("b", 4, 400)))
+    m._watched(LEASES, bookmark(5))
+    assert not m.violations
+
+    m._watched(LEASES, event("MODIFIED", share_ledger(6, {"uid-a": 600, "uid-b": 400, "uid-c": 100})))
+    m._watched(CLAIMS, event("ADDED", share_claim("c", 7, 100)))
+    m._watched(LEASES, bookmark(8))
+    assert any(f"{LEASE} is shared past the whole GPU" in v for v in m.violations), m.violations
+    assert any(f"{LEASE}'s share ledger sums past the whole GPU" in v for v in m.violations), m.violations
+
+
+def test_a_share_beside_a_claim_listing_the_gpu_whole_is_a_violation() -> None:
+    m = mirror()
+    m._watched(LEASES, event("ADDED", share_ledger(2, {"uid-a": 300})))
+    m._watched(CLAIMS, event("ADDED", share_claim("a", 3, 300)))
+    m._watched(CLAIMS, event("ADDED", claim("w", 4, gpus=(GPU,))))
+    m._watched(LEASES, bookmark(5))
+    assert any("['ns/w'] whole, {'ns/a': 300} in shares" in v for v in m.violations), m.violations

@@ -42,6 +42,13 @@
 9. Once settled, no Allocated claim keeps its GPUs for a pod kube-scheduler has
    refused on its node for longer than the claim's grace period, when no pod of the
    claim is bound and no refused one is bare (``check_placed``).
+10. Shares of a GPU never exceed 1000, and a GPU with a share is never also held
+   whole: the milli-GPU shares (``sharing.milli``) that live claims list of one GPU
+   add up to at most 1000, no live claim lists that GPU whole (or a MIG instance or
+   slot of it) meanwhile, and every stored share ledger (the GPU's Lease) sums to at
+   most 1000 too (``share_problem``). Invariants 2, 3 and 4 read a ledger's entry of
+   a claim as a Lease held by it; 5 counts a share as its fraction of a GPU; 6 lets
+   the sharers of a GPU's pods be.
 
 A live claim is one that exists and is not being deleted. A claim being deleted
 may release its devices (that is what deleting it asks for) unless a pod still
@@ -60,7 +67,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from gpualloc.api import constants, timestamps
+from gpualloc.api import constants, leases, timestamps
 from tests.simulation import model
 
 _SLOT = re.compile(r"GPU-[0-9a-f-]+-s[0-9]+")  # a slot's lock id (``constants.slot_id``)
@@ -76,13 +83,70 @@ class Violation(Exception):
 
 
 def listed_devices(claim: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """(lock id, node, index) of every device a claim's status lists: its UUID, or for a slot of a
-    shared GPU ``constants.slot_id(uuid, slot)``."""
+    """(lock id, node, index) of every device a claim's status lists whole: its UUID, or for a slot
+    of a shared GPU ``constants.slot_id(uuid, slot)``; not its milli-GPU shares (``listed_shares``)."""
     for alloc in (claim.get("status") or {}).get("allocations") or []:
         for device in alloc.get("devices") or []:
+            if device.get("milli"):
+                continue
             uuid, slot = str(device.get("uuid")), device.get("slot")
             lock = uuid if slot is None else constants.slot_id(uuid, int(slot))
             yield lock, str(alloc.get("nodeName")), int(device.get("index", -1))
+
+
+def listed_shares(claim: dict[str, Any]) -> dict[str, int]:
+    """GPU UUID -> the milli-GPU share of it a claim's status lists."""
+    return {
+        str(device.get("uuid")): int(device["milli"])
+        for alloc in (claim.get("status") or {}).get("allocations") or []
+        for device in alloc.get("devices") or []
+        if device.get("milli")
+    }
+
+
+def holders(lease: dict[str, Any]) -> dict[str, int]:
+    """Claim uid -> what it holds of a Lease's GPU in milli-GPU: its holder the whole of it, or
+    each entry of a share ledger its share."""
+    labels = model.meta(lease).get("labels") or {}
+    if labels.get(leases.LABEL_SHARES) != leases.SHARES_MARK:
+        return {_holder(lease): leases.WHOLE_MILLI}
+    return {uid: int(entry.get("milli", 0)) for uid, entry in leases.ledger(lease).items()}
+
+
+def holding_text(lease: dict[str, Any]) -> str:
+    """How a trace names what a Lease holds: ``holder=<uid>``, or ``shares={uid: milli}``."""
+    labels = model.meta(lease).get("labels") or {}
+    if labels.get(leases.LABEL_SHARES) == leases.SHARES_MARK:
+        return f"shares={holders(lease)}"
+    return f"holder={_holder(lease)}"
+
+
+def share_problem(server: model.ApiServer, label: dict[str, str]) -> str | None:
+    """Invariant 10 on the stored claims and Leases: what is wrong, or None."""
+    shares: dict[str, dict[str, int]] = {}  # GPU UUID -> live claim key -> milli
+    whole: dict[str, str] = {}  # a GPU, MIG instance or slot's GPU UUID -> a live claim listing it whole
+    parent = _parents(server)
+    for key, claim in sorted(server.objects["claims"].items()):
+        if model.meta(claim).get("deletionTimestamp"):
+            continue
+        for uuid, milli in listed_shares(claim).items():
+            shares.setdefault(uuid, {})[key] = milli
+        for lock, _, _ in listed_devices(claim):
+            whole.setdefault(parent.get(lock, lock), key)
+    for uuid, by_claim in sorted(shares.items()):
+        total = sum(by_claim.values())
+        if total > leases.WHOLE_MILLI:
+            return (
+                f"GPU {label.get(uuid, uuid)} is shared past the whole of it: {total} milli-GPU, {by_claim}"
+            )
+        if uuid in whole:
+            gpu = label.get(uuid, uuid)
+            return f"GPU {gpu} is listed whole (or in part) by {whole[uuid]} and shared by {by_claim}"
+    for key, lease in sorted(server.objects["leases"].items()):
+        total = sum(holders(lease).values())
+        if total > leases.WHOLE_MILLI:
+            return f"Lease {key}'s share ledger sums to {total} milli-GPU: {holders(lease)}"
+    return None
 
 
 def _parents(server: model.ApiServer) -> dict[str, str]:
@@ -108,13 +172,13 @@ def _lease_problem(server: model.ApiServer, uuid: str, uid: str) -> str | None:
         if (name, uid) in server.admin_vanished:
             return None
         return "has no Lease"
-    if _holder(lease) != uid:
-        return f"has its Lease held by {_holder(lease)!r}"
+    if uid not in holders(lease):
+        return f"has its Lease held by {holding_text(lease)!r}"
     return None
 
 
 def _quota_problem(server: model.ApiServer) -> str | None:
-    holders = {_holder(lease) for lease in server.objects["leases"].values()}
+    holding = {uid for lease in server.objects["leases"].values() for uid in holders(lease)}
     for key, quota in sorted(server.objects["quotas"].items()):
         namespace = str(model.meta(quota).get("namespace"))
         spec = quota.get("spec") or {}
@@ -123,28 +187,35 @@ def _quota_problem(server: model.ApiServer) -> str | None:
         ]
         ledger = ((quota.get("status") or {}).get("claims") or {}).values()
         for pattern, hard in limits:
-            in_use = 0
+            in_use = 0  # milli-GPU: a share counts as its fraction
             for claim in server.objects["claims"].values():
                 m = model.meta(claim)
-                holding = not m.get("deletionTimestamp") or str(m.get("uid")) in holders
-                if m.get("namespace") != namespace or not holding:
+                holds = not m.get("deletionTimestamp") or str(m.get("uid")) in holding
+                if m.get("namespace") != namespace or not holds:
                     continue
                 if (claim.get("status") or {}).get("phase") != constants.PHASE_ALLOCATED:
                     continue
-                in_use += sum(1 for uuid, _, _ in listed_devices(claim) if _product_matches(uuid, pattern))
+                in_use += leases.WHOLE_MILLI * sum(
+                    1 for uuid, _, _ in listed_devices(claim) if _product_matches(uuid, pattern)
+                )
+                in_use += sum(
+                    m for uuid, m in listed_shares(claim).items() if _product_matches(uuid, pattern)
+                )
             for devices in _stripped_in_use(server, namespace).values():
-                in_use += sum(1 for uuid in devices if _product_matches(uuid, pattern))
-            stored = sum(
-                int(e.get("gpus", 0))
+                in_use += leases.WHOLE_MILLI * sum(1 for uuid in devices if _product_matches(uuid, pattern))
+            stored = sum(  # milli-GPU: an entry's exact milli, else its whole GPUs
+                int(e["milli"]) if e.get("milli") is not None else int(e.get("gpus", 0)) * leases.WHOLE_MILLI
                 for e in ledger
                 if not pattern
                 or any(fnmatch.fnmatchcase(p, pattern) for p in str(e.get("product", "")).split(","))
             )
             what = f"{pattern} GPUs" if pattern else "GPUs"
-            if in_use > hard:
-                return f"{namespace}'s Allocated claims hold {in_use} {what}, quota {key} allows {hard}"
-            if stored > hard:
-                return f"quota {key}'s ledger counts {stored} {what}, above its {hard}"
+            if in_use > hard * leases.WHOLE_MILLI:
+                held = in_use / leases.WHOLE_MILLI
+                return f"{namespace}'s Allocated claims hold {held:g} {what}, quota {key} allows {hard}"
+            if stored > hard * leases.WHOLE_MILLI:
+                counted = stored / leases.WHOLE_MILLI
+                return f"quota {key}'s ledger counts {counted:g} {what}, above its {hard}"
     return None
 
 
@@ -196,7 +267,10 @@ def _devices_used(pod: dict[str, Any]) -> str:
 
 
 def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
-    """Invariants 1-3 and 5; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
+    """Invariants 1-3, 5-8 and 10; raises ``Violation``. ``label`` names devices (uuid -> ``node/index``)."""
+    problem = share_problem(server, label)
+    if problem is not None:
+        raise Violation(10, problem)
     owners: dict[str, str] = {}
     live_uids: dict[str, str] = {}  # live claim key -> its uid
     parent = _parents(server)
@@ -204,11 +278,14 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     for part, gpu in parent.items():
         children.setdefault(gpu, set()).add(part)
     silicon: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing it or a part of it
+    sharers: dict[str, set[str]] = {}  # a GPU's UUID -> the live claims listing a share of it
     for key, claim in sorted(server.objects["claims"].items()):
         if model.meta(claim).get("deletionTimestamp"):
             continue
         uid = str(model.meta(claim).get("uid"))
         live_uids[key] = uid
+        for uuid in listed_shares(claim):
+            sharers.setdefault(uuid, set()).add(key)
         for uuid, _, _ in listed_devices(claim):
             other = owners.get(uuid)
             if other is not None and other != key:
@@ -218,7 +295,7 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
             owners[uuid] = key
             silicon.setdefault(parent.get(uuid, uuid), set()).add(key)
         if (claim.get("status") or {}).get("phase") == constants.PHASE_ALLOCATED:
-            for uuid, _, _ in listed_devices(claim):
+            for uuid in [lock for lock, _, _ in listed_devices(claim)] + list(listed_shares(claim)):
                 problem = _lease_problem(server, uuid, uid)
                 if problem is not None:
                     raise Violation(
@@ -264,7 +341,15 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
             bound = _last_version(server, claim_key, admitted_for)
         # A shared GPU's pod names the GPU; its claim lists the slot it holds.
         slot_of = {parent[lock]: lock for lock, _, _ in listed_devices(bound or {}) if _SLOT.fullmatch(lock)}
+        shared_by_it = listed_shares(bound or {})
         for uuid in used:
+            others = sorted(k for k in sharers.get(uuid, ()) if live_uids[k] != admitted_for)
+            if others and uuid not in shared_by_it:
+                raise Violation(
+                    6,
+                    f"pod {pod_key} ({phase}) of claim {claim_key} ({admitted_for}) was given "
+                    f"{label.get(uuid, uuid)} whole, and {', '.join(others)} list a share of it",
+                )
             lock = slot_of.get(uuid, uuid)
             parts = {lock, parent[lock]} if lock in parent else {lock} | children.get(lock, set())
             for part in sorted(parts):
@@ -292,7 +377,7 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
                         f"{pod_key} ({phase}) uses device {label.get(uuid, uuid)}, which {problem}",
                     )
             continue
-        listed = [lock for lock, _, _ in listed_devices(claim)]
+        listed = [lock for lock, _, _ in listed_devices(claim)] + list(listed_shares(claim))
         lock_of = {parent[lock]: lock for lock in listed if _SLOT.fullmatch(lock) and lock in parent}
         for uuid in listed + [lock_of.get(u, u) for u in used]:
             problem = _lease_problem(server, uuid, admitted_for)
@@ -305,6 +390,7 @@ def check_step(server: model.ApiServer, label: dict[str, str]) -> None:
     problem = _quota_problem(server)
     if problem is not None:
         raise Violation(5, problem)
+
     if server.inadmissible_preemptions:
         raise Violation(7, server.inadmissible_preemptions[0])
 
@@ -315,16 +401,25 @@ def check_settled(server: model.ApiServer) -> None:
     named = _names_of_live_pods(server)
     bound = {server.pod_claim_uid.get(k, "") for k, pod in server.objects["pods"].items() if _live_given(pod)}
     for key, lease in sorted(server.objects["leases"].items()):
-        holder = _holder(lease)
         labels = model.meta(lease).get("labels") or {}
-        claim_key = f"{labels.get(constants.LABEL_CLAIM_NAMESPACE)}/{labels.get(constants.LABEL_CLAIM_NAME)}"
-        if holder in server.stripped and claim_key in named:
-            continue  # its pods still use it (or may: one waits at the gate)
-        if holder not in uids:
-            state = " (Terminating)" if model.meta(lease).get("deletionTimestamp") else ""
-            raise Violation(4, f"settled, yet Lease {key}{state} is held by {holder!r}, a claim that is gone")
+        entries = leases.ledger(lease)
+        for holder in holders(lease):
+            names = entries.get(holder) or {
+                "namespace": labels.get(constants.LABEL_CLAIM_NAMESPACE),
+                "name": labels.get(constants.LABEL_CLAIM_NAME),
+            }
+            claim_key = f"{names.get('namespace')}/{names.get('name')}"
+            if holder in server.stripped and claim_key in named:
+                continue  # its pods still use it (or may: one waits at the gate)
+            if holder not in uids:
+                state = " (Terminating)" if model.meta(lease).get("deletionTimestamp") else ""
+                raise Violation(
+                    4, f"settled, yet Lease {key}{state} is held by {holder!r}, a claim that is gone"
+                )
+        if not holders(lease):
+            raise Violation(4, f"settled, yet Lease {key} is an empty share ledger")
     for key, quota in sorted(server.objects["quotas"].items()):
-        held = {_holder(lease) for lease in server.objects["leases"].values()}
+        held = {uid for lease in server.objects["leases"].values() for uid in holders(lease)}
         for uid in (quota.get("status") or {}).get("claims") or {}:
             if uid in server.stripped and (uid in held or uid in bound):
                 continue  # the quota counts the GPUs its pods still use

@@ -13,7 +13,8 @@ them as the controller's ``Cluster``); the server decides *what* it does:
   deleting a claim with finalizers only sets ``deletionTimestamp``; it is
   removed when a patch empties them; no finalizer may be added then;
 * Leases: ``create`` is the lock (``errors.AlreadyExists`` while the name
-  exists, Terminating included), ``delete`` takes a uid precondition
+  exists, Terminating included), ``delete`` takes a uid precondition (and a
+  resourceVersion one when given, as a share ledger's last entry's release does)
   (``errors.Conflict`` on another uid, ``errors.NotFound`` when none) and only
   marks a Lease with finalizers Terminating; ``replace_lease`` (PUT, a
   resourceVersion precondition) and ``patch_lease_finalizers`` (the JSON
@@ -52,7 +53,7 @@ import jsonpointer
 import msgspec
 
 from controller import state
-from gpualloc.api import constants, timestamps
+from gpualloc.api import constants, leases, timestamps
 from gpualloc.kube import errors, watching
 
 Obj = dict[str, Any]
@@ -575,11 +576,19 @@ class ApiServer:
             )
         return obj
 
-    def delete_lease(self, name: str, *, uid: str | None) -> Obj | None:
-        """Delete (uid precondition when given); a Lease with finalizers is only marked Terminating.
+    def delete_lease(self, name: str, *, uid: str | None, resource_version: str | None = None) -> Obj | None:
+        """Delete (uid and resourceVersion preconditions when given); a Lease with finalizers is
+        only marked Terminating.
 
         Returns the Lease as removed, or None while finalizers keep it."""
         obj = self._lease_with_uid(name, uid)
+        if resource_version is not None and meta(obj).get("resourceVersion") != resource_version:
+            raise _conflict(
+                "leases.coordination.k8s.io",
+                name,
+                f"Precondition failed: ResourceVersion in precondition: {resource_version}, "
+                f"ResourceVersion in object meta: {meta(obj).get('resourceVersion')}",
+            )
         key = f"{self.namespace}/{name}"
         if meta(obj).get("finalizers"):
             if not meta(obj).get("deletionTimestamp"):
@@ -708,11 +717,13 @@ class ApiServer:
         ]
 
     def list_claim_leases(self, uid: str) -> list[Obj]:
-        """The Leases labelled with the claim uid (as a label selector on the real API server)."""
+        """The Leases labelled with the claim uid, and the share ledgers with the label of an entry
+        of it (as the controller's two label selectors on the real API server)."""
         return [
             clone(obj)
             for obj in self.objects["leases"].values()
             if (meta(obj).get("labels") or {}).get(constants.LABEL_CLAIM_UID) == uid
+            or leases.SHARE_LABEL_PREFIX + uid in (meta(obj).get("labels") or {})
         ]
 
     def patch_pod(self, namespace: str, name: str, operations: Sequence[Mapping[str, Any]]) -> Obj:

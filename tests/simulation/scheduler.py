@@ -94,6 +94,7 @@ ACTIONS = frozenset(
         "preempt",
         "mig",
         "shared",
+        "milli",
         "stale-pod",
         "strip-finalizer",
         "preempt-cluster",
@@ -373,7 +374,7 @@ class SimCluster:
         name = str(model.meta(body).get("name", ""))
 
         def describe() -> str:
-            return f"create_lease {self._lease(name)} holder={(body.get('spec') or {}).get('holderIdentity')}"
+            return f"create_lease {self._lease(name)} {invariants.holding_text(dict(body))}"
 
         result: Obj = await self._call(describe, self.server.create_lease, body)
         return result
@@ -385,11 +386,12 @@ class SimCluster:
         result: Obj = await self._call(describe, self.server.get_lease, name)
         return result
 
-    async def delete_lease(self, name: str, *, uid: str) -> None:
+    async def delete_lease(self, name: str, *, uid: str, resource_version: str | None = None) -> None:
         def describe() -> str:
-            return f"delete_lease {self._lease(name)} uid={uid}"
+            at = "" if resource_version is None else f" rv={resource_version}"
+            return f"delete_lease {self._lease(name)} uid={uid}{at}"
 
-        await self._call(describe, self.server.delete_lease, name, uid=uid)
+        await self._call(describe, self.server.delete_lease, name, uid=uid, resource_version=resource_version)
 
     async def replace_lease(self, body: Obj) -> Obj:
         m = model.meta(body)
@@ -398,9 +400,12 @@ class SimCluster:
             finalizers = m.get("finalizers") or []
             return (
                 f"replace_lease {self._lease(str(m.get('name')))} rv={m.get('resourceVersion')} {finalizers=}"
+                f" {invariants.holding_text(body)}"
             )
 
         result: Obj = await self._call(describe, self.server.replace_lease, body)
+        if len(invariants.holders(result)) > 1:
+            self.sim.count("shared_ledgers")  # a PUT that left two or more shares on one GPU
         return result
 
     async def drop_lease_finalizer(self, name: str, *, uid: str) -> None:
@@ -517,7 +522,7 @@ def _short(outcome: Any) -> str:
         m = model.meta(outcome)
         parts = [f"rv={m.get('resourceVersion')}"]
         if outcome.get("kind") == "Lease":
-            parts.insert(0, f"uid={m.get('uid')} holder={(outcome.get('spec') or {}).get('holderIdentity')}")
+            parts.insert(0, f"uid={m.get('uid')} {invariants.holding_text(outcome)}")
         if m.get("deletionTimestamp"):
             parts.append("Terminating")
         return "ok " + " ".join(parts)
@@ -574,6 +579,10 @@ class Simulation:
             if self._shared_rng is not None and self._shared_rng.random() < 0.5
             else 0
         )
+        # Fractional shares (issue 39: in half the schedules, half the claims that ask for
+        # neither MIG nor a slot ask for a milli-GPU share of one GPU instead), likewise.
+        self._milli_rng = None if "milli" in without else random.Random(seed ^ 0x3111)
+        self._milli = self._milli_rng is not None and self._milli_rng.random() < 0.5
         # A tenant who strips the finalizers of its claim being deleted, in half the schedules (an
         # RNG of its own; the option's presence changes the main RNG's pick, so seeds pinned before
         # it run with "strip-finalizer" off).
@@ -970,11 +979,13 @@ class Simulation:
         extra = ""
         if kind == "claims":
             status = obj.get("status") or {}
-            devices = [self._labels.get(u, u) for u, _, _ in invariants.listed_devices(obj)]
+            devices = [self._labels.get(u, u) for u, _, _ in invariants.listed_devices(obj)] + [
+                f"{self._labels.get(u, u)}:{milli}m" for u, milli in invariants.listed_shares(obj).items()
+            ]
             terminating = " Terminating" if m.get("deletionTimestamp") else ""
             extra = f" {status.get('phase', '-')} {devices}{terminating}"
         elif kind == "leases":
-            extra = f" holder={(obj.get('spec') or {}).get('holderIdentity')}"
+            extra = " " + invariants.holding_text(obj)
         name = self.lease_label(str(m.get("name"))) if kind == "leases" else watching.object_key(obj)
         return f"sees {kind} {type_} {name} rv={m.get('resourceVersion')}{extra}"
 
@@ -1096,6 +1107,9 @@ class Simulation:
             most = self._shared_rng.choice((None, None, self._shared_slots, 1))
             sharing = {} if most is None else {"maxClaimsPerGPU": most}
             spec["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": sharing}
+        elif self._milli and self._milli_rng is not None and self._milli_rng.random() < 0.5:
+            milli = self._milli_rng.choice((250, 300, 400, 500, 600, 750, 999))
+            spec["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": {"milli": milli}}
         if self._fit_rng is not None:
             spec["unschedulableGracePeriodSeconds"] = self._fit_rng.randint(0, 3)
             if self._fit_rng.random() < 0.5:
@@ -1106,8 +1120,11 @@ class Simulation:
         if spec["devices"].get("exclusivity") == "MIG":  # type: ignore[attr-defined]
             release += f", MIG {spec['devices'].get('migProfile') or 'any profile'}"  # type: ignore[attr-defined]
         if spec["devices"].get("exclusivity") == "Shared":  # type: ignore[attr-defined]
-            most = spec["devices"]["sharing"].get("maxClaimsPerGPU", "any")  # type: ignore[index]
-            release += f", Shared (at most {most} per GPU)"
+            sharing: dict[str, int] = spec["devices"]["sharing"]  # type: ignore[index,assignment]
+            if "milli" in sharing:
+                release += f", a share of {sharing['milli']} milli-GPU"
+            else:
+                release += f", Shared (at most {sharing.get('maxClaimsPerGPU', 'any')} per GPU)"
         if "onNodeLoss" in spec:
             release += f", onNodeLoss Reallocate after {spec['nodeLossGracePeriodSeconds']} s"
         if "onDeviceFailure" in spec:
@@ -1274,12 +1291,11 @@ class Simulation:
     def _admin_delete_lease(self, key: str) -> None:
         name = key.split("/", 1)[1]
         lease = self.server.objects["leases"][key]
-        holder = (lease.get("spec") or {}).get("holderIdentity")
+        holding = invariants.holding_text(lease)
         gone = self.server.admin_delete_lease(name)
         self.log(
             "admin",
-            f"deletes Lease {self.lease_label(name)} held by {holder}"
-            + (" (gone)" if gone else " (Terminating)"),
+            f"deletes Lease {self.lease_label(name)} ({holding})" + (" (gone)" if gone else " (Terminating)"),
         )
 
     def _flap(self, node: str) -> None:

@@ -13,6 +13,7 @@ choices or the scenarios changes what every seed does, and the seeds then need f
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing
 import os
 import time
@@ -21,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from controller import gates, healing, reconciling
-from gpualloc.api import constants, models
+from controller import gates, healing, locking, reconciling, views
+from gpualloc.api import constants, leases, models
 from gpualloc.kube import errors, watching
 from tests.simulation import invariants, model, scheduler
 
@@ -378,7 +379,9 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # across namespaces, run without them.
 # Seeds found before nodes had CPU and kube-scheduler placed pods (issue 41), and before claims
 # moved off a failed GPU (issue 40), run without them too.
-_BEFORE_FIT = frozenset({"unplaceable", "heal"})
+# Seeds found before claims asked for milli-GPU shares (issue 39) run without them too.
+_BEFORE_MILLI = frozenset({"milli"})
+_BEFORE_FIT = frozenset({"unplaceable", "heal"}) | _BEFORE_MILLI
 _BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"}) | _BEFORE_FIT
 _PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
 # Seeds found before the simulation had stale webhooks (the "stale-pod" action) run without them.
@@ -650,10 +653,10 @@ def test_invariant_9_catches_a_claim_that_keeps_its_gpus_for_pods_that_cannot_ru
         return False
 
     monkeypatch.setattr(reconciling.Reconciler, "_move_if_unplaceable", never_moves)
-    found = runner.run(5464, keep_trace=False).violation
+    found = runner.run(5464, keep_trace=False, without=_BEFORE_MILLI).violation
     assert found is not None and found.number == 9, found
     monkeypatch.undo()
-    assert runner.run(5464, keep_trace=False).violation is None
+    assert runner.run(5464, keep_trace=False, without=_BEFORE_MILLI).violation is None
 
 
 def test_invariant_8_catches_a_pod_released_onto_another_node(
@@ -704,3 +707,109 @@ def test_seed_600940_a_gate_that_read_the_claim_before_the_fence_cannot_lift_a_p
     a moving replica are now evicted too."""
     result = runner.run(600940)
     assert result.violation is None, _failure(runner, 600940, frozenset())
+
+
+# ------------------------------------------------------------------ milli-GPU shares (issue 39)
+
+
+def test_a_lease_delete_with_a_stale_resource_version_is_a_conflict_and_changes_nothing() -> None:
+    server = _server()
+    lease = server.create_lease(_lease_body("gpu-a", "claim-1", ["gpu.scheduling/keep"]))
+    meta = lease["metadata"]
+    with pytest.raises(errors.Conflict):
+        server.delete_lease("gpu-a", uid=meta["uid"], resource_version=meta["resourceVersion"] + "0")
+    assert not server.get_lease("gpu-a")["metadata"].get("deletionTimestamp")
+    server.delete_lease("gpu-a", uid=meta["uid"], resource_version=meta["resourceVersion"])
+    assert server.get_lease("gpu-a")["metadata"]["deletionTimestamp"]
+
+
+def _allocated(server: model.ApiServer, name: str, uuid: str, milli: int | None) -> None:
+    claim = server.create_claim("ns-a", name, {"devices": {"count": 1}})
+    device: dict[str, Any] = {"index": 0, "minor": 0, "uuid": uuid}
+    if milli is not None:
+        device["milli"] = milli
+    status = {"phase": "Allocated", "allocations": [{"replica": 0, "nodeName": "n0", "devices": [device]}]}
+    server.patch_claim_status(
+        "ns-a", name, {"status": status}, resource_version=claim["metadata"]["resourceVersion"]
+    )
+
+
+def test_invariant_10_fires_on_shares_past_a_gpu_and_on_a_share_beside_a_whole_claim() -> None:
+    shares = _server()
+    _allocated(shares, "c0", "GPU-a", 600)
+    _allocated(shares, "c1", "GPU-b", 600)
+    assert invariants.share_problem(shares, {}) is None
+    _allocated(shares, "c2", "GPU-a", 400)
+    assert invariants.share_problem(shares, {}) is None  # exactly the whole GPU
+    _allocated(shares, "c3", "GPU-b", 401)
+    problem = invariants.share_problem(shares, {"GPU-b": "n0/1"})
+    assert problem is not None and "n0/1 is shared past the whole of it: 1001" in problem
+    beside = _server()
+    _allocated(beside, "c0", "GPU-a", 250)
+    _allocated(beside, "c1", "GPU-a", None)
+    problem = invariants.share_problem(beside, {})
+    assert problem is not None and "listed whole (or in part) by ns-a/c1" in problem
+
+
+def test_invariant_10_fires_on_a_stored_ledger_past_a_gpu() -> None:
+    server = _server()
+    entries = {
+        f"claim-{k}": leases.share_entry(
+            milli=500, claim_namespace="ns-a", claim_name=f"c{k}", claim_resource_version="1"
+        )
+        for k in range(3)
+    }
+    server.create_lease(
+        leases.share_lease(model.NAMESPACE, uuid="GPU-a", node="n0", entries=entries, now=_NOW)
+    )
+    problem = invariants.share_problem(server, {})
+    assert problem is not None and "share ledger sums to 1500 milli-GPU" in problem
+
+
+_NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+
+def _first_violation(runner: scheduler.Runner, seeds: range) -> invariants.Violation | None:
+    return next((r.violation for seed in seeds if (r := runner.run(seed, keep_trace=False)).violation), None)
+
+
+def test_invariant_10_catches_a_ledger_that_lets_shares_past_the_gpu(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def ignoring_the_sum(lease: leases.LeaseInfo, uid: str, milli: int) -> bool:
+        return lease.ledger and not lease.deleting and all(s.holder != uid for s in lease.shares)
+
+    monkeypatch.setattr(locking, "fits", ignoring_the_sum)
+    monkeypatch.setattr(views, "shares_on", lambda inventory, taken, milli_used: {})  # planning blind too
+    found = _first_violation(runner, range(2000))
+    assert found is not None and found.number == 10, found
+
+
+def test_invariant_10_catches_a_share_put_into_a_whole_claims_lease(
+    runner: scheduler.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def ignoring_whole_holders(lease: leases.LeaseInfo, uid: str, milli: int) -> bool:
+        return (not lease.deleting and lease.used_milli + milli <= leases.WHOLE_MILLI) or not lease.ledger
+
+    real = views.shares_on
+
+    def whole_as_shared(
+        inventory: models.NodeInventory, taken: frozenset[str], milli_used: Any
+    ) -> dict[str, int]:
+        return {
+            **{d.uuid: 0 for d in inventory.devices if d.uuid in taken},
+            **real(inventory, taken, milli_used),
+        }
+
+    monkeypatch.setattr(locking, "fits", ignoring_whole_holders)
+    monkeypatch.setattr(views, "shares_on", whole_as_shared)  # planning offers whole-held GPUs to shares
+    found = _first_violation(runner, range(2000))
+    assert found is not None and found.number == 10 and "listed whole" in found.message, found
+
+
+def test_milli_shares_are_allocated_side_by_side_on_one_gpu(runner: scheduler.Runner) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(400):
+        for what, n in runner.run(seed, keep_trace=False).stats.items():
+            totals[what] = totals.get(what, 0) + n
+    assert totals.get("shared_ledgers", 0) >= 5, totals

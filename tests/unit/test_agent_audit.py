@@ -119,3 +119,14 @@ def test_injected_processes_are_the_ones_the_file_lists_now() -> None:
     assert rescans == ["x"]
     watcher.apply(simulated.parse_injections("1 process 7\n"))  # 4242 has exited
     assert {s.index: s.processes for s in source.samples()}[2] == ()
+
+
+def test_every_claim_with_a_milli_share_of_a_gpu_holds_it_for_the_audit() -> None:
+    devices = gpus()
+    gpu = devices[0]
+    held = {gpu.uuid: holder("infer")}  # the ledger's first share, as the agent keeps it
+    shares = {gpu.uuid: (holder("infer"), holder("train"))}
+    ok = inventory.GpuProcess(pid=30, pod_uid=POD_A)  # a pod of team/train, the second sharer
+    assert audit.unexpected(devices, [sample(gpu, ok)], held, PODS, shares) == []
+    (found,) = audit.unexpected(devices, [sample(gpu, ok)], held, PODS)  # without the ledger's shares
+    assert found.reason == "its pod team/train-0 has claim team/train; GPU 0 is held by team/infer"

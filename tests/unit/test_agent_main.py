@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import types
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from agent import health, inventory, main, nvml, simulated
 from gpualloc.api import constants, models
+from gpualloc.api import leases as lease_format
 from tests.unit import fake_pynvml as fake
 
 
@@ -324,3 +326,28 @@ def _whole_lease(uuid: str) -> dict[str, Any]:
         },
         "spec": {"holderIdentity": "uid-train"},
     }
+
+
+async def test_a_share_ledger_marks_its_gpu_allocated_and_names_every_sharer() -> None:
+    agent = _sim_agent()
+    await agent.scan_once()
+    uuid = agent.desired().devices[1].uuid
+    entries = {
+        f"uid-{name}": lease_format.share_entry(
+            milli=milli, claim_namespace="team-a", claim_name=name, claim_resource_version="1"
+        )
+        for name, milli in (("infer", 300), ("train", 600))
+    }
+    ledger = lease_format.share_lease(
+        "ns", uuid=uuid, node="sim-1", entries=entries, now=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    )
+    agent.leases = types.SimpleNamespace(cache={"ns/a": ledger})  # type: ignore[assignment]
+    agent._on_lease("ADDED", ledger)
+    assert agent.desired().allocated == 1
+    assert [h.claim_name for h in agent.metrics.shares[uuid]] == ["infer", "train"]
+    text = prometheus_client.generate_latest(agent.metrics.registry).decode()
+    for name in ("infer", "train"):
+        assert (
+            f'gpualloc_gpu_lease_info{{claim_name="{name}",claim_namespace="team-a",claim_uid="uid-{name}"'
+            in text
+        )

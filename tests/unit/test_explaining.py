@@ -104,6 +104,37 @@ def test_explain_counts_devices_other_claims_hold() -> None:
     assert "would fit" in free
 
 
+def _sharer(name: str, device: models.Device, milli: int) -> models.GpuClaim:
+    ref = models.DeviceRef(index=device.index, minor=device.minor, uuid=device.uuid, milli=milli)
+    request = models.DeviceRequest(count=1, exclusivity="Shared", sharing=models.SharingRequest(milli=milli))
+    return models.GpuClaim(
+        metadata=models.ObjectMeta(name=name, namespace="default", uid=f"u-{name}"),
+        spec=models.GpuClaimSpec(devices=request),
+        status=models.GpuClaimStatus(
+            phase="Allocated",
+            allocations=(models.Allocation(replica=0, node_name="gpu-node-a", devices=(ref,)),),
+        ),
+    )
+
+
+def test_explain_says_why_a_share_does_not_fit_and_where_one_would() -> None:
+    statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None, n=2)}
+    nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}
+    gpus = statuses["gpu-node-a"].status.devices
+    others = [_sharer("a", gpus[0], 700), _sharer("b", gpus[1], 550)]
+    request = models.DeviceRequest(count=1, exclusivity="Shared", sharing=models.SharingRequest(milli=500))
+    claim = models.GpuClaim(
+        metadata=models.ObjectMeta(name="half", namespace="default", uid="u-half"),
+        spec=models.GpuClaimSpec(devices=request),
+    )
+    out = explaining.explain(claim, claims=[*others, claim], statuses=statuses, nodes=nodes, now=NOW)
+    assert "wants:   1 x a share of 500 milli-GPU of one GPU" in out
+    assert "0/1 nodes fit: 1 has no GPU with 500 milli-GPU free" in out, out
+    assert "2 of 2 GPUs free or shared, the most free has 450 milli-GPU (0 with room); need 500" in out
+    fits = explaining.explain(claim, claims=[others[0], claim], statuses=statuses, nodes=nodes, now=NOW)
+    assert "would fit" in fits, fits
+
+
 def test_explain_shows_the_quota_message_of_a_claim_held_back_by_its_quota() -> None:
     statuses = {"gpu-node-a": _node("gpu-node-a", "NVIDIA H100 80GB HBM3", None)}
     nodes = {"gpu-node-a": views.NodeFacts(name="gpu-node-a", labels={}, unschedulable=False)}

@@ -37,19 +37,42 @@ def claim(count: int, *, replicas: int = 1, priority: int = 0, uid: str = "u-new
 
 def test_a_claim_counts_for_its_gpus_per_replica() -> None:
     assert quotas.claim_gpus(claim(2, replicas=3)) == 6
+    assert quotas.claim_milli(claim(2, replicas=3)) == 6000
+
+
+def test_a_share_counts_for_its_fraction_of_a_gpu_and_its_entry_says_so_exactly() -> None:
+    shares = codecs.parse_claim(
+        {
+            "metadata": {"name": "s", "namespace": "ml", "uid": "u-s"},
+            "spec": {
+                "devices": {"count": 1, "exclusivity": "Shared", "sharing": {"milli": 460}},
+                "replicas": 2,
+            },
+        }
+    )
+    assert quotas.claim_milli(shares) == 920
+    q = quota(2, claims={"u-a": {"name": "a", "gpus": 1, "milli": 300, "product": H100}})
+    entry = quotas.merged(q, "u-s", quotas.claim_milli(shares), H100)
+    assert (entry.gpus, entry.milli) == (1, 920)
+    assert quotas.verdict(q, "u-s", entry) == ""  # 0.3 + 0.92 of 2 GPUs
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 1800, H100)) == (
+        "namespace ml would use 2.1 of 2 GPUs (quota ml/default)"
+    )
+    patch = quotas.entry_patch(q, shares, entry)
+    assert patch["status"]["used"] == 2 and patch["status"]["usedMilli"] == 1220
 
 
 def test_the_verdict_names_the_namespace_the_use_the_limit_and_the_quota() -> None:
     q = quota(8, claims={"u-a": {"name": "a", "gpus": 6, "product": H100}})
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2, H100)) == ""
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 4, H100)) == (
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2000, H100)) == ""
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 4000, H100)) == (
         "namespace ml would use 10 of 8 GPUs (quota ml/default)"
     )
 
 
 def test_a_claims_own_entry_is_replaced_not_added_to() -> None:
     q = quota(4, claims={"u-new": {"name": "job", "gpus": 4, "product": H100}})
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 4, H100)) == ""
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 4000, H100)) == ""
 
 
 def test_a_product_limit_counts_only_entries_whose_devices_match_it() -> None:
@@ -61,21 +84,21 @@ def test_a_product_limit_counts_only_entries_whose_devices_match_it() -> None:
             "u-b": {"name": "b", "gpus": 8, "product": A100},
         },
     )
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2, A100)) == ""
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2, H100)) == (
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2000, A100)) == ""
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2000, H100)) == (
         "namespace ml would use 5 of 4 *H100* GPUs (quota ml/default)"
     )
     # Before a plan (no product) only the total is checked.
-    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2, "")) == ""
+    assert quotas.verdict(q, "u-new", quotas.merged(q, "u-new", 2000, "")) == ""
 
 
 def test_an_entry_only_grows_so_it_covers_every_attempt_of_its_claim() -> None:
     q = quota(16, claims={"u-new": {"name": "job", "gpus": 2, "product": H100}})
-    grown = quotas.merged(q, "u-new", 1, A100)
+    grown = quotas.merged(q, "u-new", 1000, A100)
     assert (grown.gpus, grown.product) == (2, f"{A100},{H100}")
-    assert quotas.covers(q, "u-new", 2, H100) and quotas.covers(q, "u-new", 1, "")
-    assert not quotas.covers(q, "u-new", 3, H100) and not quotas.covers(q, "u-new", 2, A100)
-    assert not quotas.covers(q, "u-other", 1, H100)
+    assert quotas.covers(q, "u-new", 2000, H100) and quotas.covers(q, "u-new", 1000, "")
+    assert not quotas.covers(q, "u-new", 3000, H100) and not quotas.covers(q, "u-new", 2000, A100)
+    assert not quotas.covers(q, "u-other", 1000, H100)
 
 
 def test_the_patches_keep_used_and_used_by_product_equal_to_the_ledger() -> None:
@@ -84,16 +107,17 @@ def test_the_patches_keep_used_and_used_by_product_equal_to_the_ledger() -> None
         products=[{"pattern": "*H100*", "gpus": 8}],
         claims={"u-a": {"name": "a", "gpus": 3, "product": H100}},
     )
-    entered = quotas.entry_patch(q, claim(2), quotas.merged(q, "u-new", 2, A100))
+    entered = quotas.entry_patch(q, claim(2), quotas.merged(q, "u-new", 2000, A100))
     assert entered == {
         "status": {
             "used": 5,
+            "usedMilli": 5000,
             "usedByProduct": {"*H100*": 3},
             "claims": {"u-new": {"name": "job", "gpus": 2, "product": A100}},
         }
     }
     assert quotas.removal_patch(q, ["u-a"]) == {
-        "status": {"used": 0, "usedByProduct": {"*H100*": 0}, "claims": {"u-a": None}}
+        "status": {"used": 0, "usedMilli": 0, "usedByProduct": {"*H100*": 0}, "claims": {"u-a": None}}
     }
 
 

@@ -100,6 +100,36 @@ def test_nodes_table_shows_the_slots_in_use_of_shared_gpus_and_counts_them_alloc
     assert row[:7] == ["gpu-s", "3", "3", "1", "1", "-", "2/8"]
 
 
+def test_nodes_table_shows_the_milli_gpu_used_of_each_gpu_holding_shares() -> None:
+    node = _node("gpu-f", 3)
+    claims = [
+        models.GpuClaim(
+            metadata=models.ObjectMeta(name=name, namespace="ns"),
+            spec=models.GpuClaimSpec(
+                devices=models.DeviceRequest(
+                    count=1, exclusivity="Shared", sharing=models.SharingRequest(milli=m)
+                )
+            ),
+            status=models.GpuClaimStatus(
+                phase="Allocated",
+                allocations=(
+                    models.Allocation(
+                        replica=0,
+                        node_name="gpu-f",
+                        devices=(models.DeviceRef(index=i, minor=i, uuid=_uuid(i), milli=m),),
+                    ),
+                ),
+            ),
+        )
+        for name, i, m in (("a", 0, 600), ("b", 0, 400), ("c", 2, 250))
+    ]
+    out = views.format_nodes([node], views.allocated_uuids(claims), NOW, shares=views.allocated_milli(claims))
+    header, row = out.splitlines()
+    assert header.split()[7] == "MILLI"
+    # GPUs 0 (full) and 2 (a quarter) hold shares and are not free for a whole claim; GPU 1 is.
+    assert row.split()[:8] == ["gpu-f", "3", "3", "2", "1", "-", "-", "0:1000,2:250"]
+
+
 def test_claims_table_shows_reason_only_while_not_allocated() -> None:
     spec = models.GpuClaimSpec(devices=models.DeviceRequest(count=4), replicas=2)
     pending = models.GpuClaim(
