@@ -212,31 +212,33 @@ def set_env(
     replaced: list[str] = []
     duplicates: list[int] = []
     for i, item in enumerate(env):
-        entry = wanted.get(item.name)
-        if entry is None:
+        name = item.name
+        if name not in wanted:
             continue
-        if item.name in placed:
+        if name in placed:
             duplicates.append(i)
             continue
-        placed.add(item.name)
+        placed.add(name)
+        entry = wanted[name]
         if not _defines(item, entry):
             if not _ours(item):
-                replaced.append(item.name)
+                replaced.append(name)
             ops.append(replace(f"{path}/env/{i}", entry))
     # Replacements first (indices as they came), removals from the end, then appends.
-    ops.extend(remove(f"{path}/env/{i}") for i in reversed(duplicates))
-    ops.extend(add(f"{path}/env/-", entry) for name, entry in wanted.items() if name not in placed)
+    for i in reversed(duplicates):
+        ops.append(remove(f"{path}/env/{i}"))
+    for name, entry in wanted.items():
+        if name not in placed:
+            ops.append(add(f"{path}/env/-", entry))
     return replaced
 
 
 def containers_of(spec: objects.PodSpec[Any]) -> Iterator[tuple[str, objects.Container[Any]]]:
     """Each init container, then each container, with its JSON Pointer (``/spec/containers/0``)."""
-    for prefix, containers in (
-        ("/spec/initContainers/", spec.init_containers),
-        ("/spec/containers/", spec.containers),
-    ):
-        for i, container in enumerate(containers or ()):
-            yield f"{prefix}{i}", container
+    for i, container in enumerate(spec.init_containers or ()):
+        yield f"/spec/initContainers/{i}", container
+    for i, container in enumerate(spec.containers or ()):
+        yield f"/spec/containers/{i}", container
 
 
 def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops: list[Op]) -> list[str]:
@@ -260,13 +262,16 @@ def set_env_everywhere(pod: objects.Pod[Any], entries: list[dict[str, Any]], ops
             sources = sources or [f"{path}/env/{k}" for k in range(len(entries))]
         elif not wanted.keys().isdisjoint([item.name for item in env]):
             name = container.name or "<unnamed>"
-            replaced.extend(f"{name}/{var}" for var in set_env(path, env, wanted, ops))
+            for var in set_env(path, env, wanted, ops):
+                replaced.append(f"{name}/{var}")
         elif sources is None:
-            ops.extend([add(f"{path}/env/-", entry) for entry in entries])
-            sources = [f"{path}/env/{len(env) + k}" for k in range(len(entries))]
+            for entry in entries:
+                ops.append(add(f"{path}/env/-", entry))
+            sources = [f"{path}/env/{k}" for k in range(len(env), len(env) + len(entries))]
         else:
             end = f"{path}/env/-"
-            ops.extend([copy(source, end) for source in sources])
+            for source in sources:
+                ops.append(copy(source, end))
     return replaced
 
 
@@ -372,14 +377,16 @@ def use_resource_claim_everywhere(pod: objects.Pod[Any], ops: list[Op]) -> None:
 
 def add_tolerations(pod: objects.Pod[Any], wanted: Sequence[models.Toleration], ops: list[Op]) -> None:
     """Add each of ``wanted`` that the pod does not carry already (the claim's, and the defaults)."""
-
-    def same(t: objects.Toleration, w: models.Toleration) -> bool:
-        mine = (t.key, t.operator or "Equal", t.value, t.effect, t.toleration_seconds)
-        return mine == (w.key, w.operator, w.value, w.effect, w.toleration_seconds)
-
     spec = pod.spec
-    have = (spec.tolerations if spec is not None else None) or []
-    missing = [codecs.encode(w) for w in wanted if not any(same(t, w) for t in have)]
+    have = {
+        (t.key, t.operator or "Equal", t.value, t.effect, t.toleration_seconds)
+        for t in (spec.tolerations if spec is not None else None) or ()
+    }
+    missing = [
+        codecs.encode(w)
+        for w in wanted
+        if (w.key, w.operator, w.value, w.effect, w.toleration_seconds) not in have
+    ]
     if not missing:
         return
     if spec is None:

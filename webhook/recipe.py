@@ -96,7 +96,7 @@ def device_env(
             mutations.value_env(mutations.ENV_NVIDIA_VISIBLE_DEVICES, "all"),
             mutations.value_env(mutations.ENV_CUDA_DEVICE_ORDER, "PCI_BUS_ID"),
         ]
-    uuids = ",".join(d.uuid for d in devices)
+    uuids = ",".join([d.uuid for d in devices])
     return [mutations.value_env(name, uuids) for name in mutations.DEVICE_ENV_NAMES]
 
 
@@ -148,7 +148,7 @@ def edit_allocated(
     mutations.pin_to_node(pod, allocation.node_name, ops)
     entries = [*device_env(allocation.devices, device_ids), *extra_env]
     replaced = mutations.set_env_everywhere(pod, entries, ops)
-    uuids = ",".join(d.uuid for d in allocation.devices)
+    uuids = ",".join([d.uuid for d in allocation.devices])
     mutations.set_annotation(pod, constants.ANNOTATION_DEVICES, uuids, ops)
     mutations.add_scheduling_gate(pod, ops)
     mutations.set_label(pod, constants.LABEL_GATED, "true", ops)
