@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -99,19 +100,22 @@ def present_control_devices(device_dir: str) -> tuple[str, ...]:
     return found or (cdi.CONTROL_DEVICE,)
 
 
-def write_spec(cdi_dir: str, gpus: Sequence[cdi.Gpu], device_dir: str) -> Path:
-    """Write the node's CDI spec (atomically, only when it changed); its path."""
+def write_spec(cdi_dir: str, gpus: Sequence[cdi.Gpu], device_dir: str) -> tuple[Path, bool]:
+    """Write the node's CDI spec unless the file already holds it: a hidden temporary file in the
+    same directory, then a rename (the runtime's CDI cache sees one Create of a whole spec). Its
+    path, and whether it was written."""
     host_dir = None if os.path.normpath(device_dir) == "/dev" else device_dir
     spec = cdi.build_spec(gpus, host_dir, present_control_devices(device_dir))
     text = json.dumps(spec, indent=2) + "\n"
     path = Path(cdi_dir) / cdi.SPEC_NAME
-    if path.exists() and path.read_text() == text:
-        return path
+    with contextlib.suppress(OSError, ValueError):
+        if path.read_text() == text:
+            return path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{cdi.SPEC_NAME}.tmp")
     temporary.write_text(text)
     temporary.replace(path)
-    return path
+    return path, True
 
 
 def _unary(
@@ -152,6 +156,7 @@ class KubeletPlugin:
         self._health_version = 0
         self._stopping = False
         self._changed = threading.Condition()  # guards the three above; wakes the health streams
+        self._spec_lock = threading.Lock()  # one writer of the CDI spec's temporary file at a time
 
     @property
     def registration_path(self) -> Path:
@@ -164,26 +169,42 @@ class KubeletPlugin:
     # -- the node's devices ---------------------------------------------------
 
     def update(self, gpus: Sequence[cdi.Gpu]) -> None:
-        """The node's GPUs now: the device index, and the CDI spec in ``gpualloc`` mode."""
+        """The node's GPUs now: the device index, and the CDI spec in ``gpualloc`` mode. Called
+        after every scan: the spec is checked on disk each time and written again when it is
+        missing or not ours (removed, replaced, or an earlier write failed), not only when the
+        GPUs change."""
         current = tuple(sorted(gpus, key=lambda g: g.minor))
-        if current == self._gpus:
+        changed = current != self._gpus
+        if changed:
+            self._gpus = current
+            self._index = dra.device_index(current, self.mode)
+        if self.mode != "gpualloc":
             return
-        self._gpus = current
-        self._index = dra.device_index(current, self.mode)
-        if self.mode == "gpualloc":
+        if not self.ensure_spec() or not changed:
+            return
+        blind = [f"gpu-{g.minor}/{m.uuid}" for g in current for m in g.migs if m.caps is None]
+        if blind:
+            log.warning(
+                "MIG instances without their nvidia-caps nodes in the CDI spec (their capability "
+                "minors could not be read): a container given one cannot use it",
+                extra={"node": self.node, "instances": ",".join(blind)},
+            )
+
+    def ensure_spec(self) -> bool:
+        """The CDI spec of the GPUs last given is on disk (``gpualloc`` mode; written when missing or
+        different); False, logged, when it cannot be written."""
+        if self.mode != "gpualloc" or self._gpus is None:
+            return True
+        with self._spec_lock:  # the scan loop and NodePrepareResources' threads
             try:
-                path = write_spec(self.cdi_dir, current, self.device_dir)
+                path, written = write_spec(self.cdi_dir, self._gpus, self.device_dir)
             except OSError as exc:
                 log.error("cannot write the CDI spec", extra={"node": self.node, "error": str(exc)})
-                return
-            log.info("CDI spec written", extra={"node": self.node, "path": str(path), "gpus": len(current)})
-            blind = [f"gpu-{g.minor}/{m.uuid}" for g in current for m in g.migs if m.caps is None]
-            if blind:
-                log.warning(
-                    "MIG instances without their nvidia-caps nodes in the CDI spec (their capability "
-                    "minors could not be read): a container given one cannot use it",
-                    extra={"node": self.node, "instances": ",".join(blind)},
-                )
+                return False
+        if written:
+            extra = {"node": self.node, "path": str(path), "gpus": len(self._gpus)}
+            log.info("CDI spec written", extra=extra)
+        return True
 
     def set_health(self, devices: Mapping[str, tuple[bool, str]]) -> None:
         """Every device's health now (``dra.health``); the health streams are told when it changed."""
@@ -218,6 +239,12 @@ class KubeletPlugin:
         self, request: drapb.NodePrepareResourcesRequest, context: grpc.ServicerContext
     ) -> drapb.NodePrepareResourcesResponse:
         claims = list(request.claims)
+        if not self.ensure_spec():  # the runtime resolves the IDs answered from this file
+            path = Path(self.cdi_dir) / cdi.SPEC_NAME
+            response = drapb.NodePrepareResourcesResponse()
+            for claim in claims:
+                response.claims[claim.uid].error = f"the node's CDI spec {path} cannot be written"
+            return response
         future = asyncio.run_coroutine_threadsafe(self.prepare_all(claims), self._loop)
         try:
             answers = future.result(CALL_TIMEOUT)

@@ -33,8 +33,9 @@ removed, the kernel settings the kubelet and the CNI bridge change restored to t
 values, and the host paths they create (``/run/containerd``, ``/var/lib/kubelet``,
 ``/var/lib/cni``, ``/var/log/pods`` ...) removed, or emptied of what was added.
 
-One real node runs per machine at a time (a lock in the cache directory): it uses fixed host
-paths, the node address and the kubelet's port 10250.
+One real node runs per machine at a time (``LOCK``, one file for the whole machine, whoever's
+home the binaries are cached in): it uses fixed host paths, the node address and the kubelet's
+port 10250.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ KERNEL_SETTINGS = (
     "net.bridge.bridge-nf-call-ip6tables",
 )
 
+# The machine's one real node: a lock under /run/lock, not in a home's cache, so that runs with
+# other homes (a cold-cache CI beside a warm one) wait for each other too.
+LOCK = "/run/lock/gpualloc-real-node.lock"
 # Host paths containerd, the CNI plugins and the kubelet write whatever they are told.
 HOST_PATHS = (
     "/run/containerd",
@@ -371,7 +375,7 @@ class RealNode:
     def _acquire_lock(self, timeout: float = 180.0) -> None:
         """The machine's one real node: wait for another run's to stop (``timeout`` s at most); then
         undo whatever the last holder left, if it was killed before it could."""
-        path = binaries.cache_dir() / "real-node.lock"
+        path = Path(LOCK)
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = path.open("a+")
         deadline = time.monotonic() + timeout
@@ -423,6 +427,7 @@ class RealNode:
             "mounts": mount_points(),
             "cdi_spec": str(self.cdi_spec),
             "cdi_spec_existed": self.cdi_spec.exists(),
+            "cdi_spec_text": _read_or_none(self.cdi_spec),  # put back at teardown
             "bin_dir": str(self.bin_dir),
             "address": str(self.address),
             "ctr": str(self.programs.binaries["ctr"]),
@@ -608,6 +613,9 @@ class RealNode:
 
     def _start_containerd(self) -> None:
         started = time.monotonic()
+        # containerd's CDI cache watches its spec directory from its start when it exists; made
+        # here, not by the first pod's hostPath, and removed at teardown (/run/cdi is recorded).
+        Path(cdi.SPEC_DIR).mkdir(parents=True, exist_ok=True)
         config = self.dir / "containerd" / "config.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(self._containerd_config())
@@ -906,6 +914,13 @@ class RealNode:
 # ------------------------------------------------------------------ teardown
 
 
+def _read_or_none(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, ValueError):
+        return None
+
+
 def load_state(node_dir: Path) -> dict[str, Any]:
     """The contents of ``node.json`` in ``node_dir`` ({} if there is none)."""
     try:
@@ -1053,8 +1068,17 @@ def teardown(node_dir: Path, *, progress: Progress | None = None) -> list[str]:
             with contextlib.suppress(OSError):
                 _setting_path(key).write_text(value + "\n")
     spec = record.get("cdi_spec")
-    if isinstance(spec, str) and not record.get("cdi_spec_existed"):
-        Path(spec).unlink(missing_ok=True)
+    if isinstance(spec, str):
+        before = record.get("cdi_spec_text")
+        if not record.get("cdi_spec_existed"):
+            Path(spec).unlink(missing_ok=True)
+        elif isinstance(before, str) and _read_or_none(Path(spec)) != before:
+            # The run's agent replaced a spec found at start (one a killed run left): the one found
+            # goes back, so the machine is as it was; never left naming this run's device files.
+            temporary = Path(spec).with_name(f".{Path(spec).name}.tmp")
+            with contextlib.suppress(OSError):
+                temporary.write_text(before)
+                temporary.replace(spec)
     _restore_paths(record)
     for name in ("containerd", "kubelet", "dev", "cni"):
         shutil.rmtree(node_dir / name, ignore_errors=True)

@@ -150,6 +150,42 @@ async def test_prepare_answers_each_claim_its_cdi_devices_or_its_own_error(
     assert list(again.claims["uid-good"].devices[0].cdi_device_ids) == [f"gpualloc.dev/gpu={GPU}"]
 
 
+async def test_a_spec_removed_or_replaced_is_written_again_by_the_next_scan_and_before_a_prepare(
+    plugin: tuple[kubelet_plugin.KubeletPlugin, Claims], root: Path
+) -> None:
+    served, claims = plugin
+    spec = root / "cdi" / cdi.SPEC_NAME
+    ours = spec.read_text()
+
+    spec.unlink()
+    served.update([cdi.Gpu(minor=0, uuid=GPU)])  # the same GPUs: a scan
+    assert spec.read_text() == ours
+    spec.write_text('{"kind": "gpualloc.dev/gpu", "devices": []}')  # another writer's
+    served.update([cdi.Gpu(minor=0, uuid=GPU)])
+    assert spec.read_text() == ours
+
+    spec.unlink()
+    claims.objects[("team", "good")] = allocated("good", "uid-good", GPU)
+    answer = await prepare(served, drapb.Claim(namespace="team", name="good", uid="uid-good"))
+    assert answer.claims["uid-good"].error == ""
+    assert spec.read_text() == ours  # on disk before the runtime resolves the IDs answered
+
+
+async def test_a_spec_that_cannot_be_written_fails_each_claims_prepare_so_the_kubelet_retries(
+    plugin: tuple[kubelet_plugin.KubeletPlugin, Claims], root: Path
+) -> None:
+    served, claims = plugin
+    claims.objects[("team", "good")] = allocated("good", "uid-good", GPU)
+    shutil.rmtree(root / "cdi")
+    (root / "cdi").write_text("a file where the spec directory should be")
+
+    answer = await prepare(served, drapb.Claim(namespace="team", name="good", uid="uid-good"))
+
+    refused = answer.claims["uid-good"]
+    assert "CDI spec" in refused.error and "cannot be written" in refused.error
+    assert not refused.devices
+
+
 async def test_unprepare_answers_every_claim_without_error(
     plugin: tuple[kubelet_plugin.KubeletPlugin, Claims],
 ) -> None:
@@ -240,7 +276,7 @@ def test_the_spec_points_at_the_device_directory_and_gives_only_the_control_devi
     (devices / "nvidiactl").touch()
     (devices / "nvidia-uvm").touch()
 
-    path = kubelet_plugin.write_spec(str(root / "cdi"), [cdi.Gpu(minor=4, uuid=GPU)], str(devices))
+    path, _ = kubelet_plugin.write_spec(str(root / "cdi"), [cdi.Gpu(minor=4, uuid=GPU)], str(devices))
 
     spec = json.loads(path.read_text())
     assert path == root / "cdi" / "gpualloc.dev-gpu.json"
@@ -254,7 +290,7 @@ def test_the_spec_points_at_the_device_directory_and_gives_only_the_control_devi
 
 
 def test_on_a_gpu_node_the_spec_names_dev_without_host_paths(root: Path) -> None:
-    path = kubelet_plugin.write_spec(str(root), [cdi.Gpu(minor=0, uuid=GPU)], "/dev")
+    path, _ = kubelet_plugin.write_spec(str(root), [cdi.Gpu(minor=0, uuid=GPU)], "/dev")
 
     spec = json.loads(path.read_text())
     assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
