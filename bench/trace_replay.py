@@ -35,9 +35,8 @@ Policies (``--policies``)
       (the controller's ``NodeIndex`` skips nodes short of GPUs too): the decision is the same;
     * GPU models: one accepted model goes in the claim's ``product``, ``A|B`` alternatives in its
       ``products`` (issue 39 part 2);
-    * sharing tasks (one GPU, milli < 1000): the allocator has no milli-GPU shares (issue 39
-      part 1), so a stand-in places them: the GPU with the least milli left that holds the share,
-      on any node where the task fits (the lowest node, then GPU index, among equals);
+    * sharing tasks (one GPU, milli < 1000): a claim of ``exclusivity: Shared`` with
+      ``sharing.milli`` (issue 39 part 1), each GPU's shares as the view's ``milli_used``;
     * CPU-only tasks are kube-scheduler's, not gpualloc's: a stand-in of its scoring,
       NodeResourcesFit plus BalancedAllocation on CPU and memory, ties at random, with the
       default LeastAllocated (spreading) or, ``--cpu-tasks MostAllocated``, the packing strategy
@@ -110,8 +109,8 @@ GPUALLOC_NOTES = {
         "GPU model as the claim's product, A|B alternatives as its products"
     ),
     "sharing_tasks": (
-        "not the allocator (it has no milli-GPU shares: issue 39 part 1): a stand-in places each on "
-        "the GPU with the least milli left that holds it, on any node where the task fits"
+        "controller.allocator.allocate, a claim of exclusivity Shared with sharing.milli, strategy "
+        "{strategy}, its CPU and memory as the claim's podResources"
     ),
     "cpu_only_tasks": (
         "kube-scheduler's, not gpualloc's: a stand-in of its scoring (NodeResourcesFit {scoring} + "
@@ -242,10 +241,12 @@ class AllocatorPolicy:
             self._view(i, frozenset()) if node.gpus else None for i, node in enumerate(cluster.nodes)
         ]
         self.seen: np.ndarray[Any, Any] = np.zeros_like(cluster.changes)  # the changes the views show
-        self.stand_in = {"sharing_tasks": 0, "cpu_only_tasks": 0}
+        self.stand_in = {"cpu_only_tasks": 0}
         self.by_allocator = 0
 
-    def _view(self, i: int, taken: frozenset[str]) -> allocator.NodeView:
+    def _view(
+        self, i: int, taken: frozenset[str], milli_used: dict[str, int] | None = None
+    ) -> allocator.NodeView:
         return allocator.NodeView(
             name=self.cluster.nodes[i].name,
             labels={},
@@ -260,6 +261,7 @@ class AllocatorPolicy:
                 quantities.MEMORY: int(self.cluster.memory[i]) * MIB,
                 quantities.PODS: PODS,
             },
+            milli_used=milli_used or {},
         )
 
     def choose(self, task: pp.Task) -> pp.Placement | None:
@@ -280,10 +282,6 @@ class AllocatorPolicy:
             found = kube_scheduler(self.cluster, task, self.rng, self.cpu_scoring)
             self.stand_in["cpu_only_tasks"] += found is not None
             return found
-        if task.sharing:
-            found = fullest_gpu_share(self.cluster, task)
-            self.stand_in["sharing_tasks"] += found is not None
-            return found
         return self._allocate(task)
 
     def _allocate(self, task: pp.Task) -> pp.Placement | None:
@@ -293,7 +291,10 @@ class AllocatorPolicy:
         accepted = sorted(task.models)
         # The nodes that could take it (the allocator screens them again): as the controller's
         # NodeIndex never visits nodes short of free GPUs, for speed; the decision is the same.
-        could = (c.left == pp.MILLI).sum(axis=1) >= task.gpus
+        if task.sharing:
+            could = (c.left >= task.milli).any(axis=1)
+        else:
+            could = (c.left == pp.MILLI).sum(axis=1) >= task.gpus
         could &= (c.cpu >= task.cpu) & (c.memory >= task.memory)
         views = [v for v in (self.views[int(i)] for i in np.flatnonzero(could)) if v is not None]
         if not views:
@@ -303,7 +304,13 @@ class AllocatorPolicy:
         claim = models.GpuClaim(
             metadata=models.ObjectMeta(name=task.name, namespace="openb"),
             spec=models.GpuClaimSpec(
-                devices=models.DeviceRequest(count=task.gpus, product=product, products=products),
+                devices=models.DeviceRequest(
+                    count=task.gpus,
+                    product=product,
+                    products=products,
+                    exclusivity="Shared" if task.sharing else "Exclusive",
+                    sharing=models.SharingRequest(milli=task.milli) if task.sharing else None,
+                ),
                 strategy=self.strategy,
                 pod_resources=pods,
             ),
@@ -316,26 +323,17 @@ class AllocatorPolicy:
         return pp.Placement(node=c.index[placed.node_name], gpus=tuple(d.index for d in placed.devices))
 
     def _refresh(self, node: int) -> None:
-        """The node's view after tasks landed on it: a GPU with anything on it is taken."""
+        """The node's view after tasks landed on it: a GPU with anything on it is taken, and one
+        with some milli left holds shares (a GPU with none left is the same, held whole or not)."""
         self.seen[node] = self.cluster.changes[node]
         if self.views[node] is None:
             return
-        used = self.cluster.left[node] < pp.MILLI
-        taken = frozenset(uuid for g, uuid in enumerate(self.uuids[node]) if used[g])
-        self.views[node] = self._view(node, taken)
-
-
-def fullest_gpu_share(cluster: pp.Cluster, task: pp.Task) -> pp.Placement | None:
-    """The stand-in for shares: the GPU with the least milli left that holds the share, over every
-    node that can take the task; the lowest node, then GPU index, among equals."""
-    candidates = cluster.feasible(task)
-    if not len(candidates):
-        return None
-    left = cluster.left[candidates]
-    room = np.where(left >= task.milli, left, pp.MILLI + 1)
-    flat = int(np.argmin(room))  # row-major: the lowest node, then GPU, among equals
-    row, gpu = divmod(flat, pp.MAX_GPUS)
-    return pp.Placement(node=int(candidates[row]), gpus=(gpu,))
+        left = self.cluster.left[node]
+        taken = frozenset(uuid for g, uuid in enumerate(self.uuids[node]) if left[g] < pp.MILLI)
+        shared = {
+            uuid: pp.MILLI - int(left[g]) for g, uuid in enumerate(self.uuids[node]) if 0 < left[g] < pp.MILLI
+        }
+        self.views[node] = self._view(node, taken, shared)
 
 
 def least_fragmenting_pods(

@@ -116,7 +116,9 @@ Fractional shares
     of one GPU per replica, of the healthy whole GPUs (not in MIG mode, not
     offered as slots) that are free or hold only shares with that much left
     (``NodeView.milli_used``); best fit first (the least left once placed), so
-    shares pack and whole GPUs stay whole. The GPU's own Lease holds the
+    shares pack and whole GPUs stay whole: on a node, the tightest GPU, and across
+    nodes, for the packing strategies (``binpack``, ``bestFit``), the node whose
+    tightest GPU is left with least, then the first by name (``_share_left``). The GPU's own Lease holds the
     shares' ledger (``locking``, rules 6 to 8): a GPU with a share is never
     free for a whole claim, nor the other way round. ``total`` and *free*
     count the GPUs shares may go on and those with room.
@@ -145,7 +147,7 @@ from controller.nodes import Bucket, NodeIndex, fewest_numa_nodes, in_mig_mode, 
 from controller.nodes import NodeView as NodeView  # the allocator's input, by its long-standing name
 from controller.screening import Miss, Screened, ShareDevice, SlotDevice, screen, taking_pods
 from controller.sets import NO_PAIRS, Choice, Key, best_set
-from gpualloc.api import constants, models
+from gpualloc.api import constants, leases, models
 
 MAX_REASON_GROUPS = 6
 
@@ -218,7 +220,20 @@ def _strategy_key(
     if ask.strategy == "roundRobin":
         return ((node.position - cursor) % n_nodes,)
     tier = cost_rank.get(node.view.labels.get(cost_label, ""), len(cost_rank))
+    if ask.sharing.milli is not None and ask.strategy in PACKING:
+        return (_share_left(node, ask.sharing.milli), node.position)
     return _load_key(ask.strategy, node.total, node.free, ask.count, tier)
+
+
+PACKING = ("binpack", "bestFit")  # the load strategies that fill nodes up
+
+
+def _share_left(node: Screened, milli: int) -> int:
+    """The milli-GPU a fractional share leaves on the node's tightest GPU that holds it (screening
+    sorts it first). The packing strategies rank a share by it, then by node name: the GPU in the
+    cluster it fills best, and among equals the first node (first fit, which keeps the last nodes
+    whole; on the openb trace a point more GPU placed than ranking equals by load)."""
+    return leases.WHOLE_MILLI - node.view.milli_used.get(node.usable[0].uuid, 0) - milli
 
 
 def _cost_rank(cost_preference: Sequence[str]) -> dict[str, int]:

@@ -177,6 +177,25 @@ def test_a_share_goes_to_the_gpu_it_fits_best_and_a_whole_claim_never_to_a_share
     assert not allocator.allocate(claim(2), [view]).ok
 
 
+def ranked_share(milli: int, strategy: str) -> models.GpuClaim:
+    return claim(1, exclusivity="Shared", sharing=models.SharingRequest(milli=milli), strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["binpack", "bestFit"])
+def test_packing_strategies_put_a_share_on_the_gpu_it_fills_best_on_any_node_then_the_first_node(
+    strategy: str,
+) -> None:
+    a = used(node("a", nvswitch("a", 4)), {0: 300})  # 700 left on GPU 0
+    b = used(node("b", nvswitch("b", 2)), {0: 550})  # 450 left on GPU 0
+    c = node("c", nvswitch("c", 2))
+    assert placed(allocator.allocate(ranked_share(400, strategy), [c, b, a])) == [("b", 0, 400)]
+    assert placed(allocator.allocate(ranked_share(600, strategy), [c, b, a])) == [("a", 0, 600)]
+    # Only free GPUs hold 800: one on the first node by name, not the emptiest or the fullest.
+    assert placed(allocator.allocate(ranked_share(800, strategy), [c, b, a])) == [("a", 1, 800)]
+    spread = allocator.allocate(ranked_share(400, "spread"), [c, b, a])
+    assert placed(spread) == [("a", 0, 400)]  # spread ranks by load (a has the most free GPUs) first
+
+
 def test_a_share_that_fits_nowhere_says_how_much_the_roomiest_gpu_has() -> None:
     view = used(node("n", nvswitch("n", 2)), {0: 700, 1: 650})
     decision = allocator.allocate(share(400), [view])

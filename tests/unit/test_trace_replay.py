@@ -203,14 +203,17 @@ def test_gpualloc_is_offered_only_the_nodes_where_the_tasks_cpu_fits() -> None:
     assert found is not None and cluster.nodes[found.node].name == "a"
 
 
-def test_gpualloc_stand_in_puts_a_share_on_the_fullest_gpu_that_holds_it() -> None:
+def test_gpualloc_places_a_share_through_the_allocator_on_a_shared_gpu_it_fits() -> None:
     cluster = pp.Cluster([_node("a", gpus=2), _node("b", gpus=2)])
     cluster.place(_task("x", milli=300), pp.Placement(node=0, gpus=(1,)))
     cluster.place(_task("y", milli=600), pp.Placement(node=1, gpus=(0,)))
     policy = tr.AllocatorPolicy(cluster, random.Random(1))
-    assert policy.choose(_task("t", milli=400)) == pp.Placement(node=1, gpus=(0,))  # 400 left: the tightest
-    assert policy.choose(_task("u", milli=500)) == pp.Placement(node=0, gpus=(1,))  # 700 left
-    assert policy.stand_in["sharing_tasks"] == 2 and policy.by_allocator == 0
+    first = policy.choose(_task("t", milli=400))
+    assert first == pp.Placement(node=1, gpus=(0,))  # 400 left there: the share fills it
+    cluster.place(_task("t", milli=400), first)
+    second = policy.choose(_task("u", milli=500))
+    assert second == pp.Placement(node=0, gpus=(1,))  # 700 left: no whole GPU broken into
+    assert policy.by_allocator == 2 and "sharing_tasks" not in policy.stand_in
 
 
 @pytest.mark.parametrize(("scoring", "expected"), [("LeastAllocated", "a"), ("MostAllocated", "b")])
