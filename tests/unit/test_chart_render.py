@@ -1232,8 +1232,10 @@ def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_p
     isolation = _variables(one(objs, "MutatingAdmissionPolicy", NO_GPU))
     assert variables["claimPod"] == isolation["claimPod"] and variables["pluginPod"] == isolation["pluginPod"]
     assert "nodeName" in variables["steer"] and "!variables.steered" in variables["steer"]
-    assert "key: 'gpu.scheduling/free-gpus', operator: 'NotIn', values: ['true']" in variables["term"]
-    assert "weight: 100" in variables["term"]
+    assert variables["term"] == (
+        "{'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}]})}"
+    )
     (mutation,) = spec["mutations"]
     assert mutation["patchType"] == "JSONPatch"
     patch = mutation["jsonPatch"]["expression"]
