@@ -115,3 +115,13 @@ def test_a_node_whose_agent_is_not_ready_has_no_free_gpu() -> None:
     cluster = FakeNodes({"n1": node("n1", **{KEY: "true"})})
     asyncio.run(labelling.Labeller(cluster, st).label())
     assert cluster.patches == [("n1", {KEY: "false"})]
+
+
+def test_the_label_is_off_by_default_and_turned_on_by_flag_or_environment(monkeypatch: Any) -> None:
+    from controller import main
+
+    assert main.build_parser().parse_args([]).label_free_gpus is False
+    assert main.build_parser().parse_args(["--label-free-gpus"]).label_free_gpus is True
+    monkeypatch.setenv("GPUALLOC_LABEL_FREE_GPUS", "true")
+    args = main.build_parser().parse_args([])
+    assert args.label_free_gpus is True and args.label_interval == labelling.INTERVAL
