@@ -1253,3 +1253,9 @@ def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_p
     assert "MutatingAdmissionPolicy" in named(always, STEER)
     never = render(MAP_V1, packing__steerPodsWithoutClaim="true", isolation__mutatingAdmissionPolicy="never")
     assert named(never, STEER) == [] and named(never, FREE_GPUS_LABEL) != []
+
+
+def test_notes_warn_when_steering_is_on_but_its_mutating_policy_is_not_rendered(tmp_path: Path) -> None:
+    on = ("--set", "packing.steerPodsWithoutClaim=true")
+    assert "steerPodsWithoutClaim" not in _notes(tmp_path / "served", "--api-versions", MAP_V1, *on)
+    assert "no pod is steered" in _notes(tmp_path / "older", *on)
