@@ -37,6 +37,10 @@ With ``--dra``, ``controller.dra`` also writes ResourceClaims through ``KubeClus
 ``create_resource_claim``, ``patch_resource_claim_status`` (a merge patch on the status
 subresource with a resourceVersion precondition) and ``delete_resource_claim`` (with a uid
 precondition).
+
+With ``--label-free-gpus``, ``controller.labelling`` also writes through ``KubeCluster`` (its
+``labelling.NodeLabels``): ``patch_node_labels``, a JSON merge patch of a Node's labels (no
+precondition: it sets one label, whatever the rest of the Node says).
 """
 
 from __future__ import annotations
@@ -184,6 +188,17 @@ class KubeCluster:
         path = transport.collection_path("", "v1", "pods", namespace, name)
         result: Obj = await transport.request(
             self.api, "PATCH", path, body=[dict(op) for op in operations], content_type=transport.JSON_PATCH
+        )
+        return result
+
+    async def patch_node_labels(self, name: str, labels: Mapping[str, str | None]) -> Obj:
+        """Set (or, with None, remove) these labels of Node ``name``; the Node as written."""
+        result: Obj = await transport.request(
+            self.api,
+            "PATCH",
+            transport.collection_path("", "v1", "nodes", None, name),
+            body={"metadata": {"labels": dict(labels)}},
+            content_type=transport.MERGE_PATCH,
         )
         return result
 

@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a resource.k8s.io/v1 ResourceClaim (driver gpu.gpualloc.dev) for each allocated"
         " replica, owned by its GpuClaim, for kube-scheduler and the kubelet (needs resource.k8s.io/v1)",
     )
+    parser.add_argument(
+        "--label-free-gpus",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help=f'keep the label {constants.LABEL_FREE_GPUS} on every GPU node: "true" while it has a whole'
+        ' GPU free for a claim, else "false" (the chart\'s packing.steerPodsWithoutClaim steers pods'
+        ' without GPUs off the "true" nodes; needs patch on nodes)',
+    )
+    parser.add_argument(
+        "--label-interval",
+        type=float,
+        default=settings.LABEL_INTERVAL,
+        help="seconds between the free-GPUs label's passes",
+    )
     options.add_common(parser, metrics_port=8080, health_port=8081)
     options.env_defaults(parser, fallbacks={**options.DOWNWARD_API, "namespace": "POD_NAMESPACE"})
     return parser
@@ -148,7 +164,7 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
     # The audit log tells controllers apart by the user agent (the benchmark counts requests by it).
     api = await client.connect(
         args.kubeconfig,
-        connections=args.workers + 8 + (3 if args.dra else 0),
+        connections=args.workers + 8 + (3 if args.dra else 0) + (1 if args.label_free_gpus else 0),
         user_agent=f"{USER_AGENT}/{identity}",
     )
     metrics = controller_metrics.Metrics()
@@ -166,6 +182,8 @@ async def run(argv: Sequence[str], *, stop: asyncio.Event | None = None) -> int:
             preemption_scope=args.preemption_scope,
             claim_tolerations=args.claim_tolerations,
             dra=args.dra,
+            label_free_gpus=args.label_free_gpus,
+            label_interval=args.label_interval,
         ),
         metrics,
     )

@@ -236,6 +236,31 @@ class NodeIndex:
     def buckets(self) -> Mapping[Bucket, Sequence[str]]:
         return self._buckets
 
+    def free_gpus(self, name: str) -> int:
+        """The node's whole GPUs free for a claim (healthy, not in MIG mode, not shared, not
+        taken); 0 for a node without an inventory or not in the index."""
+        bucket = self._bucket_of.get(name)
+        return bucket.free if bucket is not None else 0
+
     def most_free(self) -> int:
         """The most free GPUs on any one node."""
         return max((bucket.free for bucket in self._buckets), default=0)
+
+
+def free_gpus_labels(
+    free: Mapping[str, int], labels: Mapping[str, Mapping[str, str]], *, key: str = constants.LABEL_FREE_GPUS
+) -> dict[str, str]:
+    """The free-GPUs label each node must be given (``controller.labelling``), for the nodes whose
+    label differs: ``"true"`` where ``free`` counts at least one whole GPU free for a claim,
+    ``"false"`` otherwise. ``free`` names the GPU nodes gpualloc knows (every other node is left
+    alone), ``labels`` each Node's current labels (a node without a Node is left alone: there is
+    nothing to label)."""
+    out: dict[str, str] = {}
+    for name in sorted(free):
+        current = labels.get(name)
+        if current is None:
+            continue
+        value = "true" if free[name] > 0 else "false"
+        if current.get(key) != value:
+            out[name] = value
+    return out

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from controller import allocator, dra, quotas
+from controller import allocator, dra, labelling, quotas
 from controller import cluster as kube
 from controller import metrics as controller_metrics
 from controller import queue as work_queue
@@ -112,6 +112,12 @@ class Controller:
                 raise ValueError("the DRA mirror (--dra) runs on a real API server only")
             self._dra_feed = dra.reflector(cluster.api)
             self.dra = dra.Mirror(cluster, self.state, self._dra_feed, rng=self.rng)
+        # With --label-free-gpus, the free-GPUs label on the GPU nodes: a loop of its own, on the caches.
+        self.labeller: labelling.Labeller | None = None
+        if settings.label_free_gpus:
+            if not isinstance(cluster, kube.KubeCluster):
+                raise ValueError("the free-GPUs label (--label-free-gpus) runs on a real API server only")
+            self.labeller = labelling.Labeller(cluster, self.state, interval=settings.label_interval)
         self.workers = Workers(
             self.queue,
             self.reconcile,
@@ -190,6 +196,8 @@ class Controller:
                 group.create_task(self._sweep_loop(), name="sweep")
                 if self.dra is not None:
                     group.create_task(self.dra.run(), name="dra")
+                if self.labeller is not None:
+                    group.create_task(self.labeller.run(), name="labelling")
         finally:
             self.active = False
             self.metrics.leader.set(0)

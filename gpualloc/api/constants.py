@@ -50,6 +50,10 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 # The node label strategy costOptimized reads by default (low, then medium, then high).
 LABEL_COST_TIER = f"{GROUP}/cost-tier"
 LABEL_SHARING = f"{GROUP}/sharing"  # on a Node: how its agent offers its GPUs (TimeSlicing-4, MPS-2, None)
+# On a GPU Node, with the controller's --label-free-gpus: "true" while at least one whole GPU of
+# it is free for a claim, "false" otherwise (controller.labelling). The chart's
+# packing.steerPodsWithoutClaim has kube-scheduler prefer, for pods without GPUs, nodes without "true".
+LABEL_FREE_GPUS = f"{GROUP}/free-gpus"
 
 # Enumerations.
 PHASE_PENDING = "Pending"

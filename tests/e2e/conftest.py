@@ -5,6 +5,7 @@
 - ``setup`` (module, async): ``helm install`` of the chart, the webhook in this process, the
   tenant with its own token, two plain Nodes; every policy in force before it yields. Afterwards
   the release is uninstalled and no cluster-wide policy, webhook configuration or Node is left.
+  A module's ``HELM_VALUES`` (``key=value`` strings) are set on top of the fixture's own.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def namespaces(control_plane: Any) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 async def setup(
-    control_plane: Any, namespaces: dict[str, str], tmp_module: Path
+    control_plane: Any, namespaces: dict[str, str], tmp_module: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[tenants.Setup]:
     # kube-controller-manager aggregates the edit ClusterRole (without it, edit grants nothing).
     control_plane.ensure_controller_manager()
@@ -66,6 +67,7 @@ async def setup(
             "--set", "certManager.enabled=false", "--set", "webhook.pendingMode=gate",
             "--set", f"isolation.exemptNamespaces={{kube-system,{namespaces['exempt']}}}",
             "--set", f"webhook.excludeNamespaces={{{namespaces['unhooked']}}}",
+            *[arg for value in getattr(request.module, "HELM_VALUES", ()) for arg in ("--set", value)],
         )  # fmt: skip
         # The release's webhook configuration, pointed at the webhook in this process.
         client_config = {"url": webhook.url, "caBundle": base64.b64encode(webhook.ca_pem).decode()}
@@ -158,6 +160,8 @@ async def setup(
                     "-quota-priority",
                     "-claim-metadata",
                     "-claim-finalizer-removal",
+                    "-node-free-gpus-label",
+                    "-steer-pods-without-gpus",
                 ):
                     delete_if_present(control_plane, f"{tenants.ADMISSION}/{kind}/{fullname}{suffix}")
             for name in nodes:

@@ -1171,3 +1171,91 @@ def test_claim_finalizer_policy_is_rendered_where_mutating_admission_policies_ar
     assert "MutatingAdmissionPolicy" in named(render(controller__finalizerPolicy="always"), CLAIM_FINALIZER)
     assert named(render(MAP_V1, controller__finalizerPolicy="never"), CLAIM_FINALIZER) == []
     assert named(render(MAP_V1, controller__enabled="false"), CLAIM_FINALIZER) == []
+
+
+# ------------------------------------------------------------- packing.steerPodsWithoutClaim
+
+STEER = f"{FULLNAME}-steer-pods-without-gpus"
+FREE_GPUS_LABEL = f"{FULLNAME}-node-free-gpus-label"
+
+
+def _controller_args(objs: list[Obj]) -> list[str]:
+    spec = one(objs, "Deployment", f"{FULLNAME}-controller")["spec"]["template"]["spec"]
+    (container,) = [c for c in spec["containers"] if c["name"] == "controller"]
+    return list(container["args"])
+
+
+def test_steering_pods_without_gpus_is_off_by_default_and_then_nothing_of_it_is_rendered() -> None:
+    objs = render(MAP_V1)
+    assert named(objs, STEER) == [] and named(objs, FREE_GPUS_LABEL) == []
+    assert "--label-free-gpus" not in _controller_args(objs)
+    assert ("*", "", "nodes", "patch", ()) not in _rules_of(objs, "controller")
+
+
+def test_steering_labels_nodes_from_the_controller_which_may_change_only_that_label() -> None:
+    objs = render(MAP_V1, packing__steerPodsWithoutClaim="true")
+    assert "--label-free-gpus" in _controller_args(objs)
+    assert ("*", "", "nodes", "patch", ()) in _rules_of(objs, "controller")
+    policy = denying_policy(objs, FREE_GPUS_LABEL)
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["nodes", "nodes/status"] and "UPDATE" in rule["operations"]
+    controller = f"system:serviceaccount:{NAMESPACE}:{FULLNAME}-controller"
+    assert policy["matchConditions"] == [
+        {"name": "the-controller", "expression": f"request.userInfo.username == '{controller}'"}
+    ]
+    only_label, values = (v["expression"] for v in policy["validations"])
+    for kept in ("object.spec == oldObject.spec", "annotations", "finalizers", "ownerReferences"):
+        assert kept in only_label
+    assert "k == 'gpu.scheduling/free-gpus' ||" in only_label
+    assert "['true', 'false']" in values
+
+
+def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_policies_are_served() -> None:
+    objs = render(MAP_V1, packing__steerPodsWithoutClaim="true")
+    assert named(objs, STEER) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    assert one(objs, "MutatingAdmissionPolicyBinding", STEER)["spec"] == {"policyName": STEER}
+    policy = one(objs, "MutatingAdmissionPolicy", STEER)
+    assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Ignore", "a preference: a failure leaves the pod as it was"
+    constraints = spec["matchConstraints"]
+    assert constraints["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+    ]
+    (expression,) = constraints["namespaceSelector"]["matchExpressions"]
+    assert expression == {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "NotIn",
+        "values": [NAMESPACE, "kube-system"],
+    }
+    variables = _variables(policy)
+    isolation = _variables(one(objs, "MutatingAdmissionPolicy", NO_GPU))
+    assert variables["claimPod"] == isolation["claimPod"] and variables["pluginPod"] == isolation["pluginPod"]
+    assert "nodeName" in variables["steer"] and "!variables.steered" in variables["steer"]
+    assert variables["term"] == (
+        "{'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}]})}"
+    )
+    (mutation,) = spec["mutations"]
+    assert mutation["patchType"] == "JSONPatch"
+    patch = mutation["jsonPatch"]["expression"]
+    for path in (
+        "/spec/affinity'",
+        "/spec/affinity/nodeAffinity'",
+        "/spec/affinity/nodeAffinity/preferredDuringSchedulingIgnoredDuringExecution'",
+        "/spec/affinity/nodeAffinity/preferredDuringSchedulingIgnoredDuringExecution/-'",
+    ):
+        assert f"path: '{path}" in patch
+
+    # Not served (and auto): only the controller's half; always: rendered; never: not.
+    assert named(render(packing__steerPodsWithoutClaim="true"), STEER) == []
+    always = render(packing__steerPodsWithoutClaim="true", isolation__mutatingAdmissionPolicy="always")
+    assert "MutatingAdmissionPolicy" in named(always, STEER)
+    never = render(MAP_V1, packing__steerPodsWithoutClaim="true", isolation__mutatingAdmissionPolicy="never")
+    assert named(never, STEER) == [] and named(never, FREE_GPUS_LABEL) != []
+
+
+def test_notes_warn_when_steering_is_on_but_its_mutating_policy_is_not_rendered(tmp_path: Path) -> None:
+    on = ("--set", "packing.steerPodsWithoutClaim=true")
+    assert "steerPodsWithoutClaim" not in _notes(tmp_path / "served", "--api-versions", MAP_V1, *on)
+    assert "no pod is steered" in _notes(tmp_path / "older", *on)

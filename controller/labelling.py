@@ -1,0 +1,85 @@
+"""The free-GPUs label (``--label-free-gpus``): which GPU nodes still have a whole GPU to give.
+
+A loop of its own beside the reconciler (the leader's part), which it never touches. Every
+``interval`` seconds it reads the allocator's view of the nodes (``State.node_index``: a GPU
+is free when it is healthy, not in MIG mode, not shared and not taken, on a node whose agent is
+ready) and the labels of the cached Nodes (``State.facts``), and gives every GPU node
+``gpu.scheduling/free-gpus: "true"`` while it has at least one free GPU, ``"false"`` otherwise
+(``nodes.free_gpus_labels``). Only the nodes whose label differs are written: a JSON merge patch
+of that one label, written through into the Node cache. A node costs a write when its last free
+GPU is taken, and one when the first is freed again.
+
+What it is for: the chart's ``packing.steerPodsWithoutClaim`` adds to every pod created without
+GPUs a preferred node affinity for nodes without ``"true"`` (CPU-only nodes, and GPU nodes
+whose GPUs are all in use), so that kube-scheduler does not spread CPU pods over the GPU nodes
+whose free GPUs their CPU and memory would strand (docs/operations.md, "Steering pods without
+GPUs"). Writes are counted (``writes``), by value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from controller import nodes, settings
+from controller.state import State
+from gpualloc.api import constants
+from gpualloc.kube import errors
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+INTERVAL = settings.LABEL_INTERVAL
+
+
+class NodeLabels(Protocol):
+    """The call the labeller makes (``cluster.KubeCluster`` has it). Errors are ``gpualloc.kube.errors``."""
+
+    async def patch_node_labels(self, name: str, labels: Mapping[str, str | None]) -> Obj: ...
+
+
+class Labeller:
+    """Keeps every GPU node's ``gpu.scheduling/free-gpus`` label as ``nodes.free_gpus_labels`` says."""
+
+    def __init__(self, cluster: NodeLabels, state: State, *, interval: float = INTERVAL) -> None:
+        self.cluster = cluster
+        self.state = state
+        self.interval = interval
+        self.writes: collections.Counter[str] = collections.Counter()  # "true", "false"
+
+    def plan(self) -> dict[str, str]:
+        """The nodes whose label differs, and the value each must get."""
+        index = self.state.node_index()
+        free = {view.name: index.free_gpus(view.name) if view.ready else 0 for view in index.views()}
+        labels = {name: facts.labels for name, facts in self.state.facts.items()}
+        return nodes.free_gpus_labels(free, labels)
+
+    async def label(self) -> None:
+        """One pass: write the label of every node whose label differs."""
+        for name, value in self.plan().items():
+            try:
+                answer = await self.cluster.patch_node_labels(name, {constants.LABEL_FREE_GPUS: value})
+            except errors.NotFound:  # deleted meanwhile: its DELETED event follows
+                continue
+            except errors.KubeError as exc:  # the next pass tries again
+                log.warning("labelling a node failed", extra={"node": name, "error": str(exc)})
+                continue
+            self.writes[value] += 1
+            self.state.remember("nodes", answer, reconciling="")
+            log.debug(
+                "node labelled", extra={"node": name, "label": constants.LABEL_FREE_GPUS, "value": value}
+            )
+
+    async def run(self) -> None:
+        """Label until cancelled (the leader's part). The caches must be running."""
+        await self.state.wait_synced()
+        while True:
+            try:
+                await self.label()
+            except Exception:  # a bug: logged, and the loop goes on (as the sweep's)
+                log.exception("labelling pass failed")
+            await asyncio.sleep(self.interval)

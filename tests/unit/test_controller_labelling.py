@@ -1,0 +1,127 @@
+"""The free-GPUs label (``--label-free-gpus``, controller.labelling): which nodes need which value,
+and a pass over the controller's caches that writes only those."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from controller import labelling, nodes
+from gpualloc.api import codecs, constants, leases
+from tests.unit.test_controller_pure import NOW, inventory, state_on_fake_feeds, status, uuid
+
+KEY = constants.LABEL_FREE_GPUS
+
+
+def test_a_node_with_a_free_gpu_needs_true_and_one_without_needs_false() -> None:
+    free = {"a": 2, "b": 0, "c": 1}
+    labels: dict[str, Mapping[str, str]] = {"a": {}, "b": {"team": "x"}, "c": {KEY: "false"}}
+    assert nodes.free_gpus_labels(free, labels) == {"a": "true", "b": "false", "c": "true"}
+
+
+def test_only_the_nodes_whose_label_differs_are_written() -> None:
+    free = {"a": 2, "b": 0}
+    labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true"}, "b": {KEY: "false"}}
+    assert nodes.free_gpus_labels(free, labels) == {}
+
+
+def test_nodes_gpualloc_does_not_know_and_statuses_without_a_node_are_left_alone() -> None:
+    free = {"gpu-without-node": 1}
+    labels: dict[str, Mapping[str, str]] = {"cpu-only": {}, "cpu-labelled": {KEY: "true"}}
+    assert nodes.free_gpus_labels(free, labels) == {}
+
+
+def test_a_value_not_true_or_false_is_corrected() -> None:
+    assert nodes.free_gpus_labels({"a": 0}, {"a": {KEY: "yes"}}) == {"a": "false"}
+
+
+class FakeNodes:
+    """``labelling.NodeLabels`` over a dict of Nodes: a merge patch of the labels, a new version."""
+
+    def __init__(self, nodes_: Mapping[str, dict[str, Any]]) -> None:
+        self.nodes = {name: dict(node) for name, node in nodes_.items()}
+        self.patches: list[tuple[str, dict[str, str | None]]] = []
+
+    async def patch_node_labels(self, name: str, labels: Mapping[str, str | None]) -> dict[str, Any]:
+        self.patches.append((name, dict(labels)))
+        node = self.nodes[name]
+        merged = {**node["metadata"].get("labels", {}), **labels}
+        meta = {
+            **node["metadata"],
+            "labels": {k: v for k, v in merged.items() if v is not None},
+            "resourceVersion": str(int(node["metadata"]["resourceVersion"]) + 1),
+        }
+        self.nodes[name] = {**node, "metadata": meta}
+        return self.nodes[name]
+
+
+def node(name: str, **labels: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "uid": f"uid-{name}", "resourceVersion": "1", "labels": labels},
+    }
+
+
+def device_lease(node_index: int, gpu: int, node_name: str) -> dict[str, Any]:
+    return leases.device_lease(
+        "gpualloc-system",
+        lock_id=uuid(node_index, gpu),
+        node=node_name,
+        claim_namespace="ns",
+        claim_name="c",
+        claim_uid="uid-c",
+        claim_resource_version="42",
+        now=NOW,
+    )
+
+
+def test_a_pass_labels_gpu_nodes_by_their_free_gpus_writes_through_and_writes_nothing_twice() -> None:
+    st, feeds = state_on_fake_feeds()
+    feeds["node_statuses"].put(codecs.encode(status("n1", inventory(1, 2))))
+    feeds["node_statuses"].put(codecs.encode(status("n2", inventory(2, 1, unhealthy=(0,)))))
+    feeds["node_statuses"].put(codecs.encode(status("gone", inventory(3, 1))))  # no Node
+    for raw in (node("n1"), node("n2"), node("cpu")):
+        feeds["nodes"].put(raw)
+    cluster = FakeNodes({"n1": node("n1"), "n2": node("n2"), "cpu": node("cpu")})
+    labeller = labelling.Labeller(cluster, st)
+
+    asyncio.run(labeller.label())
+    assert sorted(cluster.patches) == [("n1", {KEY: "true"}), ("n2", {KEY: "false"})]
+    assert st.facts["n1"].labels[KEY] == "true", "the answer is written through into the Node cache"
+    assert labeller.writes == {"true": 1, "false": 1}
+
+    cluster.patches.clear()
+    asyncio.run(labeller.label())
+    assert cluster.patches == [], "nothing differs: nothing written"
+
+    for gpu in (0, 1):
+        lease = device_lease(1, gpu, "n1")
+        feeds["leases"].put(lease, key=f"gpualloc-system/{lease['metadata']['name']}")
+    asyncio.run(labeller.label())
+    assert cluster.patches == [("n1", {KEY: "false"})], "its last free GPU taken"
+
+    cluster.patches.clear()
+    feeds["leases"].delete(f"gpualloc-system/{constants.lease_name(uuid(1, 0))}")
+    asyncio.run(labeller.label())
+    assert cluster.patches == [("n1", {KEY: "true"})], "a GPU freed again"
+
+
+def test_a_node_whose_agent_is_not_ready_has_no_free_gpu() -> None:
+    st, feeds = state_on_fake_feeds()
+    feeds["node_statuses"].put(codecs.encode(status("n1", inventory(1, 2, ready=False))))
+    feeds["nodes"].put(node("n1", **{KEY: "true"}))
+    cluster = FakeNodes({"n1": node("n1", **{KEY: "true"})})
+    asyncio.run(labelling.Labeller(cluster, st).label())
+    assert cluster.patches == [("n1", {KEY: "false"})]
+
+
+def test_the_label_is_off_by_default_and_turned_on_by_flag_or_environment(monkeypatch: Any) -> None:
+    from controller import main
+
+    assert main.build_parser().parse_args([]).label_free_gpus is False
+    assert main.build_parser().parse_args(["--label-free-gpus"]).label_free_gpus is True
+    monkeypatch.setenv("GPUALLOC_LABEL_FREE_GPUS", "true")
+    args = main.build_parser().parse_args([])
+    assert args.label_free_gpus is True and args.label_interval == labelling.INTERVAL
