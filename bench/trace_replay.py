@@ -41,7 +41,11 @@ Policies (``--policies``)
       NodeResourcesFit plus BalancedAllocation on CPU and memory, ties at random, with the
       default LeastAllocated (spreading) or, ``--cpu-tasks MostAllocated``, the packing strategy
       an operator can configure. Which one moves gpualloc's figure by about a point; FGD, which
-      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--cpu-tasks
+      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--steer-pods``:
+      the chart's ``packing.steerPodsWithoutClaim`` on: the preferred node affinity its
+      MutatingAdmissionPolicy gives every pod without GPUs (nodes not labelled
+      ``gpu.scheduling/free-gpus: "true"``, i.e. with no whole GPU free), scored as
+      kube-scheduler's NodeAffinity plugin does (100 for a node that matches, weight 2). ``--cpu-tasks
       leastFragmentation`` is NOT shipped: the node ``fragmentation.pods_key`` ranks first, as
       kube-scheduler would choose with an extender serving that score, which gpualloc lacks.
 
@@ -117,14 +121,20 @@ GPUALLOC_NOTES = {
         "BalancedAllocation on CPU and memory), ties at random"
     ),
 }
+STEERED = (
+    ", plus the chart's packing.steerPodsWithoutClaim: NodeAffinity (weight 2) preferring the nodes "
+    'without a whole free GPU (label gpu.scheduling/free-gpus not "true")'
+)
 CPU_ONLY_NOT_SHIPPED = (
     "NOT SHIPPED: placed by fragmentation.pods_key (the fragmentation their CPU and memory add), as "
     "a kube-scheduler extender serving that score would; gpualloc has no such extender yet"
 )
 
 
-def gpualloc_notes(cpu_scoring: str, strategy: str = DEFAULT_STRATEGY) -> dict[str, str]:
+def gpualloc_notes(cpu_scoring: str, strategy: str = DEFAULT_STRATEGY, steer: bool = False) -> dict[str, str]:
     notes = {k: v.format(scoring=cpu_scoring, strategy=strategy) for k, v in GPUALLOC_NOTES.items()}
+    if steer:
+        notes["cpu_only_tasks"] += STEERED
     if cpu_scoring == fragmentation.STRATEGY:
         notes["cpu_only_tasks"] = CPU_ONLY_NOT_SHIPPED
     return notes
@@ -211,8 +221,10 @@ class AllocatorPolicy:
         rng: random.Random,
         cpu_scoring: str = CPU_SCORINGS[0],
         strategy: str = DEFAULT_STRATEGY,
+        steer: bool = False,
     ) -> None:
         self.cluster = cluster
+        self.steer = steer
         self.rng = rng
         self.cpu_scoring = cpu_scoring
         self.strategy = strategy
@@ -279,7 +291,7 @@ class AllocatorPolicy:
             )
             self.recent.observe(shape)
         if task.gpus == 0:
-            found = kube_scheduler(self.cluster, task, self.rng, self.cpu_scoring)
+            found = kube_scheduler(self.cluster, task, self.rng, self.cpu_scoring, steer=self.steer)
             self.stand_in["cpu_only_tasks"] += found is not None
             return found
         return self._allocate(task)
@@ -364,12 +376,17 @@ def least_fragmenting_pods(
 
 
 def kube_scheduler(
-    cluster: pp.Cluster, task: pp.Task, rng: random.Random, scoring: str = CPU_SCORINGS[0]
+    cluster: pp.Cluster,
+    task: pp.Task,
+    rng: random.Random,
+    scoring: str = CPU_SCORINGS[0],
+    *,
+    steer: bool = False,
 ) -> pp.Placement | None:
     """The stand-in for CPU-only tasks: kube-scheduler's scores on CPU and memory, NodeResourcesFit
     (``LeastAllocated``, its default: the free share after the placement; ``MostAllocated``: the
-    used share) plus BalancedAllocation (1 - the spread of the two used shares), highest first,
-    ties at random."""
+    used share) plus BalancedAllocation (1 - the spread of the two used shares), and with ``steer``
+    the chart's preferred node affinity (module docstring), highest first, ties at random."""
     if scoring not in CPU_SCORINGS[:2]:
         raise ValueError(f"unknown scoring {scoring!r} (known: {', '.join(CPU_SCORINGS)})")
     candidates = cluster.feasible(task)
@@ -386,6 +403,9 @@ def kube_scheduler(
     cpu_used, mem_used = 1 - cpu_free / cpu_cap, 1 - mem_free / mem_cap
     balanced = np.trunc((1 - np.abs(cpu_used - mem_used) / 2) * 100).astype(np.int64)
     scores = fit + balanced
+    if steer:  # NodeAffinity, weight 2: 100 for a node matching the preferred term, normalised
+        busy = (cluster.left[candidates] == pp.MILLI).sum(axis=1) == 0  # no whole GPU free
+        scores = scores + 2 * 100 * busy
     best = np.flatnonzero(scores == scores.max())
     return pp.Placement(node=int(candidates[best[rng.randrange(len(best))]]), gpus=())
 
@@ -402,6 +422,7 @@ class Job:
     inflate: float
     cpu_scoring: str = CPU_SCORINGS[0]  # the gpualloc policy's stand-in for CPU-only tasks
     strategy: str = DEFAULT_STRATEGY  # the gpualloc policy's claims'
+    steer: bool = False  # the chart's packing.steerPodsWithoutClaim (CPU-only tasks)
     label: str = ""
 
 
@@ -415,10 +436,11 @@ def make_policy(
     rng: random.Random,
     cpu_scoring: str = CPU_SCORINGS[0],
     strategy: str = DEFAULT_STRATEGY,
+    steer: bool = False,
 ) -> tuple[Chooser, AllocatorPolicy | None]:
     """The policy's chooser (and the gpualloc policy, for its counts)."""
     if name == "gpualloc":
-        policy = AllocatorPolicy(cluster, rng, cpu_scoring, strategy)
+        policy = AllocatorPolicy(cluster, rng, cpu_scoring, strategy, steer)
         return policy.choose, policy
     if name == "fgd":
         return (lambda t: pp.choose_fgd(cluster, t, ledger)), None
@@ -451,7 +473,7 @@ def replay(job: Job) -> dict[str, Any]:
     workload = inflate(job.tasks, cluster.capacity_milli, job.inflate, job.seed)
     ledger = pp.FragLedger(pp.Fragmentation(pp.typical_tasks(job.tasks), cluster), cluster)
     rng = random.Random(f"trace-replay/{job.policy}/{job.seed}")
-    choose, gpualloc = make_policy(job.policy, cluster, ledger, rng, job.cpu_scoring, job.strategy)
+    choose, gpualloc = make_policy(job.policy, cluster, ledger, rng, job.cpu_scoring, job.strategy, job.steer)
     n = len(workload)
     arrived = np.zeros(n)
     allocated = np.zeros(n)
@@ -593,6 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_STRATEGY,
         help=f"the gpualloc policy's claims' spec.strategy (default {DEFAULT_STRATEGY}, the CRD's)",
     )
+    parser.add_argument(
+        "--steer-pods",
+        action="store_true",
+        help="the chart's packing.steerPodsWithoutClaim: CPU-only tasks prefer nodes with no whole free GPU",
+    )
     parser.add_argument("--workers", type=int, default=1, help="processes (one job: a policy x a seed)")
     parser.add_argument(
         "--json", type=pathlib.Path, default=None, help="bench/results/trace_replay_<trace>.json"
@@ -617,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             inflate=args.inflate,
             cpu_scoring=args.cpu_tasks,
             strategy=args.strategy,
+            steer=args.steer_pods,
             label=f"{trace}: ",
         )
         for p in policies
@@ -684,13 +712,13 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_s_per_seed": round(sum(r["cpu_s"] for r in mine) / len(mine), 2),
         }
         if name == "gpualloc":
-            entry["notes"] = gpualloc_notes(args.cpu_tasks, args.strategy)
+            entry["notes"] = gpualloc_notes(args.cpu_tasks, args.strategy, args.steer_pods)
         result["policies"][name] = entry
 
     print()
     print(table(result, trace))
     if "gpualloc" in policies:
-        notes = gpualloc_notes(args.cpu_tasks, args.strategy).items()
+        notes = gpualloc_notes(args.cpu_tasks, args.strategy, args.steer_pods).items()
         print("\ngpualloc: " + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in notes))
     for name, entry in result["policies"].items():
         print(f"{name}: {entry['cpu_s_per_seed']} CPU-s, {entry['wall_s_per_seed']} s wall per seed")

@@ -228,6 +228,17 @@ def test_gpualloc_stand_in_for_cpu_only_tasks_spreads_or_packs_as_kube_scheduler
     assert policy.stand_in["cpu_only_tasks"] == 1
 
 
+@pytest.mark.parametrize(("steer", "expected"), [(False, "a"), (True, "b")])
+def test_the_charts_steering_sends_a_cpu_only_task_to_a_node_without_a_whole_free_gpu(
+    steer: bool, expected: str
+) -> None:
+    cluster = pp.Cluster([_node("a", gpus=2), _node("b", gpus=2)])
+    cluster.place(_task("busy", gpus=2, cpu=8000), pp.Placement(node=1, gpus=(0, 1)))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), steer=steer)
+    found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
+    assert found is not None and cluster.nodes[found.node].name == expected  # a: emptier, GPUs free
+
+
 def test_gpualloc_with_least_fragmentation_leaves_room_for_the_claims_it_has_seen() -> None:
     cluster = pp.Cluster([_node("a", gpus=4), _node("b", gpus=4)])
     cluster.place(_task("earlier-a", gpus=1), pp.Placement(node=0, gpus=(0,)))
