@@ -219,9 +219,9 @@ def _strategy_key(
         return (random_rank[node.view.name],)
     if ask.strategy == "roundRobin":
         return ((node.position - cursor) % n_nodes,)
-    tier = cost_rank.get(node.view.labels.get(cost_label, ""), len(cost_rank))
     if ask.sharing.milli is not None and ask.strategy in PACKING:
         return (_share_left(node, ask.sharing.milli), node.position)
+    tier = cost_rank.get(node.view.labels.get(cost_label, ""), len(cost_rank))
     return _load_key(ask.strategy, node.total, node.free, ask.count, tier)
 
 
