@@ -1,7 +1,8 @@
 """How long one allocation decision takes on a large cluster.
 
 1,000 nodes x 8 GPUs (half NVSwitch H100 boxes, half PCIe L40S boxes), half of
-all devices taken at random, claims of 1, 2, 4 and 8 GPUs and a 4 x 4-GPU gang.
+all devices taken at random, claims of 1, 2, 4 and 8 GPUs and a 4 x 4-GPU gang, and
+``leastFragmentation`` (which ranks every node) against a fixed workload.
 Each case runs ``--decisions`` times, cycling over several taken-sets, and
 reports p50/p99 in milliseconds; the explain cases run as ``gpualloc explain``
 does, on the index (and, for comparison, on a list, where every node is
@@ -27,11 +28,24 @@ import statistics
 import sys
 import time
 
-from controller import allocator
+from controller import allocator, fragmentation
+from controller.fragmentation import Shape
 from controller.nodes import NodeIndex
 from gpualloc.api import models
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+# leastFragmentation's workload, as the controller's recent claims give it: whole-GPU claims of
+# each size, shares, and a fifth of the claims naming the H100s.
+WORKLOAD = fragmentation.Workload(
+    {
+        Shape(gpus=1): 4.0,
+        Shape(gpus=2): 2.0,
+        Shape(gpus=4): 1.0,
+        Shape(gpus=8): 1.0,
+        Shape(gpus=1, milli=500): 2.0,
+        Shape(gpus=1, products=("NVIDIA H100*",)): 2.5,
+    }
+)
 
 
 def nvswitch_box(name: str, n: int = 8) -> models.NodeInventory:
@@ -140,6 +154,7 @@ def measure(
     indexed: bool = False,
     explain: bool = False,
     cold: bool = False,
+    workload: fragmentation.Workload | None = None,
 ) -> dict[str, object]:
     """``decisions`` allocate() calls cycling over ``states``: wall and CPU ms per call.
 
@@ -147,7 +162,7 @@ def measure(
     one up to date from watch events), as the controller calls allocate().
     """
     inputs: list[list[allocator.NodeView] | NodeIndex] = [NodeIndex(s) if indexed else s for s in states]
-    allocator.allocate(claim, inputs[0], explain=explain)  # warm-up
+    allocator.allocate(claim, inputs[0], explain=explain, workload=workload)  # warm-up
     samples: list[float] = []
     cpu: list[float] = []
     placed = 0
@@ -160,7 +175,7 @@ def measure(
                 for v in nodes
             ]
         t0, c0 = time.perf_counter(), time.thread_time()
-        decision = allocator.allocate(claim, nodes, explain=explain)
+        decision = allocator.allocate(claim, nodes, explain=explain, workload=workload)
         cpu.append((time.thread_time() - c0) * 1000)
         samples.append((time.perf_counter() - t0) * 1000)
         placed += bool(decision.allocations)
@@ -271,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         ("8 GPUs", gpu_claim(8), False, False),
         ("4 x 4-GPU gang", gpu_claim(4, replicas=4), False, False),
         ("2 GPUs, spread", gpu_claim(2, strategy="spread"), False, False),
+        ("2 GPUs, leastFragmentation", gpu_claim(2, strategy=fragmentation.STRATEGY), False, False),
         ("2 GPUs, explain", gpu_claim(2), True, False),
         ("4 GPUs, explain", gpu_claim(4), True, False),
         ("9 GPUs, explain (fits nowhere)", gpu_claim(9), True, False),
@@ -279,10 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, claim, explain, cold in cases:
         for indexed in (False, True) if not cold else (False,):
-            row = {
-                "case": label,
-                **measure(claim, states, args.decisions, indexed=indexed, explain=explain, cold=cold),
-            }
+            workload = WORKLOAD if claim.spec.strategy == fragmentation.STRATEGY else None
+            found = measure(
+                claim, states, args.decisions, indexed=indexed, explain=explain, cold=cold, workload=workload
+            )
+            row = {"case": label, **found}
             rows.append(row)
             print(
                 f"{label:40s} {row['search']:5s} "

@@ -69,8 +69,10 @@ Nodes (choice)
       sorted-name order (wrapping); a gang's next replica starts after the last node used
     * ``costOptimized``: the node label ``cost_label`` ranked by ``cost_preference``
       (nodes without the label, or with another value, last), then ``binpack``
-    * ``leastFragmentation``: the least fragmentation the claim adds to the node's free GPUs
-      against ``workload``, the claims seen lately, then best fit (``controller.fragmentation``)
+    * ``leastFragmentation``: the least pressure on the node's GPU product from the claims that
+      need it, then the least fragmentation the claim adds to the node's free GPUs, both against
+      ``workload``, the claims seen lately, then the smallest node, then best fit
+      (``controller.fragmentation``); fractional shares too
 
 Gangs
     ``replicas: N`` places replica 0..N-1 in turn against a local copy of the
@@ -118,7 +120,8 @@ Fractional shares
     (``NodeView.milli_used``); best fit first (the least left once placed), so
     shares pack and whole GPUs stay whole: on a node, the tightest GPU, and across
     nodes, for the packing strategies (``binpack``, ``bestFit``), the node whose
-    tightest GPU is left with least, then the first by name (``_share_left``). The GPU's own Lease holds the
+    tightest GPU is left with least, then the first by name (``_share_left``);
+    ``leastFragmentation`` ranks them as it ranks whole GPUs. The GPU's own Lease holds the
     shares' ledger (``locking``, rules 6 to 8): a GPU with a share is never
     free for a whole claim, nor the other way round. ``total`` and *free*
     count the GPUs shares may go on and those with room.
@@ -212,9 +215,10 @@ def _strategy_key(
     cost_label: str,
     cost_rank: Mapping[str, int],
     workload: fragmentation.Workload | None = None,
+    pressures: Mapping[str, int] | None = None,
 ) -> Key:
     if ask.strategy == fragmentation.STRATEGY:
-        return fragmentation.node_key(node, ask, workload)
+        return fragmentation.node_key(node, ask, workload, pressures)
     if ask.strategy == "random":
         return (random_rank[node.view.name],)
     if ask.strategy == "roundRobin":
@@ -474,6 +478,9 @@ def _allocate(
 
     cost_rank = _cost_rank(cost_preference)
     rng = random.Random(seed)
+    pressures = None  # leastFragmentation's pressure on each product (once per decision)
+    if ask.strategy == fragmentation.STRATEGY and workload is not None and workload.names_products:
+        pressures = fragmentation.pressures(workload, fragmentation.free_milli(views))
     extra: dict[str, set[str]] = {v.name: set() for v in views}
     screened: list[Screened | Miss] = [
         screen(v, ask, i, extra[v.name], len(views)) for i, v in enumerate(views)
@@ -502,6 +509,7 @@ def _allocate(
                     cost_label=cost_label,
                     cost_rank=cost_rank,
                     workload=workload,
+                    pressures=pressures,
                 ),
                 s.view.name,
                 s.position,

@@ -57,11 +57,18 @@ def _view(
     )
 
 
-def _claim(count: int, *, cpu: int = 0, replicas: int = 1, **spec: object) -> models.GpuClaim:
+def _claim(
+    count: int, *, cpu: int = 0, replicas: int = 1, milli: int | None = None, **spec: object
+) -> models.GpuClaim:
+    devices = models.DeviceRequest(count=count)
+    if milli is not None:
+        devices = models.DeviceRequest(
+            count=count, exclusivity="Shared", sharing=models.SharingRequest(milli=milli)
+        )
     return models.GpuClaim(
         metadata=models.ObjectMeta(name="c", namespace="ns", uid="u"),
         spec=models.GpuClaimSpec(
-            devices=models.DeviceRequest(count=count),
+            devices=devices,
             strategy=fragmentation.STRATEGY,
             replicas=replicas,
             pod_resources={"cpu": cpu} if cpu else {},
@@ -138,6 +145,54 @@ def test_the_claims_cpu_counts_where_it_would_leave_gpus_no_pods_can_use() -> No
     assert _nodes_of(decision) == ["b"]
 
 
+def test_the_score_is_fgds_sigmoid_in_whole_steps() -> None:
+    assert fragmentation.score(0) == 50
+    assert fragmentation.score(-MILLI) == 73  # a placement that removes a GPU of fragments
+    assert fragmentation.score(MILLI) == 26
+    assert fragmentation.score(-30) == fragmentation.score(-1) == 50  # near-equal placements tie
+    assert fragmentation.score(10**9) == 0 and fragmentation.score(-(10**9)) == 100
+
+
+def test_a_claim_any_product_will_do_goes_to_the_product_named_claims_need_least() -> None:
+    """Node a (T4) is the better fit, but claims that need a T4 are a third of the workload and
+    nothing names an A100: the claim that takes either goes to the A100s."""
+    t4 = Shape(gpus=1, products=("Tesla T4",))
+    workload = Workload({t4: 1.0, Shape(gpus=1): 2.0})
+    views = [_view("a", taken=[0, 1, 2], product="Tesla T4"), _view("b", taken=[0])]
+    assert _nodes_of(allocator.allocate(_claim(1), views, workload=workload)) == ["b"]
+    assert _nodes_of(allocator.allocate(_claim(1), views, workload=Workload({Shape(gpus=1): 1.0}))) == ["a"]
+    a100 = "NVIDIA A100-SXM4-40GB"
+    # T4s: all the named demand, a quarter of the free GPUs (ratio 4: tier 2); A100s: none named.
+    assert fragmentation.pressures(workload, {"Tesla T4": MILLI, a100: 3 * MILLI}) == {"Tesla T4": 2, a100: 0}
+
+
+def test_a_products_pressure_grows_as_its_share_of_the_free_gpus_shrinks() -> None:
+    workload = Workload({Shape(gpus=1, products=("Tesla T4",)): 1.0, Shape(gpus=1): 1.0})
+    views = [_view("a", taken=[0, 1, 2], product="Tesla T4"), _view("b", n=8, taken=[0], product="V100")]
+    free = fragmentation.free_milli(views)
+    assert free == {"Tesla T4": MILLI, "V100": 7 * MILLI}
+    assert fragmentation.pressures(workload, free)["Tesla T4"] == 3  # 1 / (1/8): 8
+    assert fragmentation.pressures(workload, {"Tesla T4": 7 * MILLI, "V100": MILLI})["Tesla T4"] == 0  # 8/7
+    assert fragmentation.pressures(Workload({Shape(gpus=1): 1.0}), free) == {}  # nothing named
+
+
+def test_a_share_goes_where_the_gpu_it_lands_on_still_holds_the_typical_share() -> None:
+    """Best fit would put a 500 share on "a"'s GPU with 600 left, leaving 100 no share can use;
+    against a workload of 500 shares it goes on "b"'s free GPU, which keeps room for the next."""
+    half = Shape(gpus=1, milli=500)
+    a = _view("a", n=1)
+    a = dataclasses.replace(a, taken=frozenset({"GPU-a-0"}), milli_used={"GPU-a-0": 400})
+    views = [a, _view("b", n=1)]
+    assert _nodes_of(allocator.allocate(_claim(1, milli=500), views, workload=Workload({half: 1.0}))) == ["b"]
+    assert _nodes_of(allocator.allocate(_claim(1, milli=500), views)) == ["a"]  # no workload: best fit
+
+
+def test_with_equal_scores_the_smaller_node_goes_first() -> None:
+    workload = Workload({Shape(gpus=1): 1.0})
+    views = [_view("a", n=8), _view("b", n=4)]
+    assert _nodes_of(allocator.allocate(_claim(1), views, workload=workload)) == ["b"]
+
+
 def test_without_a_workload_it_is_best_fit() -> None:
     views = [_view("a", taken=[0]), _view("b", taken=[0, 1]), _view("c")]
     assert _nodes_of(allocator.allocate(_claim(1), views)) == ["b"]
@@ -198,3 +253,9 @@ def test_recent_takes_a_claims_shape_from_its_spec() -> None:
     recent.observe_claim(_claim(2, cpu=8000))
     (shape,) = recent.workload().shapes
     assert (shape.gpus, shape.milli, shape.cpu) == (2, MILLI, 8000)
+
+
+def test_recent_keeps_fractional_shares_too() -> None:
+    recent = Recent(refresh=1)
+    recent.observe_claim(_claim(1, milli=460))
+    assert [(s.gpus, s.milli) for s in recent.workload().shapes] == [(1, 460)]
