@@ -204,7 +204,7 @@ async def test_minimal_claim_is_accepted_with_every_default_applied(
     spec = created["spec"]
     assert spec["devices"] == {"count": 2, "exclusivity": "Exclusive", "policy": "packed"}
     assert spec["topology"] == {"mode": "Preferred"}
-    assert spec["strategy"] == "binpack"
+    assert "strategy" not in spec  # the cluster's default (the chart's packing.defaultStrategy)
     assert spec["replicas"] == 1
     assert spec["priority"] == 0
     assert spec["retryPolicy"] == {"maxRetries": 0, "backoffSeconds": 5}
@@ -213,6 +213,7 @@ async def test_minimal_claim_is_accepted_with_every_default_applied(
     assert "podResources" not in spec
     parsed = codecs.parse_claim(created)
     assert parsed.spec.devices.count == 2
+    assert parsed.spec.strategy == "binpack"  # where none is set
     assert parsed.spec.topology.mode == "Preferred"
 
 

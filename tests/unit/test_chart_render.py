@@ -1259,3 +1259,39 @@ def test_notes_warn_when_steering_is_on_but_its_mutating_policy_is_not_rendered(
     on = ("--set", "packing.steerPodsWithoutClaim=true")
     assert "steerPodsWithoutClaim" not in _notes(tmp_path / "served", "--api-versions", MAP_V1, *on)
     assert "no pod is steered" in _notes(tmp_path / "older", *on)
+
+
+DEFAULT_STRATEGY = f"{FULLNAME}-default-strategy"
+
+
+def test_the_default_strategy_is_binpack_and_then_no_policy_is_rendered() -> None:
+    assert named(render(MAP_V1), DEFAULT_STRATEGY) == []
+    assert named(render(MAP_V1, packing__defaultStrategy="binpack"), DEFAULT_STRATEGY) == []
+
+
+def test_another_default_strategy_is_set_on_claims_created_without_one() -> None:
+    objs = render(MAP_V1, packing__defaultStrategy="leastFragmentation")
+    assert named(objs, DEFAULT_STRATEGY) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    spec = one(objs, "MutatingAdmissionPolicy", DEFAULT_STRATEGY)["spec"]
+    assert spec["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": ["gpu.scheduling"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE"],
+            "resources": ["gpuclaims"],
+        }
+    ], "CREATE only: an allocated claim's spec may not change"
+    (mutation,) = spec["mutations"]
+    assert mutation["jsonPatch"]["expression"] == (
+        "has(object.spec.strategy) ? [] : "
+        "[JSONPatch{op: 'add', path: '/spec/strategy', value: 'leastFragmentation'}]"
+    )
+
+
+def test_another_default_strategy_without_a_mutating_policy_fails_the_install() -> None:
+    result = _run(
+        "template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION,
+        "--set", "packing.defaultStrategy=leastFragmentation",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "packing.defaultStrategy=leastFragmentation needs a MutatingAdmissionPolicy" in result.stderr
