@@ -20,8 +20,8 @@ Ranking
        cluster's free milli-GPU; 0 below 2, then one more for each doubling (``pressures``).
        A claim that several products would do goes first to those the claims that need them
        will not miss: on openb's ``gpuspec33`` trace, a third of whose tasks name a model, this
-       takes the GPU placed at 100% arrived workload from FGD's 87.8% to about 94%. 0 for all
-       where no claim names a product;
+       takes the GPU placed at 100% arrived workload from FGD's 87.8% to 93.7% (BENCHMARKS.md).
+       0 for all where no claim names a product;
     2. the FGD score of the placement, ``sigmoid((F - F') / 1000) * 100`` truncated (higher
        first), with ``F`` and ``F'`` the node's fragmentation before and after: the placement
        that wastes least of what the next claims need. Its whole steps make near-equal
