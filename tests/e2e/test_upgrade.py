@@ -234,6 +234,11 @@ class Release:
                      f"--tls-cert-file={cert}", f"--tls-key-file={key}"]  # fmt: skip
         else:
             local = ["--metrics-port=0", f"--health-port={port}"]
+        if "--kubelet-plugin" in container["args"]:  # DRA on: the kubelet plugin's paths, not the host's
+            local += [
+                f"--kubelet-root={self.workdir / node / 'kubelet'}",
+                f"--cdi-dir={self.workdir / node / 'cdi'}",
+            ]
         args = support.stand_in_args(container, downward, local, kubeconfig)
         name = f"{component.replace(':', '-')}-r{self.revision}"
         return support.StandIn(name, source, args, downward, self.workdir, port=port)

@@ -26,7 +26,15 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_SUBDIR = Path("helm") / "gpualloc"
 # Flags a stand-in sets itself: its own ports, TLS files and credentials.
-_LOCAL_FLAGS = ("--port=", "--metrics-port=", "--health-port=", "--tls-cert-file=", "--tls-key-file=")
+_LOCAL_FLAGS = (
+    "--port=",
+    "--metrics-port=",
+    "--health-port=",
+    "--tls-cert-file=",
+    "--tls-key-file=",
+    "--kubelet-root=",  # with DRA on, the agent's host paths: the stand-in's own directories
+    "--cdi-dir=",
+)
 _DOWNWARD = re.compile(r"\$\(([A-Z_]+)\)")
 
 
