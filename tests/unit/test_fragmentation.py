@@ -184,18 +184,21 @@ def test_a_share_goes_where_the_gpu_it_lands_on_still_holds_the_typical_share() 
     a = dataclasses.replace(a, taken=frozenset({"GPU-a-0"}), milli_used={"GPU-a-0": 400})
     views = [a, _view("b", n=1)]
     assert _nodes_of(allocator.allocate(_claim(1, milli=500), views, workload=Workload({half: 1.0}))) == ["b"]
-    assert _nodes_of(allocator.allocate(_claim(1, milli=500), views)) == ["a"]  # no workload: best fit
+    assert _nodes_of(allocator.allocate(_claim(1, milli=500), views)) == ["a"]  # no workload: first fit
 
 
-def test_with_equal_scores_the_smaller_node_goes_first() -> None:
+def test_among_equal_scores_the_first_node_by_name_goes_first() -> None:
+    """First fit, as the paper's simulator breaks FGD's ties: not the smaller node, not the
+    best fit."""
     workload = Workload({Shape(gpus=1): 1.0})
-    views = [_view("a", n=8), _view("b", n=4)]
-    assert _nodes_of(allocator.allocate(_claim(1), views, workload=workload)) == ["b"]
+    views = [_view("a", n=8), _view("b", n=4, taken=[0, 1])]
+    assert _nodes_of(allocator.allocate(_claim(1), views, workload=workload)) == ["a"]
 
 
-def test_without_a_workload_it_is_best_fit() -> None:
+def test_without_a_workload_it_is_first_fit() -> None:
     views = [_view("a", taken=[0]), _view("b", taken=[0, 1]), _view("c")]
-    assert _nodes_of(allocator.allocate(_claim(1), views)) == ["b"]
+    assert _nodes_of(allocator.allocate(_claim(1), views)) == ["a"]
+    assert _nodes_of(allocator.allocate(_claim(4), views)) == ["c"]  # the first that fits
 
 
 def test_the_index_gives_the_same_decision_as_the_list() -> None:
