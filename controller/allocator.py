@@ -71,8 +71,8 @@ Nodes (choice)
       (nodes without the label, or with another value, last), then ``binpack``
     * ``leastFragmentation``: the least pressure on the node's GPU product from the claims that
       need it, then the least fragmentation the claim adds to the node's free GPUs, both against
-      ``workload``, the claims seen lately, then the smallest node, then best fit
-      (``controller.fragmentation``); fractional shares too
+      ``workload``, the claims seen lately, then the node name (first fit;
+      ``controller.fragmentation``); fractional shares too
 
 Gangs
     ``replicas: N`` places replica 0..N-1 in turn against a local copy of the
