@@ -103,6 +103,7 @@ ACTIONS = frozenset(
         "schedule-pod",
         "cpu-pod",
         "tick",
+        "fragmentation",
     }
 )
 SETTINGS = _settings_class()(namespace=model.NAMESPACE, node_stale_after=1e9)
@@ -602,6 +603,9 @@ class Simulation:
         # Job as owner; in half the schedules, from an RNG of its own (issue 41).
         fit_rng = None if "unplaceable" in without else random.Random(seed ^ 0xF17)
         self._fit_rng = fit_rng if fit_rng is not None and fit_rng.random() < 0.5 else None
+        # A third of the claims ask for leastFragmentation instead of binpack or spread, from an RNG
+        # of its own (issue 39: the strategy the chart can make the default).
+        self._fragmentation_rng = None if "fragmentation" in without else random.Random(seed ^ 0xF6D)
         self.clock = VirtualClock()
         self.server = model.ApiServer(clock=self.clock.now)
         self.calls: list[Call] = []
@@ -1087,6 +1091,9 @@ class Simulation:
             "strategy": self.rng.choice(("binpack", "spread")),
             "retryPolicy": {"backoffSeconds": 1, "maxRetries": 0},
         }
+        if self._fragmentation_rng is not None and self._fragmentation_rng.random() < 1 / 3:
+            spec["strategy"] = "leastFragmentation"
+            self.count("fragmentation_claims")
         if self._release_rng is not None and self._release_rng.random() < 0.4:
             spec["release"] = constants.RELEASE_ON_PODS_COMPLETED
         if self._node_loss_rng is not None and self._node_loss_rng.random() < 0.4:

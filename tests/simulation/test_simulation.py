@@ -379,8 +379,10 @@ def test_no_schedule_breaks_an_invariant() -> None:
 # across namespaces, run without them.
 # Seeds found before nodes had CPU and kube-scheduler placed pods (issue 41), and before claims
 # moved off a failed GPU (issue 40), run without them too.
-# Seeds found before claims asked for milli-GPU shares (issue 39) run without them too.
-_BEFORE_MILLI = frozenset({"milli"})
+# Seeds found before claims asked for milli-GPU shares (issue 39) run without them too, and seeds
+# found before claims asked for leastFragmentation run without it.
+_BEFORE_FRAGMENTATION = frozenset({"fragmentation"})
+_BEFORE_MILLI = frozenset({"milli"}) | _BEFORE_FRAGMENTATION
 _BEFORE_FIT = frozenset({"unplaceable", "heal"}) | _BEFORE_MILLI
 _BEFORE_STRIPS = frozenset({"strip-finalizer", "preempt-cluster"}) | _BEFORE_FIT
 _PINNED = frozenset({"quota", "release", "reallocate", "preempt", "mig", "stale-pod"}) | _BEFORE_STRIPS
@@ -640,7 +642,7 @@ def test_a_preemptor_released_after_its_admission_is_read_as_admitted(runner: sc
 def test_the_simulated_scheduler_binds_refuses_and_claims_move(runner: scheduler.Runner) -> None:
     totals: dict[str, int] = {}
     for seed in [*range(5000, 5800), 6220]:
-        for what, n in runner.run(seed, keep_trace=False).stats.items():
+        for what, n in runner.run(seed, keep_trace=False, without=_BEFORE_FRAGMENTATION).stats.items():
             totals[what] = totals.get(what, 0) + n
     assert totals.get("bound_pods", 0) > 50 and totals.get("unschedulable_pods", 0) > 5, totals
     assert totals.get("moved_pods", 0) >= 2, totals  # seeds 5464 and 6220 move a claim
@@ -692,10 +694,10 @@ def test_invariant_3_catches_a_replica_moved_while_its_pod_still_runs(
         return False  # as if no pod of the replica used its GPUs
 
     monkeypatch.setattr(healing.Healer, "_evict", never_evicts)
-    found = runner.run(672, keep_trace=False).violation
+    found = runner.run(672, keep_trace=False, without=_BEFORE_FRAGMENTATION).violation
     assert found is not None and found.number == 3, found
     monkeypatch.undo()
-    assert runner.run(672, keep_trace=False).violation is None
+    assert runner.run(672, keep_trace=False, without=_BEFORE_FRAGMENTATION).violation is None
 
 
 def test_seed_600940_a_gate_that_read_the_claim_before_the_fence_cannot_lift_a_pod_onto_a_moved_replica(
@@ -705,8 +707,8 @@ def test_seed_600940_a_gate_that_read_the_claim_before_the_fence_cannot_lift_a_p
     the pods behind its fence, was un-gated onto the old GPU by a controller whose GET of the claim
     came before the fence; the move then released that GPU under it (invariant 3). Gated pods of
     a moving replica are now evicted too."""
-    result = runner.run(600940)
-    assert result.violation is None, _failure(runner, 600940, frozenset())
+    result = runner.run(600940, without=_BEFORE_FRAGMENTATION)
+    assert result.violation is None, _failure(runner, 600940, _BEFORE_FRAGMENTATION)
 
 
 # ------------------------------------------------------------------ milli-GPU shares (issue 39)
