@@ -17,10 +17,13 @@ Ranking
 
     1. the *pressure* on its GPU product: the product's share of the milli-GPU that the
        workload's claims naming products (``product``/``products``) ask, over its share of the
-       cluster's free milli-GPU; 0 below 2, then one more for each doubling (``pressures``).
+       cluster's free milli-GPU; 0 below 4, then one more for each doubling (``pressures``).
        A claim that several products would do goes first to those the claims that need them
        will not miss: on openb's ``gpuspec33`` trace, a third of whose tasks name a model, this
-       takes the GPU placed at 100% arrived workload from FGD's 87.8% to 93.7% (BENCHMARKS.md).
+       takes the GPU placed at 100% arrived workload from FGD's 87.8% to 91.5% (BENCHMARKS.md).
+       From 2 instead of 4 it placed 93.6% there, but 94.3% at 130% where FGD placed 94.5%:
+       sent away from a product under pressure, a claim lands on the nodes its pods strand
+       (16 cores for 2 P100s), and once the cluster is full that costs more than it saves.
        0 for all where no claim names a product;
     2. the FGD score of the placement, ``sigmoid((F - F') / 1000) * 100`` truncated (higher
        first), with ``F`` and ``F'`` the node's fragmentation before and after: the placement
@@ -45,8 +48,7 @@ which shapes' CPU and memory its free CPU and memory still hold, so a ``Workload
 by those: a cluster of many alike nodes is scored with a dictionary look-up per node.
 ``Recent`` keeps the last claims' shapes (whole GPUs and shares) and gives the workload of the
 most frequent of them; the controller's allocation of Pending claims passes it. Callers that pass
-none (``explain``, moving a claim off a failed GPU, the simulation) rank such claims as without a
-workload.
+none (``explain``, moving a claim off a failed GPU) rank such claims as without a workload.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ MILLI = 1000  # milli-GPU of one GPU
 COVERAGE = 0.95  # a workload keeps the most frequent shapes until they cover this share of the claims
 WINDOW = 2000  # claims ``Recent`` remembers
 REFRESH = 50  # ``Recent`` rebuilds its workload after this many new claims (the memo starts anew)
+PRESSURE_FROM = 4  # a product's pressure is 1 from this many times its even share (``pressures``)
 
 SCORE_SCALE = 1000  # milli-GPU of fragmentation per unit of the sigmoid's argument (FGD's)
 MAX_SCORE = 100  # the score of a placement, 0..100, as kube-scheduler's plugins score
@@ -230,7 +233,7 @@ def pressures(workload: Workload, free: Mapping[str, int]) -> dict[str, int]:
     tiers = {}
     for product, asked in demand.items():
         ratio = (asked / all_demand) / max(free[product] / all_free, 1e-12)
-        tiers[product] = max(0, math.floor(math.log2(ratio))) if ratio > 0 else 0
+        tiers[product] = max(0, 1 + math.floor(math.log2(ratio / PRESSURE_FROM))) if ratio > 0 else 0
     return tiers
 
 

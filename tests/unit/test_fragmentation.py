@@ -162,8 +162,10 @@ def test_a_claim_any_product_will_do_goes_to_the_product_named_claims_need_least
     assert _nodes_of(allocator.allocate(_claim(1), views, workload=workload)) == ["b"]
     assert _nodes_of(allocator.allocate(_claim(1), views, workload=Workload({Shape(gpus=1): 1.0}))) == ["a"]
     a100 = "NVIDIA A100-SXM4-40GB"
-    # T4s: all the named demand, a quarter of the free GPUs (ratio 4: tier 2); A100s: none named.
-    assert fragmentation.pressures(workload, {"Tesla T4": MILLI, a100: 3 * MILLI}) == {"Tesla T4": 2, a100: 0}
+    # T4s: all the named demand, a quarter of the free GPUs (ratio 4: tier 1); A100s: none named.
+    assert fragmentation.pressures(workload, {"Tesla T4": MILLI, a100: 3 * MILLI}) == {"Tesla T4": 1, a100: 0}
+    # Ratio 3 (a third of the free GPUs): below PRESSURE_FROM, no pressure.
+    assert fragmentation.pressures(workload, {"Tesla T4": MILLI, a100: 2 * MILLI}) == {"Tesla T4": 0, a100: 0}
 
 
 def test_a_products_pressure_grows_as_its_share_of_the_free_gpus_shrinks() -> None:
@@ -171,7 +173,7 @@ def test_a_products_pressure_grows_as_its_share_of_the_free_gpus_shrinks() -> No
     views = [_view("a", taken=[0, 1, 2], product="Tesla T4"), _view("b", n=8, taken=[0], product="V100")]
     free = fragmentation.free_milli(views)
     assert free == {"Tesla T4": MILLI, "V100": 7 * MILLI}
-    assert fragmentation.pressures(workload, free)["Tesla T4"] == 3  # 1 / (1/8): 8
+    assert fragmentation.pressures(workload, free)["Tesla T4"] == 2  # 1 / (1/8): 8, a doubling past 4
     assert fragmentation.pressures(workload, {"Tesla T4": 7 * MILLI, "V100": MILLI})["Tesla T4"] == 0  # 8/7
     assert fragmentation.pressures(Workload({Shape(gpus=1): 1.0}), free) == {}  # nothing named
 
