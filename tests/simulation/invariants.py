@@ -202,7 +202,7 @@ def _quota_problem(server: model.ApiServer) -> str | None:
                     m for uuid, m in listed_shares(claim).items() if _product_matches(uuid, pattern)
                 )
             for devices in _stripped_in_use(server, namespace).values():
-                in_use += leases.WHOLE_MILLI * sum(1 for uuid in devices if _product_matches(uuid, pattern))
+                in_use += sum(milli for uuid, milli in devices.items() if _product_matches(uuid, pattern))
             stored = sum(  # milli-GPU: an entry's exact milli, else its whole GPUs
                 int(e["milli"]) if e.get("milli") is not None else int(e.get("gpus", 0)) * leases.WHOLE_MILLI
                 for e in ledger
@@ -240,13 +240,19 @@ def _last_version(server: model.ApiServer, key: str, uid: str) -> dict[str, Any]
     return next(c for c in reversed(server.claim_history[key]) if model.meta(c).get("uid") == uid)
 
 
-def _stripped_in_use(server: model.ApiServer, namespace: str) -> dict[str, set[str]]:
-    """Stripped claims of ``namespace`` with live pods: uid -> the devices those pods use."""
-    used: dict[str, set[str]] = {}
+def _stripped_in_use(server: model.ApiServer, namespace: str) -> dict[str, dict[str, int]]:
+    """Stripped claims of ``namespace`` with live pods: uid -> the GPUs those pods use, each with
+    the milli-GPU the claim held of it (its share, as its last version lists it, else the whole)."""
+    used: dict[str, dict[str, int]] = {}
     for key, pod in server.objects["pods"].items():
         uid = server.pod_claim_uid.get(key, "")
-        if uid in server.stripped and model.meta(pod).get("namespace") == namespace and _live_given(pod):
-            used.setdefault(uid, set()).update(u for u in _devices_used(pod).split(",") if u)
+        m = model.meta(pod)
+        if uid in server.stripped and m.get("namespace") == namespace and _live_given(pod):
+            claim_name = (m.get("annotations") or {}).get(constants.ANNOTATION_CLAIM)
+            shares = listed_shares(_last_version(server, f"{namespace}/{claim_name}", uid))
+            used.setdefault(uid, {}).update(
+                (u, shares.get(u, leases.WHOLE_MILLI)) for u in _devices_used(pod).split(",") if u
+            )
     return used
 
 

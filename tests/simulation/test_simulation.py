@@ -711,6 +711,15 @@ def test_seed_600940_a_gate_that_read_the_claim_before_the_fence_cannot_lift_a_p
     assert result.violation is None, _failure(runner, 600940, _BEFORE_FRAGMENTATION)
 
 
+def test_seed_30022646_a_stripped_claims_share_counts_as_the_share(runner: scheduler.Runner) -> None:
+    """The long mode found it (cc5cbde): a tenant stripped the finalizers of a claim holding 600
+    milli of a GPU while its pod ran; invariant 5 counted that pod's GPU as a whole one and fired
+    at 1.25 GPUs against a quota of 1, where the namespace held 0.85 (the controller's ledger kept
+    the 600). A flaw of the model's invariant, not of the controller."""
+    result = runner.run(30022646)
+    assert result.violation is None, _failure(runner, 30022646, frozenset())
+
+
 # ------------------------------------------------------------------ milli-GPU shares (issue 39)
 
 
