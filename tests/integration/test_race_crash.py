@@ -4,7 +4,7 @@ Sixteen nodes have 8 whole GPUs each; two have a GPU in MIG mode (the a100-mig p
 two share their 4 GPUs by time-slicing, 3 slots each. Most claims ask for whole GPUs, some
 for a MIG instance, some for one or two shared slots, some for a milli-GPU share of a whole
 GPU (``sharing.milli``, issue 39), so the four kinds race on one API server and one
-controller state.
+controller state. A third of them ask for ``leastFragmentation``, the rest ``binpack``.
 
 Three controllers run without leader election (they really compete: only the
 Leases keep them honest) and a pair with it (one leads, one stands by). For
@@ -784,10 +784,18 @@ async def race(
                 kinds.choices(("Exclusive", "MIG", "Shared", "Milli"), (58, 12, 12, 18))[0]
                 for _ in range(CLAIMS)
             ]
+            # A third ask for leastFragmentation (the chart's packing.defaultStrategy can make it
+            # every claim's), likewise from an RNG of its own.
+            ranking = random.Random(f"{seed}-strategies")
+            strategies = [
+                "leastFragmentation" if ranking.random() < 1 / 3 else "binpack" for _ in range(CLAIMS)
+            ]
             limit = asyncio.Semaphore(16)
 
             async def create(i: int) -> None:
-                body = claim_body(f"c{i:03d}", sizes[i], run=tag, priority=priorities[i])
+                body = claim_body(
+                    f"c{i:03d}", sizes[i], run=tag, priority=priorities[i], strategy=strategies[i]
+                )
                 if asks[i] == "Milli":  # a milli-GPU share of one whole GPU
                     sharing = {"milli": MILLI_SHARES[i % len(MILLI_SHARES)]}
                     body["spec"]["devices"] = {"count": 1, "exclusivity": "Shared", "sharing": sharing}
