@@ -1185,11 +1185,22 @@ def _controller_args(objs: list[Obj]) -> list[str]:
     return list(container["args"])
 
 
-def test_steering_pods_without_gpus_is_off_by_default_and_then_nothing_of_it_is_rendered() -> None:
-    objs = render(MAP_V1)
-    assert named(objs, STEER) == [] and named(objs, FREE_GPUS_LABEL) == []
-    assert "--label-free-gpus" not in _controller_args(objs)
-    assert ("*", "", "nodes", "patch", ()) not in _rules_of(objs, "controller")
+def _steering_is_off(objs: list[Obj]) -> bool:
+    return (
+        named(objs, STEER) == []
+        and named(objs, FREE_GPUS_LABEL) == []
+        and "--label-free-gpus" not in _controller_args(objs)
+        and ("*", "", "nodes", "patch", ()) not in _rules_of(objs, "controller")
+    )
+
+
+def test_steering_is_on_by_default_where_its_mutating_policy_is_served_and_off_elsewhere() -> None:
+    served = render(MAP_V1)
+    assert named(served, STEER) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    assert named(served, FREE_GPUS_LABEL) != [] and "--label-free-gpus" in _controller_args(served)
+    assert _steering_is_off(render()), "auto, and no MutatingAdmissionPolicy served: nothing of it"
+    assert _steering_is_off(render(MAP_V1, isolation__mutatingAdmissionPolicy="never"))
+    assert _steering_is_off(render(MAP_V1, packing__steerPodsWithoutClaim="false"))
 
 
 def test_steering_labels_nodes_from_the_controller_which_may_change_only_that_label() -> None:
@@ -1264,8 +1275,18 @@ def test_notes_warn_when_steering_is_on_but_its_mutating_policy_is_not_rendered(
 DEFAULT_STRATEGY = f"{FULLNAME}-default-strategy"
 
 
-def test_the_default_strategy_is_binpack_and_then_no_policy_is_rendered() -> None:
-    assert named(render(MAP_V1), DEFAULT_STRATEGY) == []
+def _default_strategy_patch(objs: list[Obj]) -> str:
+    (mutation,) = one(objs, "MutatingAdmissionPolicy", DEFAULT_STRATEGY)["spec"]["mutations"]
+    return str(mutation["jsonPatch"]["expression"])
+
+
+def test_the_default_strategy_is_least_fragmentation_where_a_mutating_policy_is_served_else_binpack() -> None:
+    assert "value: 'leastFragmentation'" in _default_strategy_patch(render(MAP_V1))
+    assert named(render(), DEFAULT_STRATEGY) == [], "auto, not served: binpack, which needs no policy"
+    assert named(render(MAP_V1, isolation__mutatingAdmissionPolicy="never"), DEFAULT_STRATEGY) == []
+
+
+def test_binpack_as_the_default_strategy_renders_no_policy() -> None:
     assert named(render(MAP_V1, packing__defaultStrategy="binpack"), DEFAULT_STRATEGY) == []
 
 

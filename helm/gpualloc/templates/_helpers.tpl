@@ -132,6 +132,33 @@ Call: include "gpualloc.mutatingPolicyRendered" (dict "root" . "mode" .Values.x.
 {{- end -}}
 
 {{/*
+"true" when pods without GPUs are steered (packing.steerPodsWithoutClaim): always with true,
+never with false, and with auto where the steering MutatingAdmissionPolicy is rendered
+(isolation.mutatingAdmissionPolicy): the controller then labels the GPU nodes gpu.scheduling/free-gpus.
+*/}}
+{{- define "gpualloc.steerPods" -}}
+{{- $mode := toString .Values.packing.steerPodsWithoutClaim -}}
+{{- $map := include "gpualloc.mutatingPolicyRendered" (dict "root" . "mode" .Values.isolation.mutatingAdmissionPolicy) -}}
+{{- if or (eq $mode "true") (and (eq $mode "auto") $map) }}true{{ end -}}
+{{- end -}}
+
+{{/*
+The spec.strategy a GpuClaim created without one gets (packing.defaultStrategy): the value, or
+with auto leastFragmentation where a MutatingAdmissionPolicy is rendered to set it, else binpack
+(the claims' own default, which needs no policy).
+*/}}
+{{- define "gpualloc.defaultStrategy" -}}
+{{- $strategy := toString .Values.packing.defaultStrategy -}}
+{{- if ne $strategy "auto" -}}
+{{ $strategy }}
+{{- else if include "gpualloc.mutatingPolicyRendered" (dict "root" . "mode" .Values.isolation.mutatingAdmissionPolicy) -}}
+leastFragmentation
+{{- else -}}
+binpack
+{{- end -}}
+{{- end -}}
+
+{{/*
 "true" when gpualloc is the DRA driver of its own allocations (dra.enabled): always with true,
 never with false, and with auto where the API server serves resource.k8s.io/v1 (Kubernetes
 1.34+). The controller then writes a ResourceClaim per allocated replica, the webhook puts it
