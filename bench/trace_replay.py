@@ -21,10 +21,14 @@ Measure
 
 Policies (``--policies``)
     ``random``, ``bestfit``, ``fgd``: the paper's baselines (``packing_policies``).
-    ``gpualloc``: the controller's own pure allocator, ``controller.allocator.allocate``, with the
-    strategy a claim gets by default (``binpack``: the CRD's default; the chart sets none) or
-    ``--strategy`` (``leastFragmentation``: ``controller.fragmentation``, judged against the GPU
-    tasks seen so far, kept by ``fragmentation.Recent`` as the controller keeps its claims), on
+    ``gpualloc``: the controller's own pure allocator, ``controller.allocator.allocate``, as the
+    chart installs it by default where Kubernetes serves MutatingAdmissionPolicy (1.36+):
+    claims get ``leastFragmentation`` (``packing.defaultStrategy: auto``;
+    ``controller.fragmentation``, judged against the GPU tasks seen so far, kept by
+    ``fragmentation.Recent`` as the controller keeps its claims) and pods without GPUs are
+    steered (``packing.steerPodsWithoutClaim: auto``, below). ``--strategy binpack
+    --no-steer-pods``: the chart's defaults where no such policy is served (the CRD's own
+    default strategy, no steering). It runs on
     one ``NodeView`` per GPU node (one simulated GPU per trace GPU, the model as its product,
     taken = every GPU with anything on it, the node's CPU and memory as its allocatable and
     free). What the allocator does not do yet is done around it and said in the output
@@ -41,8 +45,9 @@ Policies (``--policies``)
       NodeResourcesFit plus BalancedAllocation on CPU and memory, ties at random, with the
       default LeastAllocated (spreading) or, ``--cpu-tasks MostAllocated``, the packing strategy
       an operator can configure. Which one moves gpualloc's figure by about a point; FGD, which
-      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--steer-pods``:
-      the chart's ``packing.steerPodsWithoutClaim`` on: the preferred node affinity its
+      places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--steer-pods``
+      (the default; ``--no-steer-pods``: off): the chart's ``packing.steerPodsWithoutClaim``
+      on: the preferred node affinity its
       MutatingAdmissionPolicy gives every pod without GPUs (nodes not labelled
       ``gpu.scheduling/free-gpus: "true"``, i.e. with no whole GPU free), scored as
       kube-scheduler's NodeAffinity plugin does (100 for a node that matches, weight 2). ``--cpu-tasks
@@ -88,7 +93,10 @@ TRACES = REPO.parent / "shared" / "traces" / "openb"
 POLICIES = ("gpualloc", "fgd", "bestfit", "random")
 MIB = 2**20
 PODS = 1_000_000  # pod slots per node: the trace has no limit
-DEFAULT_STRATEGY = "binpack"  # a GpuClaim's default (the CRD); the chart's values set no other
+# The chart's defaults where Kubernetes serves MutatingAdmissionPolicy (packing.defaultStrategy and
+# packing.steerPodsWithoutClaim, both auto); elsewhere binpack (the CRD's default) without steering.
+DEFAULT_STRATEGY = fragmentation.STRATEGY
+DEFAULT_STEER = True
 PERCENTS = range(0, 131)
 PROGRESS_EVERY_S = 30.0
 
@@ -131,7 +139,9 @@ CPU_ONLY_NOT_SHIPPED = (
 )
 
 
-def gpualloc_notes(cpu_scoring: str, strategy: str = DEFAULT_STRATEGY, steer: bool = False) -> dict[str, str]:
+def gpualloc_notes(
+    cpu_scoring: str, strategy: str = DEFAULT_STRATEGY, steer: bool = DEFAULT_STEER
+) -> dict[str, str]:
     notes = {k: v.format(scoring=cpu_scoring, strategy=strategy) for k, v in GPUALLOC_NOTES.items()}
     if steer:
         notes["cpu_only_tasks"] += STEERED
@@ -221,7 +231,7 @@ class AllocatorPolicy:
         rng: random.Random,
         cpu_scoring: str = CPU_SCORINGS[0],
         strategy: str = DEFAULT_STRATEGY,
-        steer: bool = False,
+        steer: bool = DEFAULT_STEER,
     ) -> None:
         self.cluster = cluster
         self.steer = steer
@@ -422,7 +432,7 @@ class Job:
     inflate: float
     cpu_scoring: str = CPU_SCORINGS[0]  # the gpualloc policy's stand-in for CPU-only tasks
     strategy: str = DEFAULT_STRATEGY  # the gpualloc policy's claims'
-    steer: bool = False  # the chart's packing.steerPodsWithoutClaim (CPU-only tasks)
+    steer: bool = DEFAULT_STEER  # the chart's packing.steerPodsWithoutClaim (CPU-only tasks)
     label: str = ""
 
 
@@ -436,7 +446,7 @@ def make_policy(
     rng: random.Random,
     cpu_scoring: str = CPU_SCORINGS[0],
     strategy: str = DEFAULT_STRATEGY,
-    steer: bool = False,
+    steer: bool = DEFAULT_STEER,
 ) -> tuple[Chooser, AllocatorPolicy | None]:
     """The policy's chooser (and the gpualloc policy, for its counts)."""
     if name == "gpualloc":
@@ -613,12 +623,15 @@ def main(argv: list[str] | None = None) -> int:
         "--strategy",
         choices=constants.STRATEGIES,
         default=DEFAULT_STRATEGY,
-        help=f"the gpualloc policy's claims' spec.strategy (default {DEFAULT_STRATEGY}, the CRD's)",
+        help=f"the gpualloc policy's claims' spec.strategy (default {DEFAULT_STRATEGY}, the chart's on "
+        "Kubernetes 1.36+; binpack: the CRD's own default, the chart's elsewhere)",
     )
     parser.add_argument(
         "--steer-pods",
-        action="store_true",
-        help="the chart's packing.steerPodsWithoutClaim: CPU-only tasks prefer nodes with no whole free GPU",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_STEER,
+        help="the chart's packing.steerPodsWithoutClaim: CPU-only tasks prefer nodes with no whole free GPU "
+        "(default on, the chart's on Kubernetes 1.36+)",
     )
     parser.add_argument("--workers", type=int, default=1, help="processes (one job: a policy x a seed)")
     parser.add_argument(

@@ -188,7 +188,7 @@ def test_typical_tasks_cover_the_asked_share_most_frequent_first() -> None:
 def test_gpualloc_places_whole_gpu_tasks_through_the_allocator_binpacking_on_the_fullest_node() -> None:
     cluster = pp.Cluster([_node("a", gpus=4), _node("b", gpus=4)])
     cluster.place(_task("earlier", gpus=2), pp.Placement(node=1, gpus=(0, 1)))
-    policy = tr.AllocatorPolicy(cluster, random.Random(1))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), strategy="binpack")
     found = policy.choose(_task("t", gpus=2))
     assert found == pp.Placement(node=1, gpus=(2, 3))  # binpack: b is fuller
     assert policy.by_allocator == 1
@@ -207,7 +207,7 @@ def test_gpualloc_places_a_share_through_the_allocator_on_a_shared_gpu_it_fits()
     cluster = pp.Cluster([_node("a", gpus=2), _node("b", gpus=2)])
     cluster.place(_task("x", milli=300), pp.Placement(node=0, gpus=(1,)))
     cluster.place(_task("y", milli=600), pp.Placement(node=1, gpus=(0,)))
-    policy = tr.AllocatorPolicy(cluster, random.Random(1))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), strategy="binpack")
     first = policy.choose(_task("t", milli=400))
     assert first == pp.Placement(node=1, gpus=(0,))  # 400 left there: the share fills it
     cluster.place(_task("t", milli=400), first)
@@ -260,3 +260,10 @@ def test_the_not_shipped_cpu_only_scoring_puts_pods_where_the_gpus_are_in_use_an
     assert found is not None and cluster.nodes[found.node].name == "b"
     assert "NOT SHIPPED" in tr.gpualloc_notes("leastFragmentation")["cpu_only_tasks"]
     assert "NOT SHIPPED" not in tr.gpualloc_notes("LeastAllocated")["cpu_only_tasks"]
+
+
+def test_the_gpualloc_policy_defaults_to_the_charts_defaults_where_mutating_policies_are_served() -> None:
+    cluster = pp.Cluster([_node("a", gpus=4)])
+    policy = tr.AllocatorPolicy(cluster, random.Random(1))
+    assert (policy.strategy, policy.steer) == ("leastFragmentation", True)
+    assert tr.Job(policy="gpualloc", seed=42, nodes=(), tasks=(), inflate=1.3).steer
