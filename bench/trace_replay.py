@@ -48,9 +48,11 @@ Policies (``--policies``)
       places CPU-only tasks by fragmentation too, by more (see BENCHMARKS.md). ``--steer-pods``
       (the default; ``--no-steer-pods``: off): the chart's ``packing.steerPodsWithoutClaim``
       on: the preferred node affinity its
-      MutatingAdmissionPolicy gives every pod without GPUs (nodes not labelled
-      ``gpu.scheduling/free-gpus: "true"``, i.e. with no whole GPU free), scored as
-      kube-scheduler's NodeAffinity plugin does (100 for a node that matches, weight 2). ``--cpu-tasks
+      MutatingAdmissionPolicy gives every pod without GPUs (two terms of weight 100: nodes not
+      labelled ``gpu.scheduling/free-gpus: "true"``, i.e. with no whole GPU free, and nodes
+      labelled neither that nor ``"shares"``, i.e. with no milli-GPU free at all), scored as
+      kube-scheduler's NodeAffinity plugin does (the weights a node matches, normalised to 100
+      by the highest, plugin weight 2). ``--cpu-tasks
       leastFragmentation`` is NOT shipped: the node ``fragmentation.pods_key`` ranks first, as
       kube-scheduler would choose with an extender serving that score, which gpualloc lacks.
 
@@ -131,7 +133,8 @@ GPUALLOC_NOTES = {
 }
 STEERED = (
     ", plus the chart's packing.steerPodsWithoutClaim: NodeAffinity (weight 2) preferring the nodes "
-    'without a whole free GPU (label gpu.scheduling/free-gpus not "true")'
+    'without a whole free GPU (label gpu.scheduling/free-gpus not "true"), and most those without room '
+    'for a share either (not "shares")'
 )
 CPU_ONLY_NOT_SHIPPED = (
     "NOT SHIPPED: placed by fragmentation.pods_key (the fragmentation their CPU and memory add), as "
@@ -413,9 +416,13 @@ def kube_scheduler(
     cpu_used, mem_used = 1 - cpu_free / cpu_cap, 1 - mem_free / mem_cap
     balanced = np.trunc((1 - np.abs(cpu_used - mem_used) / 2) * 100).astype(np.int64)
     scores = fit + balanced
-    if steer:  # NodeAffinity, weight 2: 100 for a node matching the preferred term, normalised
-        busy = (cluster.left[candidates] == pp.MILLI).sum(axis=1) == 0  # no whole GPU free
-        scores = scores + 2 * 100 * busy
+    if steer:  # NodeAffinity, weight 2: the weights of the preferred terms a node matches, normalised
+        left = cluster.left[candidates]
+        no_whole = (left == pp.MILLI).sum(axis=1) == 0  # label not "true"
+        no_room = left.sum(axis=1) == 0  # not "shares" either: no milli-GPU left at all
+        matched = 100 * no_whole + 100 * no_room
+        if matched.max() > 0:
+            scores = scores + 2 * (matched * 100 // matched.max())
     best = np.flatnonzero(scores == scores.max())
     return pp.Placement(node=int(candidates[best[rng.randrange(len(best))]]), gpus=())
 

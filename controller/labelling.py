@@ -4,16 +4,18 @@ A loop of its own beside the reconciler (the leader's part), which it never touc
 ``interval`` seconds it reads the allocator's view of the nodes (``State.node_index``: a GPU
 is free when it is healthy, not in MIG mode, not shared and not taken, on a node whose agent is
 ready) and the labels of the cached Nodes (``State.facts``), and gives every GPU node
-``gpu.scheduling/free-gpus: "true"`` while it has at least one free GPU, ``"false"`` otherwise
-(``nodes.free_gpus_labels``). Only the nodes whose label differs are written: a JSON merge patch
-of that one label, written through into the Node cache. A node costs a write when its last free
-GPU is taken, and one when the first is freed again.
+``gpu.scheduling/free-gpus: "true"`` while it has at least one free GPU, ``"shares"`` while it has
+none but a GPU holding fractional shares (``sharing.milli``) has milli-GPU left, ``"false"``
+otherwise (``nodes.free_gpus_labels``). Only the nodes whose label differs are written: a JSON
+merge patch of that one label, written through into the Node cache. A node costs a write each
+time it goes from one of the three to another.
 
 What it is for: the chart's ``packing.steerPodsWithoutClaim`` adds to every pod created without
-GPUs a preferred node affinity for nodes without ``"true"`` (CPU-only nodes, and GPU nodes
-whose GPUs are all in use), so that kube-scheduler does not spread CPU pods over the GPU nodes
-whose free GPUs their CPU and memory would strand (docs/operations.md, "Steering pods without
-GPUs"). Writes are counted (``writes``), by value.
+GPUs two preferred node affinity terms, for nodes without ``"true"`` and for nodes with neither
+``"true"`` nor ``"shares"`` (CPU-only nodes, and GPU nodes with no GPU room at all, match both),
+so that kube-scheduler does not spread CPU pods over the GPU nodes whose free GPUs, or room for
+shares, their CPU and memory would strand (docs/operations.md, "Steering pods without GPUs").
+Writes are counted (``writes``), by value.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Protocol
 
 from controller import nodes, settings
 from controller.state import State
-from gpualloc.api import constants
+from gpualloc.api import constants, leases
 from gpualloc.kube import errors
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 INTERVAL = settings.LABEL_INTERVAL
+MILLI = leases.WHOLE_MILLI
 
 
 class NodeLabels(Protocol):
@@ -49,14 +52,18 @@ class Labeller:
         self.cluster = cluster
         self.state = state
         self.interval = interval
-        self.writes: collections.Counter[str] = collections.Counter()  # "true", "false"
+        self.writes: collections.Counter[str] = collections.Counter()  # "true", "shares", "false"
 
     def plan(self) -> dict[str, str]:
         """The nodes whose label differs, and the value each must get."""
         index = self.state.node_index()
-        free = {view.name: index.free_gpus(view.name) if view.ready else 0 for view in index.views()}
+        views = list(index.views())
+        free = {view.name: index.free_gpus(view.name) if view.ready else 0 for view in views}
+        room = {
+            view.name for view in views if view.ready and any(u < MILLI for u in view.milli_used.values())
+        }
         labels = {name: facts.labels for name, facts in self.state.facts.items()}
-        return nodes.free_gpus_labels(free, labels)
+        return nodes.free_gpus_labels(free, labels, share_room=room)
 
     async def label(self) -> None:
         """One pass: write the label of every node whose label differs."""

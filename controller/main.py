@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         help=f'keep the label {constants.LABEL_FREE_GPUS} on every GPU node: "true" while it has a whole'
-        ' GPU free for a claim, else "false" (the chart\'s packing.steerPodsWithoutClaim steers pods'
-        ' without GPUs off the "true" nodes; needs patch on nodes)',
+        ' GPU free for a claim, else "shares" while a shared GPU has milli-GPU left, else "false" (the'
+        ' chart\'s packing.steerPodsWithoutClaim steers pods without GPUs to "false" nodes first, then'
+        ' "shares"; needs patch on nodes)',
     )
     parser.add_argument(
         "--label-interval",

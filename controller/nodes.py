@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from controller import topology
@@ -248,19 +248,29 @@ class NodeIndex:
 
 
 def free_gpus_labels(
-    free: Mapping[str, int], labels: Mapping[str, Mapping[str, str]], *, key: str = constants.LABEL_FREE_GPUS
+    free: Mapping[str, int],
+    labels: Mapping[str, Mapping[str, str]],
+    *,
+    share_room: Collection[str] = frozenset(),
+    key: str = constants.LABEL_FREE_GPUS,
 ) -> dict[str, str]:
     """The free-GPUs label each node must be given (``controller.labelling``), for the nodes whose
     label differs: ``"true"`` where ``free`` counts at least one whole GPU free for a claim,
-    ``"false"`` otherwise. ``free`` names the GPU nodes gpualloc knows (every other node is left
-    alone), ``labels`` each Node's current labels (a node without a Node is left alone: there is
-    nothing to label)."""
+    ``"shares"`` where none is but the node is in ``share_room`` (a GPU holding fractional shares
+    has room for more), ``"false"`` otherwise. ``free`` names the GPU nodes gpualloc knows (every
+    other node is left alone), ``labels`` each Node's current labels (a node without a Node is
+    left alone: there is nothing to label)."""
     out: dict[str, str] = {}
     for name in sorted(free):
         current = labels.get(name)
         if current is None:
             continue
-        value = "true" if free[name] > 0 else "false"
+        if free[name] > 0:
+            value = constants.FREE_GPUS_WHOLE
+        elif name in share_room:
+            value = constants.FREE_GPUS_SHARES
+        else:
+            value = constants.FREE_GPUS_NONE
         if current.get(key) != value:
             out[name] = value
     return out

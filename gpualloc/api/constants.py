@@ -51,9 +51,13 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 LABEL_COST_TIER = f"{GROUP}/cost-tier"
 LABEL_SHARING = f"{GROUP}/sharing"  # on a Node: how its agent offers its GPUs (TimeSlicing-4, MPS-2, None)
 # On a GPU Node, with the controller's --label-free-gpus: "true" while at least one whole GPU of
-# it is free for a claim, "false" otherwise (controller.labelling). The chart's
-# packing.steerPodsWithoutClaim has kube-scheduler prefer, for pods without GPUs, nodes without "true".
+# it is free for a claim; "shares" while none is but a GPU holding fractional shares has room for
+# more; "false" otherwise (controller.labelling). The chart's packing.steerPodsWithoutClaim has
+# kube-scheduler prefer, for pods without GPUs, nodes without "true", and most those with neither.
 LABEL_FREE_GPUS = f"{GROUP}/free-gpus"
+FREE_GPUS_WHOLE = "true"
+FREE_GPUS_SHARES = "shares"
+FREE_GPUS_NONE = "false"
 
 # Enumerations.
 PHASE_PENDING = "Pending"

@@ -22,10 +22,17 @@ from tests.e2e.tenants import MERGE, Setup, call, container, eventually, pod, se
 
 HELM_VALUES = ("packing.steerPodsWithoutClaim=true",)
 KEY = constants.LABEL_FREE_GPUS
-TERM = {
-    "weight": 100,
-    "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true"]}]},
-}
+# The chart's two terms: no whole GPU free, then no room for a share either.
+TERMS = [
+    {
+        "weight": 100,
+        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true"]}]},
+    },
+    {
+        "weight": 100,
+        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true", "shares"]}]},
+    },
+]
 OWN_TERM = {
     "weight": 10,
     "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
@@ -50,22 +57,22 @@ def preferred(stored: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 async def steering(setup: Setup) -> Setup:
     async def in_force() -> bool:
-        return preferred(await admitted(setup, pod("probe", [container("main")]))) == [TERM]
+        return preferred(await admitted(setup, pod("probe", [container("main")]))) == TERMS
 
     await eventually("the steer MutatingAdmissionPolicy", in_force)
     return setup
 
 
-async def test_a_tenants_pod_without_gpus_gets_the_preferred_term_created_with_its_affinity(
+async def test_a_tenants_pod_without_gpus_gets_the_preferred_terms_created_with_its_affinity(
     steering: Setup,
 ) -> None:
     stored = await admitted(steering, pod("plain", [container("main")]))
     assert stored["spec"]["affinity"] == {
-        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [TERM]}
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": TERMS}
     }
 
 
-async def test_the_pods_own_affinity_and_preferred_terms_are_kept_and_the_term_appended(
+async def test_the_pods_own_affinity_and_preferred_terms_are_kept_and_the_terms_appended(
     steering: Setup,
 ) -> None:
     required = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "Exists"}]}]}
@@ -82,7 +89,7 @@ async def test_the_pods_own_affinity_and_preferred_terms_are_kept_and_the_term_a
         },
     )
     stored = await admitted(steering, own)
-    assert preferred(stored) == [OWN_TERM, TERM]
+    assert preferred(stored) == [OWN_TERM, *TERMS]
     assert (
         stored["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         == required
@@ -93,7 +100,7 @@ async def test_the_pods_own_affinity_and_preferred_terms_are_kept_and_the_term_a
         steering, pod("anti", [container("main")], affinity={"podAntiAffinity": anti})
     )
     assert only_pod_affinity["spec"]["affinity"]["podAntiAffinity"] == anti
-    assert preferred(only_pod_affinity) == [TERM]
+    assert preferred(only_pod_affinity) == TERMS
 
     no_preferred = await admitted(
         steering,
@@ -103,7 +110,7 @@ async def test_the_pods_own_affinity_and_preferred_terms_are_kept_and_the_term_a
             affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}},
         ),
     )
-    assert preferred(no_preferred) == [TERM]
+    assert preferred(no_preferred) == TERMS
     assert (
         no_preferred["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         == required
@@ -164,6 +171,8 @@ async def test_the_controller_may_set_the_free_gpus_label_of_a_node_and_change_n
         await eventually("the node-free-gpus-label ValidatingAdmissionPolicy", in_force)
         stored = await _patch_node(controller, node, {"metadata": {"labels": {KEY: "true"}}})
         assert stored["metadata"]["labels"][KEY] == "true"
+        stored = await _patch_node(controller, node, {"metadata": {"labels": {KEY: "shares"}}})
+        assert stored["metadata"]["labels"][KEY] == "shares"
         stored = await _patch_node(controller, node, {"metadata": {"labels": {KEY: "false"}}})
         assert stored["metadata"]["labels"][KEY] == "false"
 
@@ -184,7 +193,7 @@ async def test_the_controller_may_set_the_free_gpus_label_of_a_node_and_change_n
 
         with pytest.raises(errors.KubeError) as caught:
             await _patch_node(controller, node, {"metadata": {"labels": {KEY: "maybe"}}})
-        assert caught.value.status == 422 and '"true" or "false"' in caught.value.message
+        assert caught.value.status == 422 and '"true", "shares" or "false"' in caught.value.message
 
         # The admin (not matched) may still do as it likes.
         await _patch_node(steering.admin, node, {"metadata": {"labels": {"team": "admin"}}})

@@ -15,10 +15,16 @@ from tests.integration.controller_support import KwokGpuNodes
 
 KEY = constants.LABEL_FREE_GPUS
 # What the chart's MutatingAdmissionPolicy appends to a pod without GPUs.
-STEER_TERM = {
-    "weight": 100,
-    "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true"]}]},
-}
+STEER_TERMS = [
+    {
+        "weight": 100,
+        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true"]}]},
+    },
+    {
+        "weight": 100,
+        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true", "shares"]}]},
+    },
+]
 
 
 def controller_argv(namespace: str, run: str) -> list[str]:
@@ -65,6 +71,30 @@ async def test_a_gpu_node_is_labelled_true_then_false_once_claims_take_all_its_g
         assert got["metadata"]["labels"][support.RUN_LABEL] == run, "the node's other labels are kept"
 
 
+def share_body(name: str, run: str, milli: int) -> dict[str, Any]:
+    body = support.claim_body(name, 1, run=run)
+    body["spec"]["devices"].update(exclusivity="Shared", sharing={"milli": milli})
+    return body
+
+
+async def test_a_node_whose_only_room_is_on_a_shared_gpu_is_labelled_shares_then_false_when_it_is_full(
+    api: Api, kubeconfig: str, namespace: str, gpu_node: tuple[str, str]
+) -> None:
+    node, run = gpu_node
+    async with support.running_controller(kubeconfig, controller_argv(namespace, run)):
+        await create_claim(api, namespace, support.claim_body("seven", 7, run=run))
+        await support.wait_phase(api, namespace, "seven", constants.PHASE_ALLOCATED)
+        await wait_label(api, node, "true")
+        await create_claim(api, namespace, share_body("half", run, 500))  # on the last GPU
+        await support.wait_phase(api, namespace, "half", constants.PHASE_ALLOCATED)
+        await wait_label(api, node, "shares")
+        await create_claim(api, namespace, share_body("other-half", run, 500))
+        await support.wait_phase(api, namespace, "other-half", constants.PHASE_ALLOCATED)
+        await wait_label(api, node, "false")
+        await delete_claim(api, namespace, "half")
+        await wait_label(api, node, "shares")
+
+
 def cpu_pod(name: str, run: str, *, steered: bool) -> dict[str, Any]:
     """A pod without GPUs for this test's nodes only, with the chart's preferred term or without."""
     spec: dict[str, Any] = {
@@ -75,7 +105,7 @@ def cpu_pod(name: str, run: str, *, steered: bool) -> dict[str, Any]:
         ],
     }
     if steered:
-        spec["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [STEER_TERM]}}
+        spec["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": STEER_TERMS}}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 

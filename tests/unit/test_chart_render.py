@@ -1218,7 +1218,7 @@ def test_steering_labels_nodes_from_the_controller_which_may_change_only_that_la
     for kept in ("object.spec == oldObject.spec", "annotations", "finalizers", "ownerReferences"):
         assert kept in only_label
     assert "k == 'gpu.scheduling/free-gpus' ||" in only_label
-    assert "['true', 'false']" in values
+    assert "['true', 'shares', 'false']" in values
 
 
 def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_policies_are_served() -> None:
@@ -1243,9 +1243,11 @@ def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_p
     isolation = _variables(one(objs, "MutatingAdmissionPolicy", NO_GPU))
     assert variables["claimPod"] == isolation["claimPod"] and variables["pluginPod"] == isolation["pluginPod"]
     assert "nodeName" in variables["steer"] and "!variables.steered" in variables["steer"]
-    assert variables["term"] == (
-        "{'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
-        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}]})}"
+    assert variables["terms"] == (
+        "[{'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}]})},"
+        " {'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true', 'shares'])}]})}]"
     )
     (mutation,) = spec["mutations"]
     assert mutation["patchType"] == "JSONPatch"

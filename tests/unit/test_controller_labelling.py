@@ -20,6 +20,13 @@ def test_a_node_with_a_free_gpu_needs_true_and_one_without_needs_false() -> None
     assert nodes.free_gpus_labels(free, labels) == {"a": "true", "b": "false", "c": "true"}
 
 
+def test_a_node_without_a_free_gpu_but_room_for_shares_needs_shares() -> None:
+    free = {"a": 0, "b": 0, "c": 1}
+    labels: dict[str, Mapping[str, str]] = {"a": {KEY: "false"}, "b": {KEY: "false"}, "c": {}}
+    got = nodes.free_gpus_labels(free, labels, share_room={"a", "c"})
+    assert got == {"a": "shares", "c": "true"}  # a whole GPU free comes first; b has no room
+
+
 def test_only_the_nodes_whose_label_differs_are_written() -> None:
     free = {"a": 2, "b": 0}
     labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true"}, "b": {KEY: "false"}}

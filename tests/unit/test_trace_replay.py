@@ -239,6 +239,15 @@ def test_the_charts_steering_sends_a_cpu_only_task_to_a_node_without_a_whole_fre
     assert found is not None and cluster.nodes[found.node].name == expected  # a: emptier, GPUs free
 
 
+def test_the_charts_steering_prefers_a_node_with_no_gpu_room_to_one_with_room_for_shares() -> None:
+    cluster = pp.Cluster([_node("a", gpus=1), _node("b", gpus=1), _node("c", gpus=1)])
+    cluster.place(_task("share", milli=500, cpu=8000), pp.Placement(node=0, gpus=(0,)))  # a: "shares"
+    cluster.place(_task("whole", cpu=8000), pp.Placement(node=1, gpus=(0,)))  # b: "false"
+    policy = tr.AllocatorPolicy(cluster, random.Random(1))  # steered by default
+    found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
+    assert found is not None and cluster.nodes[found.node].name == "b"  # c is emptier, a as empty
+
+
 def test_gpualloc_with_least_fragmentation_leaves_room_for_the_claims_it_has_seen() -> None:
     cluster = pp.Cluster([_node("a", gpus=4), _node("b", gpus=4)])
     cluster.place(_task("earlier-a", gpus=1), pp.Placement(node=0, gpus=(0,)))
