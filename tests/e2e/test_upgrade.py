@@ -352,6 +352,23 @@ class Release:
     def claims(self) -> str:
         return tenants.claims_path(self.workload)
 
+    def wait_claims_served(self) -> None:
+        """The API server serves a new CRD's kind a moment after helm installs it (a POST meanwhile
+        gets 503, "There can be a delay between when CustomResourceDefinitions are created and
+        when they are available", seen under load; or 429, "storage is (re)initializing"): wait
+        until the claims list answers."""
+
+        def served() -> bool:
+            try:
+                self.plane.request("GET", self.claims())
+            except cluster.RequestError as exc:
+                if exc.status in (404, 429, 503):
+                    return False
+                raise
+            return True
+
+        wait_until("the GpuClaim kind served", served)
+
     def create_claim(self, name: str, count: int, replicas: int = 1, **extra: Any) -> dict[str, Any]:
         body = {
             "apiVersion": constants.API_VERSION,
@@ -509,6 +526,7 @@ def test_helm_upgrade_from_the_previous_release_and_rollback_keep_claims_gpus_le
         r.helm("install", RELEASE, str(old_chart), "--namespace", SYSTEM, "--create-namespace", "--no-hooks",
                "--timeout", "120s", *VALUES)  # fmt: skip
         r.revision = 1
+        r.wait_claims_served()
         live = plane.request("GET", f"{CRD_PATH}/{CLAIMS_CRD}")
         assert not set(added) & set(support.spec_fields(support.spec_schema(live, constants.VERSION)))
         assert r.roll(previous) is None  # nothing to take over from
