@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 INTERVAL = settings.LABEL_INTERVAL
-MILLI = leases.WHOLE_MILLI
 
 
 class NodeLabels(Protocol):
@@ -57,10 +56,12 @@ class Labeller:
     def plan(self) -> dict[str, str]:
         """The nodes whose label differs, and the value each must get."""
         index = self.state.node_index()
-        views = list(index.views())
+        views = index.views()
         free = {view.name: index.free_gpus(view.name) if view.ready else 0 for view in views}
         room = {
-            view.name for view in views if view.ready and any(u < MILLI for u in view.milli_used.values())
+            view.name
+            for view in views
+            if view.ready and any(u < leases.WHOLE_MILLI for u in view.milli_used.values())
         }
         labels = {name: facts.labels for name, facts in self.state.facts.items()}
         return nodes.free_gpus_labels(free, labels, share_room=room)
