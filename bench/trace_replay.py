@@ -50,9 +50,11 @@ Policies (``--policies``)
       on: the preferred node affinity its
       MutatingAdmissionPolicy gives every pod without GPUs (two terms of weight 100: nodes not
       labelled ``gpu.scheduling/free-gpus: "true"``, i.e. with no whole GPU free, and nodes
-      labelled neither that nor ``"shares"``, i.e. with no milli-GPU free at all), scored as
-      kube-scheduler's NodeAffinity plugin does (the weights a node matches, normalised to 100
-      by the highest, plugin weight 2). ``--cpu-tasks
+      labelled neither that nor ``"shares"``, i.e. with no milli-GPU free at all; one of weight
+      80: nodes without ``"true"`` and not labelled ``gpu.scheduling/busy: "false"``, i.e. whose
+      tasks ask at least 75% of their CPU and memory, averaged), scored as kube-scheduler's
+      NodeAffinity plugin does (the weights a node matches, normalised to 100 by the highest,
+      plugin weight 2), on the labels as they were before the task. ``--cpu-tasks
       leastFragmentation`` is NOT shipped: the node ``fragmentation.pods_key`` ranks first, as
       kube-scheduler would choose with an extender serving that score, which gpualloc lacks.
 
@@ -86,7 +88,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import packing_policies as pp
 import procfs
 
-from controller import allocator, fragmentation
+from controller import allocator, fragmentation, nodes
 from gpualloc.api import constants, models, quantities
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -134,7 +136,8 @@ GPUALLOC_NOTES = {
 STEERED = (
     ", plus the chart's packing.steerPodsWithoutClaim: NodeAffinity (weight 2) preferring the nodes "
     'without a whole free GPU (label gpu.scheduling/free-gpus not "true"), and most those without room '
-    'for a share either (not "shares")'
+    'for a share either (not "shares"), and among those without a whole free GPU the busy ones '
+    '(gpu.scheduling/busy not "false")'
 )
 CPU_ONLY_NOT_SHIPPED = (
     "NOT SHIPPED: placed by fragmentation.pods_key (the fragmentation their CPU and memory add), as "
@@ -413,14 +416,19 @@ def kube_scheduler(
         fit = ((cpu_free * 100) // cpu_cap + (mem_free * 100) // mem_cap) // 2
     else:
         fit = (((cpu_cap - cpu_free) * 100) // cpu_cap + ((mem_cap - mem_free) * 100) // mem_cap) // 2
-    cpu_used, mem_used = 1 - cpu_free / cpu_cap, 1 - mem_free / mem_cap
-    balanced = np.trunc((1 - np.abs(cpu_used - mem_used) / 2) * 100).astype(np.int64)
+    cpu_share, mem_share = 1 - cpu_free / cpu_cap, 1 - mem_free / mem_cap
+    balanced = np.trunc((1 - np.abs(cpu_share - mem_share) / 2) * 100).astype(np.int64)
     scores = fit + balanced
     if steer:  # NodeAffinity, weight 2: the weights of the preferred terms a node matches, normalised
         left = cluster.left[candidates]
-        no_whole = (left == pp.MILLI).sum(axis=1) == 0  # label not "true"
+        no_whole = (left == pp.MILLI).sum(axis=1) == 0  # free-gpus not "true"
         no_room = left.sum(axis=1) == 0  # not "shares" either: no milli-GPU left at all
-        matched = 100 * no_whole + 100 * no_room
+        # and busy not "false": the node's tasks ask at least BUSY_PERCENT of its CPU and memory,
+        # averaged (the labels as before this task: nodes.busy, in integers as there)
+        cpu_used, mem_used = cpu_cap - cluster.cpu[candidates], mem_cap - cluster.memory[candidates]
+        requested = 100 * (cpu_used * mem_cap + mem_used * cpu_cap)
+        busy = requested >= 2 * nodes.BUSY_PERCENT * cpu_cap * mem_cap
+        matched = 100 * no_whole + 100 * no_room + 80 * (no_whole & busy)
         if matched.max() > 0:
             scores = scores + 2 * (matched * 100 // matched.max())
     best = np.flatnonzero(scores == scores.max())
@@ -637,8 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         "--steer-pods",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_STEER,
-        help="the chart's packing.steerPodsWithoutClaim: CPU-only tasks prefer nodes with no whole free GPU "
-        "(default on, the chart's on Kubernetes 1.36+)",
+        help="the chart's packing.steerPodsWithoutClaim: CPU-only tasks prefer nodes with no whole free GPU, "
+        "and among those the busy ones (default on, the chart's on Kubernetes 1.36+)",
     )
     parser.add_argument("--workers", type=int, default=1, help="processes (one job: a policy x a seed)")
     parser.add_argument(

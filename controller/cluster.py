@@ -40,7 +40,7 @@ precondition).
 
 With ``--label-free-gpus``, ``controller.labelling`` also writes through ``KubeCluster`` (its
 ``labelling.NodeLabels``): ``patch_node_labels``, a JSON merge patch of a Node's labels (no
-precondition: it sets one label, whatever the rest of the Node says).
+precondition: it sets the steering labels, whatever the rest of the Node says).
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from controller import topology
-from gpualloc.api import constants, models
+from gpualloc.api import constants, models, quantities
 
 MIG_MODE = "in MIG mode (use a MIG claim)"
+# A node is busy (its gpu.scheduling/busy label "true") once its pods request this share of its
+# allocatable CPU and memory, averaged: ``busy``.
+BUSY_PERCENT = 75
 SHARED = "shared (use a Shared claim)"
 
 
@@ -247,30 +250,53 @@ class NodeIndex:
         return max((bucket.free for bucket in self._buckets), default=0)
 
 
-def free_gpus_labels(
+def busy(view: NodeView) -> bool | None:
+    """Whether the pods bound to the node request at least ``BUSY_PERCENT`` of its allocatable CPU
+    and memory, averaged over the two (kube-scheduler's NodeResourcesFit measure); None where
+    gpualloc does not know the node's allocatable or its pods."""
+    used: list[int] = []
+    totals: list[int] = []
+    for resource in (quantities.CPU, quantities.MEMORY):
+        total = view.allocatable.get(resource, 0)
+        if total <= 0 or resource not in view.free:
+            return None
+        totals.append(total)
+        used.append(total - view.free[resource])
+    (cpu_used, memory_used), (cpu, memory) = used, totals
+    # (cpu_used / cpu + memory_used / memory) / 2 >= BUSY_PERCENT / 100, in integers
+    return 100 * (cpu_used * memory + memory_used * cpu) >= 2 * BUSY_PERCENT * cpu * memory
+
+
+def steering_labels(
     free: Mapping[str, int],
     labels: Mapping[str, Mapping[str, str]],
     *,
     share_room: Collection[str] = frozenset(),
-    key: str = constants.LABEL_FREE_GPUS,
-) -> dict[str, str]:
-    """The free-GPUs label each node must be given (``controller.labelling``), for the nodes whose
-    label differs: ``"true"`` where ``free`` counts at least one whole GPU free for a claim,
-    ``"shares"`` where none is but the node is in ``share_room`` (a GPU holding fractional shares
-    has room for more), ``"false"`` otherwise. ``free`` names the GPU nodes gpualloc knows (every
-    other node is left alone), ``labels`` each Node's current labels (a node without a Node is
-    left alone: there is nothing to label)."""
-    out: dict[str, str] = {}
+    busy: Mapping[str, bool] | None = None,
+) -> dict[str, dict[str, str]]:
+    """The steering labels each node must be given (``controller.labelling``), for the nodes with
+    a label that differs, only those labels. ``gpu.scheduling/free-gpus``: ``"true"`` where
+    ``free`` counts at least one whole GPU free for a claim, ``"shares"`` where none is but the
+    node is in ``share_room`` (a GPU holding fractional shares has room for more), ``"false"``
+    otherwise. ``gpu.scheduling/busy``: ``"true"`` or ``"false"`` as ``busy`` says (``busy()``; a
+    node not in it is left without a value). ``free`` names the GPU nodes
+    gpualloc knows (every other node is left alone), ``labels`` each Node's current labels (a node
+    without a Node is left alone: there is nothing to label)."""
+    busy = busy or {}
+    out: dict[str, dict[str, str]] = {}
     for name in sorted(free):
         current = labels.get(name)
         if current is None:
             continue
         if free[name] > 0:
-            value = constants.FREE_GPUS_WHOLE
+            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_WHOLE}
         elif name in share_room:
-            value = constants.FREE_GPUS_SHARES
+            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_SHARES}
         else:
-            value = constants.FREE_GPUS_NONE
-        if current.get(key) != value:
-            out[name] = value
+            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_NONE}
+        if name in busy:
+            wanted[constants.LABEL_BUSY] = "true" if busy[name] else "false"
+        changed = {key: value for key, value in wanted.items() if current.get(key) != value}
+        if changed:
+            out[name] = changed
     return out

@@ -1,7 +1,8 @@
 """packing.steerPodsWithoutClaim as the chart installs it, against the real kube-apiserver: the
 MutatingAdmissionPolicy that gives a tenant's pods without GPUs the preferred node affinity for
-nodes without free GPUs, and the ValidatingAdmissionPolicy that lets the controller's
-ServiceAccount change nothing of a Node but the gpu.scheduling/free-gpus label.
+nodes without free GPUs and for busy nodes, and the ValidatingAdmissionPolicy that lets the
+controller's ServiceAccount change nothing of a Node but its two steering labels,
+gpu.scheduling/free-gpus and gpu.scheduling/busy.
 
 The release is the e2e fixtures' (tests/e2e/conftest.py), with ``HELM_VALUES`` on top. Pods are
 created as dry runs by the tenant (``edit`` in its namespace, its own token): the API server runs
@@ -19,20 +20,12 @@ from gpualloc.kube import client as kube_client
 from gpualloc.kube import errors
 from gpualloc.kube.client import Api
 from tests.e2e.tenants import MERGE, Setup, call, container, eventually, pod, service_account_token
+from tests.integration.test_free_gpus_label import STEER_TERMS
 
 HELM_VALUES = ("packing.steerPodsWithoutClaim=true",)
 KEY = constants.LABEL_FREE_GPUS
-# The chart's two terms: no whole GPU free, then no room for a share either.
-TERMS = [
-    {
-        "weight": 100,
-        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true"]}]},
-    },
-    {
-        "weight": 100,
-        "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true", "shares"]}]},
-    },
-]
+BUSY = constants.LABEL_BUSY
+TERMS = STEER_TERMS  # the chart's three terms: no whole GPU free, no room for a share, busy without one
 OWN_TERM = {
     "weight": 10,
     "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
@@ -153,7 +146,7 @@ async def _patch_node(api: Api, node: str, body: dict[str, Any]) -> dict[str, An
     return stored
 
 
-async def test_the_controller_may_set_the_free_gpus_label_of_a_node_and_change_nothing_else(
+async def test_the_controller_may_set_the_steering_labels_of_a_node_and_change_nothing_else(
     steering: Setup,
 ) -> None:
     controller = await _controller(steering)
@@ -175,6 +168,10 @@ async def test_the_controller_may_set_the_free_gpus_label_of_a_node_and_change_n
         assert stored["metadata"]["labels"][KEY] == "shares"
         stored = await _patch_node(controller, node, {"metadata": {"labels": {KEY: "false"}}})
         assert stored["metadata"]["labels"][KEY] == "false"
+        stored = await _patch_node(controller, node, {"metadata": {"labels": {KEY: "true", BUSY: "true"}}})
+        assert stored["metadata"]["labels"][BUSY] == "true" and stored["metadata"]["labels"][KEY] == "true"
+        stored = await _patch_node(controller, node, {"metadata": {"labels": {BUSY: "false"}}})
+        assert stored["metadata"]["labels"][BUSY] == "false"
 
         refusals: list[str] = []
         for body in (
@@ -189,11 +186,14 @@ async def test_the_controller_may_set_the_free_gpus_label_of_a_node_and_change_n
                 await _patch_node(controller, node, body)
             assert caught.value.status == 403, (body, caught.value)
             refusals.append(caught.value.message)
-        assert all(f"may change only the label {KEY}" in m for m in refusals), refusals
+        assert all(f"may change only the labels {KEY} and {BUSY}" in m for m in refusals), refusals
 
         with pytest.raises(errors.KubeError) as caught:
             await _patch_node(controller, node, {"metadata": {"labels": {KEY: "maybe"}}})
         assert caught.value.status == 422 and '"true", "shares" or "false"' in caught.value.message
+        with pytest.raises(errors.KubeError) as caught:
+            await _patch_node(controller, node, {"metadata": {"labels": {BUSY: "mostly"}}})
+        assert caught.value.status == 422 and f'{BUSY} is "true" or "false"' in caught.value.message
 
         # The admin (not matched) may still do as it likes.
         await _patch_node(steering.admin, node, {"metadata": {"labels": {"team": "admin"}}})

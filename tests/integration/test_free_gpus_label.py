@@ -1,4 +1,4 @@
-"""The free-GPUs label (``--label-free-gpus``, controller.labelling) on the real kube-apiserver,
+"""The steering labels (``--label-free-gpus``, controller.labelling) on the real kube-apiserver,
 and what kube-scheduler does with the preference that the chart's packing.steerPodsWithoutClaim
 gives pods without GPUs (the policy itself: tests/e2e/test_steer_pods.py)."""
 
@@ -14,7 +14,10 @@ from tests.integration import controller_support as support
 from tests.integration.controller_support import KwokGpuNodes
 
 KEY = constants.LABEL_FREE_GPUS
-# What the chart's MutatingAdmissionPolicy appends to a pod without GPUs.
+BUSY = constants.LABEL_BUSY
+# What the chart's MutatingAdmissionPolicy appends to a pod without GPUs (helm/gpualloc/templates/
+# steer-policies.yaml): no whole GPU free, no room for a share either, and no whole GPU free on a
+# busy node.
 STEER_TERMS = [
     {
         "weight": 100,
@@ -23,6 +26,15 @@ STEER_TERMS = [
     {
         "weight": 100,
         "preference": {"matchExpressions": [{"key": KEY, "operator": "NotIn", "values": ["true", "shares"]}]},
+    },
+    {
+        "weight": 80,
+        "preference": {
+            "matchExpressions": [
+                {"key": KEY, "operator": "NotIn", "values": ["true"]},
+                {"key": BUSY, "operator": "NotIn", "values": ["false"]},
+            ]
+        },
     },
 ]
 
@@ -34,12 +46,12 @@ def controller_argv(namespace: str, run: str) -> list[str]:
     )
 
 
-async def wait_label(api: Api, node: str, value: str) -> None:
+async def wait_label(api: Api, node: str, value: str, key: str = KEY) -> None:
     async def probe() -> bool:
         got: dict[str, Any] = await transport.request(api, "GET", f"/api/v1/nodes/{node}")
-        return bool((got["metadata"].get("labels") or {}).get(KEY) == value)
+        return bool((got["metadata"].get("labels") or {}).get(key) == value)
 
-    await support.wait_for(probe, within=30, what=f"{node} labelled {KEY}={value}")
+    await support.wait_for(probe, within=30, what=f"{node} labelled {key}={value}")
 
 
 async def create_claim(api: Api, namespace: str, body: dict[str, Any]) -> None:
@@ -146,3 +158,39 @@ async def test_kube_scheduler_puts_a_steered_cpu_pod_on_the_node_without_free_gp
         assert await scheduled_node(api, namespace, "steered") == full, "preferred: no free GPU there"
         with contextlib.suppress(Exception):
             await delete_claim(api, namespace, "all")
+
+
+async def test_kube_scheduler_packs_a_steered_cpu_pod_onto_the_busy_node_not_the_emptier_one(
+    api: Api, kubeconfig: str, namespace: str, kwok_gpu_nodes: KwokGpuNodes
+) -> None:
+    """Two alike nodes of one GPU each, both taken by claims; a pod asking 24 of 32 CPUs and 49 of
+    64 GiB makes one of them busy (76% on average), and the controller labels it so; the other
+    holds a pod asking 18 CPUs and 38 GiB (58%). kube-scheduler's LeastAllocated puts a plain CPU
+    pod on the emptier node; the same pod with the chart's terms goes to the busy one."""
+    run = kwok_gpu_nodes.run
+    a = await kwok_gpu_nodes.add("a", cpu="32", memory="64Gi", gpus=1)
+    b = await kwok_gpu_nodes.add("b", cpu="32", memory="64Gi", gpus=1)
+    async with support.running_controller(kubeconfig, controller_argv(namespace, run)):
+        for name in ("one", "other"):
+            body = support.claim_body(name, 1, run=run)
+            body["spec"]["tolerations"] = [support.run_toleration(run)]
+            await create_claim(api, namespace, body)
+            await support.wait_phase(api, namespace, name, constants.PHASE_ALLOCATED)
+        for node in (a, b):
+            await wait_label(api, node, "false")  # no GPU room on either: the GPU-room terms tie
+            await wait_label(api, node, "false", key=BUSY)
+        for name, node, cpu, memory in (("hog", a, "24", "49Gi"), ("some", b, "18", "38Gi")):
+            await support.create_pod(
+                api, namespace, support.plain_pod(name, node, run=run, cpu=cpu, memory=memory)
+            )
+        assert await scheduled_node(api, namespace, "hog") == a
+        assert await scheduled_node(api, namespace, "some") == b
+        await wait_label(api, a, "true", key=BUSY)
+
+        await support.create_pod(api, namespace, cpu_pod("plain", run, steered=False))
+        assert await scheduled_node(api, namespace, "plain") == b, "LeastAllocated: the emptier node"
+        await support.create_pod(api, namespace, cpu_pod("steered", run, steered=True))
+        assert await scheduled_node(api, namespace, "steered") == a, "preferred: the busy node"
+        for name in ("one", "other"):
+            with contextlib.suppress(Exception):
+                await delete_claim(api, namespace, name)

@@ -1203,7 +1203,7 @@ def test_steering_is_on_by_default_where_its_mutating_policy_is_served_and_off_e
     assert _steering_is_off(render(MAP_V1, packing__steerPodsWithoutClaim="false"))
 
 
-def test_steering_labels_nodes_from_the_controller_which_may_change_only_that_label() -> None:
+def test_steering_labels_nodes_from_the_controller_which_may_change_only_those_labels() -> None:
     objs = render(MAP_V1, packing__steerPodsWithoutClaim="true")
     assert "--label-free-gpus" in _controller_args(objs)
     assert ("*", "", "nodes", "patch", ()) in _rules_of(objs, "controller")
@@ -1214,14 +1214,15 @@ def test_steering_labels_nodes_from_the_controller_which_may_change_only_that_la
     assert policy["matchConditions"] == [
         {"name": "the-controller", "expression": f"request.userInfo.username == '{controller}'"}
     ]
-    only_label, values = (v["expression"] for v in policy["validations"])
+    only_labels, values, busy_values = (v["expression"] for v in policy["validations"])
     for kept in ("object.spec == oldObject.spec", "annotations", "finalizers", "ownerReferences"):
-        assert kept in only_label
-    assert "k == 'gpu.scheduling/free-gpus' ||" in only_label
+        assert kept in only_labels
+    assert "k in ['gpu.scheduling/free-gpus', 'gpu.scheduling/busy'] ||" in only_labels
     assert "['true', 'shares', 'false']" in values
+    assert "variables.labels['gpu.scheduling/busy'] in ['true', 'false']" in busy_values
 
 
-def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_policies_are_served() -> None:
+def test_steering_appends_preferred_terms_to_pods_without_gpus_where_mutating_policies_are_served() -> None:
     objs = render(MAP_V1, packing__steerPodsWithoutClaim="true")
     assert named(objs, STEER) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
     assert one(objs, "MutatingAdmissionPolicyBinding", STEER)["spec"] == {"policyName": STEER}
@@ -1247,7 +1248,10 @@ def test_steering_appends_a_preferred_term_to_pods_without_gpus_where_mutating_p
         "[{'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
         " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}]})},"
         " {'weight': dyn(100), 'preference': dyn({'matchExpressions': [{'key':"
-        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true', 'shares'])}]})}]"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true', 'shares'])}]})},"
+        " {'weight': dyn(80), 'preference': dyn({'matchExpressions': [{'key':"
+        " dyn('gpu.scheduling/free-gpus'), 'operator': dyn('NotIn'), 'values': dyn(['true'])}, {'key':"
+        " dyn('gpu.scheduling/busy'), 'operator': dyn('NotIn'), 'values': dyn(['false'])}]})}]"
     )
     (mutation,) = spec["mutations"]
     assert mutation["patchType"] == "JSONPatch"

@@ -1,4 +1,4 @@
-"""The free-GPUs label (``--label-free-gpus``, controller.labelling): which nodes need which value,
+"""The steering labels (``--label-free-gpus``, controller.labelling): which nodes need which values,
 and a pass over the controller's caches that writes only those."""
 
 from __future__ import annotations
@@ -12,35 +12,75 @@ from gpualloc.api import codecs, constants, leases
 from tests.unit.test_controller_pure import NOW, inventory, state_on_fake_feeds, status, uuid
 
 KEY = constants.LABEL_FREE_GPUS
+BUSY = constants.LABEL_BUSY
+
+
+def values(changes: Mapping[str, Mapping[str, str]], key: str = KEY) -> dict[str, str]:
+    return {name: labels[key] for name, labels in changes.items() if key in labels}
 
 
 def test_a_node_with_a_free_gpu_needs_true_and_one_without_needs_false() -> None:
     free = {"a": 2, "b": 0, "c": 1}
     labels: dict[str, Mapping[str, str]] = {"a": {}, "b": {"team": "x"}, "c": {KEY: "false"}}
-    assert nodes.free_gpus_labels(free, labels) == {"a": "true", "b": "false", "c": "true"}
+    got = nodes.steering_labels(free, labels)
+    assert got == {"a": {KEY: "true"}, "b": {KEY: "false"}, "c": {KEY: "true"}}
 
 
 def test_a_node_without_a_free_gpu_but_room_for_shares_needs_shares() -> None:
     free = {"a": 0, "b": 0, "c": 1}
     labels: dict[str, Mapping[str, str]] = {"a": {KEY: "false"}, "b": {KEY: "false"}, "c": {}}
-    got = nodes.free_gpus_labels(free, labels, share_room={"a", "c"})
-    assert got == {"a": "shares", "c": "true"}  # a whole GPU free comes first; b has no room
+    got = nodes.steering_labels(free, labels, share_room={"a", "c"})
+    assert values(got) == {"a": "shares", "c": "true"}  # a whole GPU free comes first; b has no room
 
 
-def test_only_the_nodes_whose_label_differs_are_written() -> None:
+def test_only_the_labels_that_differ_are_written() -> None:
     free = {"a": 2, "b": 0}
-    labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true"}, "b": {KEY: "false"}}
-    assert nodes.free_gpus_labels(free, labels) == {}
+    labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true", BUSY: "false"}, "b": {KEY: "false"}}
+    assert nodes.steering_labels(free, labels, busy={"a": False, "b": False}) == {"b": {BUSY: "false"}}
+    assert nodes.steering_labels(free, labels, busy={"a": True}) == {"a": {BUSY: "true"}}
 
 
 def test_nodes_gpualloc_does_not_know_and_statuses_without_a_node_are_left_alone() -> None:
     free = {"gpu-without-node": 1}
     labels: dict[str, Mapping[str, str]] = {"cpu-only": {}, "cpu-labelled": {KEY: "true"}}
-    assert nodes.free_gpus_labels(free, labels) == {}
+    assert nodes.steering_labels(free, labels, busy={"cpu-only": True, "gpu-without-node": True}) == {}
 
 
 def test_a_value_not_true_or_false_is_corrected() -> None:
-    assert nodes.free_gpus_labels({"a": 0}, {"a": {KEY: "yes"}}) == {"a": "false"}
+    assert nodes.steering_labels({"a": 0}, {"a": {KEY: "yes"}}) == {"a": {KEY: "false"}}
+
+
+def view(cpu: tuple[int, int] | None, memory: tuple[int, int] | None) -> nodes.NodeView:
+    """A node with (allocatable, free) of CPU and memory; None: not known."""
+    allocatable = {r: a for r, pair in (("cpu", cpu), ("memory", memory)) if pair for a in pair[:1]}
+    free = {r: f for r, pair in (("cpu", cpu), ("memory", memory)) if pair for f in pair[1:]}
+    return nodes.NodeView(
+        name="n",
+        labels={},
+        unschedulable=False,
+        node_present=True,
+        ready=True,
+        inventory=None,
+        taken=frozenset(),
+        allocatable=allocatable,
+        free=free,
+    )
+
+
+def test_a_node_is_busy_when_its_pods_request_three_quarters_of_its_cpu_and_memory_on_average() -> None:
+    gib = 1 << 30
+    assert nodes.BUSY_PERCENT == 75
+    assert nodes.busy(view((32_000, 8_000), (64 * gib, 16 * gib))) is True  # exactly 75%
+    assert nodes.busy(view((32_000, 8_001), (64 * gib, 16 * gib))) is False
+    assert nodes.busy(view((32_000, 0), (64 * gib, 32 * gib))) is True  # 100% + 50%
+    assert nodes.busy(view((32_000, 0), (64 * gib, 33 * gib))) is False
+    assert nodes.busy(view((32_000, -4_000), (64 * gib, 32 * gib))) is True  # overcommitted
+
+
+def test_a_node_whose_allocatable_or_pods_are_not_known_gets_no_busy_value() -> None:
+    assert nodes.busy(view(None, None)) is None
+    assert nodes.busy(view((32_000, 1_000), None)) is None
+    assert nodes.busy(view((0, 0), (1 << 30, 0))) is None
 
 
 class FakeNodes:
@@ -97,7 +137,7 @@ def test_a_pass_labels_gpu_nodes_by_their_free_gpus_writes_through_and_writes_no
     asyncio.run(labeller.label())
     assert sorted(cluster.patches) == [("n1", {KEY: "true"}), ("n2", {KEY: "false"})]
     assert st.facts["n1"].labels[KEY] == "true", "the answer is written through into the Node cache"
-    assert labeller.writes == {"true": 1, "false": 1}
+    assert labeller.writes == {"free-gpus=true": 1, "free-gpus=false": 1}
 
     cluster.patches.clear()
     asyncio.run(labeller.label())
@@ -113,6 +153,32 @@ def test_a_pass_labels_gpu_nodes_by_their_free_gpus_writes_through_and_writes_no
     feeds["leases"].delete(f"gpualloc-system/{constants.lease_name(uuid(1, 0))}")
     asyncio.run(labeller.label())
     assert cluster.patches == [("n1", {KEY: "true"})], "a GPU freed again"
+
+
+def test_a_pass_labels_a_node_busy_once_its_pods_ask_three_quarters_of_its_cpu_and_memory() -> None:
+    from controller import gates, views
+    from tests.unit.test_pod_fit import _pod
+
+    st, feeds = state_on_fake_feeds()
+    feeds["node_statuses"].put(codecs.encode(status("n1", inventory(1, 2))))
+    allocatable = {"cpu": "8", "memory": "16Gi"}
+    kept = views.kept_of_node({**node("n1"), "status": {"allocatable": allocatable}})
+    feeds["nodes"].put(kept)
+    cluster = FakeNodes({"n1": kept})
+    labeller = labelling.Labeller(cluster, st)
+    asyncio.run(labeller.label())
+    assert cluster.patches == [("n1", {KEY: "true", BUSY: "false"})], "one patch for both labels"
+
+    cluster.patches.clear()
+    feeds["live_pods"].put(gates.kept_of_live_pod(_pod("p1", "n1", "8", memory="8Gi")), key="ns/p1")
+    asyncio.run(labeller.label())
+    assert cluster.patches == [("n1", {BUSY: "true"})], "all the CPU and half the memory: 75% on average"
+    assert labeller.writes == {"free-gpus=true": 1, "busy=false": 1, "busy=true": 1}
+
+    cluster.patches.clear()
+    feeds["live_pods"].delete("ns/p1")
+    asyncio.run(labeller.label())
+    assert cluster.patches == [("n1", {BUSY: "false"})], "the pod gone"
 
 
 def test_a_node_whose_agent_is_not_ready_has_no_free_gpu() -> None:

@@ -222,10 +222,29 @@ def test_gpualloc_stand_in_for_cpu_only_tasks_spreads_or_packs_as_kube_scheduler
 ) -> None:
     cluster = pp.Cluster([_node("a"), _node("b")])
     cluster.place(_task("earlier", gpus=0, cpu=32_000, memory=131_072), pp.Placement(node=1, gpus=()))
-    policy = tr.AllocatorPolicy(cluster, random.Random(1), scoring)
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), scoring, steer=False)
     found = policy.choose(_task("cpu", gpus=0, cpu=4000, memory=16_384))
     assert found is not None and cluster.nodes[found.node].name == expected
     assert policy.stand_in["cpu_only_tasks"] == 1
+
+
+@pytest.mark.parametrize(("steer", "expected"), [(False, "a"), (True, "b")])
+def test_the_charts_steering_packs_a_cpu_only_task_onto_the_busy_node_among_those_without_a_free_gpu(
+    steer: bool, expected: str
+) -> None:
+    """a, b and c have no whole GPU free, each has room for shares; a's tasks ask half its CPU and
+    memory, b's over 75% on average (98% and 54%), c's under (97% and 50%); d, as busy as b, has a
+    whole GPU free."""
+    cluster = pp.Cluster([_node(name, gpus=1) for name in "abcd"])
+    for i in range(3):
+        cluster.place(_task(f"share-{i}", milli=500), pp.Placement(node=i, gpus=(0,)))
+    cluster.place(_task("half", gpus=0, cpu=32_000, memory=131_072), pp.Placement(node=0, gpus=()))
+    cluster.place(_task("earlier", gpus=0, cpu=62_000, memory=140_000), pp.Placement(node=1, gpus=()))
+    cluster.place(_task("under", gpus=0, cpu=61_000, memory=131_072), pp.Placement(node=2, gpus=()))
+    cluster.place(_task("as-busy", gpus=0, cpu=63_000, memory=141_024), pp.Placement(node=3, gpus=()))
+    policy = tr.AllocatorPolicy(cluster, random.Random(1), steer=steer)
+    found = policy.choose(_task("cpu", gpus=0, cpu=500, memory=1024))
+    assert found is not None and cluster.nodes[found.node].name == expected  # a: the emptiest
 
 
 @pytest.mark.parametrize(("steer", "expected"), [(False, "a"), (True, "b")])
