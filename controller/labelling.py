@@ -75,7 +75,7 @@ class Labeller:
         }
         busy = {view.name: value for view in views if (value := nodes.busy(view)) is not None}
         labels = {name: facts.labels for name, facts in self.state.facts.items()}
-        return nodes.steering_labels(free, labels, share_room=room, busy=busy)
+        return nodes.steering_labels(free, labels, share_room=room, busy_nodes=busy)
 
     async def label(self) -> None:
         """One pass: write the labels that differ, one patch per node."""

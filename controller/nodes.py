@@ -20,10 +20,10 @@ from controller import topology
 from gpualloc.api import constants, models, quantities
 
 MIG_MODE = "in MIG mode (use a MIG claim)"
+SHARED = "shared (use a Shared claim)"
 # A node is busy (its gpu.scheduling/busy label "true") once its pods request this share of its
 # allocatable CPU and memory, averaged: ``busy``.
 BUSY_PERCENT = 75
-SHARED = "shared (use a Shared claim)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -272,17 +272,17 @@ def steering_labels(
     labels: Mapping[str, Mapping[str, str]],
     *,
     share_room: Collection[str] = frozenset(),
-    busy: Mapping[str, bool] | None = None,
+    busy_nodes: Mapping[str, bool] | None = None,
 ) -> dict[str, dict[str, str]]:
     """The steering labels each node must be given (``controller.labelling``), for the nodes with
     a label that differs, only those labels. ``gpu.scheduling/free-gpus``: ``"true"`` where
     ``free`` counts at least one whole GPU free for a claim, ``"shares"`` where none is but the
     node is in ``share_room`` (a GPU holding fractional shares has room for more), ``"false"``
-    otherwise. ``gpu.scheduling/busy``: ``"true"`` or ``"false"`` as ``busy`` says (``busy()``; a
-    node not in it is left without a value). ``free`` names the GPU nodes
-    gpualloc knows (every other node is left alone), ``labels`` each Node's current labels (a node
-    without a Node is left alone: there is nothing to label)."""
-    busy = busy or {}
+    otherwise. ``gpu.scheduling/busy``: ``"true"`` or ``"false"`` as ``busy_nodes`` says (``busy``;
+    a node not in it keeps the value it has). ``free`` names the GPU nodes gpualloc knows (every
+    other node is left alone), ``labels`` each Node's current labels (a node without a Node is
+    left alone: there is nothing to label)."""
+    busy_nodes = busy_nodes or {}
     out: dict[str, dict[str, str]] = {}
     for name in sorted(free):
         current = labels.get(name)
@@ -294,8 +294,8 @@ def steering_labels(
             wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_SHARES}
         else:
             wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_NONE}
-        if name in busy:
-            wanted[constants.LABEL_BUSY] = "true" if busy[name] else "false"
+        if name in busy_nodes:
+            wanted[constants.LABEL_BUSY] = "true" if busy_nodes[name] else "false"
         changed = {key: value for key, value in wanted.items() if current.get(key) != value}
         if changed:
             out[name] = changed

@@ -36,14 +36,14 @@ def test_a_node_without_a_free_gpu_but_room_for_shares_needs_shares() -> None:
 def test_only_the_labels_that_differ_are_written() -> None:
     free = {"a": 2, "b": 0}
     labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true", BUSY: "false"}, "b": {KEY: "false"}}
-    assert nodes.steering_labels(free, labels, busy={"a": False, "b": False}) == {"b": {BUSY: "false"}}
-    assert nodes.steering_labels(free, labels, busy={"a": True}) == {"a": {BUSY: "true"}}
+    assert nodes.steering_labels(free, labels, busy_nodes={"a": False, "b": False}) == {"b": {BUSY: "false"}}
+    assert nodes.steering_labels(free, labels, busy_nodes={"a": True}) == {"a": {BUSY: "true"}}
 
 
 def test_nodes_gpualloc_does_not_know_and_statuses_without_a_node_are_left_alone() -> None:
     free = {"gpu-without-node": 1}
     labels: dict[str, Mapping[str, str]] = {"cpu-only": {}, "cpu-labelled": {KEY: "true"}}
-    assert nodes.steering_labels(free, labels, busy={"cpu-only": True, "gpu-without-node": True}) == {}
+    assert nodes.steering_labels(free, labels, busy_nodes={"cpu-only": True, "gpu-without-node": True}) == {}
 
 
 def test_a_value_not_true_or_false_is_corrected() -> None:
