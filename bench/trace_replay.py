@@ -424,7 +424,8 @@ def kube_scheduler(
         no_whole = (left == pp.MILLI).sum(axis=1) == 0  # free-gpus not "true"
         no_room = left.sum(axis=1) == 0  # not "shares" either: no milli-GPU left at all
         # and busy not "false": the node's tasks ask at least BUSY_PERCENT of its CPU and memory,
-        # averaged (the labels as before this task: nodes.busy, in integers as there)
+        # averaged (the labels as before this task: nodes.busy; its hysteresis never applies here,
+        # where tasks never leave)
         cpu_used, mem_used = cpu_cap - cluster.cpu[candidates], mem_cap - cluster.memory[candidates]
         requested = 100 * (cpu_used * mem_cap + mem_used * cpu_cap)
         busy = requested >= 2 * nodes.BUSY_PERCENT * cpu_cap * mem_cap

@@ -10,9 +10,9 @@ ready; the node's allocatable and what its pods request) and the labels of the c
 * ``gpu.scheduling/free-gpus: "true"`` while it has at least one free GPU, ``"shares"`` while it
   has none but a GPU holding fractional shares (``sharing.milli``) has milli-GPU left,
   ``"false"`` otherwise;
-* ``gpu.scheduling/busy: "true"`` while its pods request at least 75% of its allocatable CPU
-  and memory (averaged), ``"false"`` otherwise (``nodes.busy``; none where gpualloc does not know
-  its pods).
+* ``gpu.scheduling/busy: "true"`` once its pods request at least 75% of its allocatable CPU
+  and memory (averaged), until they request less than 70%, ``"false"`` otherwise (``nodes.busy``;
+  none where gpualloc does not know its pods).
 
 Only the labels that differ are written: one JSON merge patch of those labels per node, written
 through into the Node cache. A node costs a write each time a label changes value.
@@ -73,9 +73,9 @@ class Labeller:
             for view in views
             if view.ready and any(u < leases.WHOLE_MILLI for u in view.milli_used.values())
         }
-        busy = {view.name: value for view in views if (value := nodes.busy(view)) is not None}
+        requested = {v.name: p for v in views if (p := nodes.requested_percent(v)) is not None}
         labels = {name: facts.labels for name, facts in self.state.facts.items()}
-        return nodes.steering_labels(free, labels, share_room=room, busy_nodes=busy)
+        return nodes.steering_labels(free, labels, share_room=room, requested=requested)
 
     async def label(self) -> None:
         """One pass: write the labels that differ, one patch per node."""

@@ -22,8 +22,10 @@ from gpualloc.api import constants, models, quantities
 MIG_MODE = "in MIG mode (use a MIG claim)"
 SHARED = "shared (use a Shared claim)"
 # A node is busy (its gpu.scheduling/busy label "true") once its pods request this share of its
-# allocatable CPU and memory, averaged: ``busy``.
+# allocatable CPU and memory, averaged (``requested_percent``), and stays busy until they request
+# BUSY_HYSTERESIS points less: pods coming and going around the line do not rewrite the label.
 BUSY_PERCENT = 75
+BUSY_HYSTERESIS = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,21 +252,26 @@ class NodeIndex:
         return max((bucket.free for bucket in self._buckets), default=0)
 
 
-def busy(view: NodeView) -> bool | None:
-    """Whether the pods bound to the node request at least ``BUSY_PERCENT`` of its allocatable CPU
-    and memory, averaged over the two (kube-scheduler's NodeResourcesFit measure); None where
-    gpualloc does not know the node's allocatable or its pods."""
-    used: list[int] = []
-    totals: list[int] = []
+def requested_percent(view: NodeView) -> float | None:
+    """How much of the node's allocatable CPU and memory its pods request, in percent, averaged
+    over the two (kube-scheduler's NodeResourcesFit measure); None where gpualloc does not know
+    the node's allocatable or its pods."""
+    shares: list[float] = []
     for resource in (quantities.CPU, quantities.MEMORY):
         total = view.allocatable.get(resource, 0)
         if total <= 0 or resource not in view.free:
             return None
-        totals.append(total)
-        used.append(total - view.free[resource])
-    (cpu_used, memory_used), (cpu, memory) = used, totals
-    # (cpu_used / cpu + memory_used / memory) / 2 >= BUSY_PERCENT / 100, in integers
-    return 100 * (cpu_used * memory + memory_used * cpu) >= 2 * BUSY_PERCENT * cpu * memory
+        shares.append((total - view.free[resource]) / total)
+    return 50 * sum(shares)
+
+
+def busy(percent: float, label: str | None) -> bool:
+    """Whether a node whose pods request ``percent`` (``requested_percent``) and whose busy label is
+    ``label`` is busy: from ``BUSY_PERCENT`` on, and while labelled busy down to
+    ``BUSY_HYSTERESIS`` points below."""
+    if label == "true":
+        return percent >= BUSY_PERCENT - BUSY_HYSTERESIS
+    return percent >= BUSY_PERCENT
 
 
 def steering_labels(
@@ -272,17 +279,17 @@ def steering_labels(
     labels: Mapping[str, Mapping[str, str]],
     *,
     share_room: Collection[str] = frozenset(),
-    busy_nodes: Mapping[str, bool] | None = None,
+    requested: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, str]]:
     """The steering labels each node must be given (``controller.labelling``), for the nodes with
     a label that differs, only those labels. ``gpu.scheduling/free-gpus``: ``"true"`` where
     ``free`` counts at least one whole GPU free for a claim, ``"shares"`` where none is but the
     node is in ``share_room`` (a GPU holding fractional shares has room for more), ``"false"``
-    otherwise. ``gpu.scheduling/busy``: ``"true"`` or ``"false"`` as ``busy_nodes`` says (``busy``;
-    a node not in it keeps the value it has). ``free`` names the GPU nodes gpualloc knows (every
-    other node is left alone), ``labels`` each Node's current labels (a node without a Node is
-    left alone: there is nothing to label)."""
-    busy_nodes = busy_nodes or {}
+    otherwise. ``gpu.scheduling/busy``: ``"true"`` or ``"false"`` as ``busy`` says of the node's
+    ``requested`` percent (``requested_percent``; a node not in it keeps the value it has).
+    ``free`` names the GPU nodes gpualloc knows (every other node is left alone), ``labels`` each
+    Node's current labels (a node without a Node is left alone: there is nothing to label)."""
+    requested = requested or {}
     out: dict[str, dict[str, str]] = {}
     for name in sorted(free):
         current = labels.get(name)
@@ -294,8 +301,9 @@ def steering_labels(
             wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_SHARES}
         else:
             wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_NONE}
-        if name in busy_nodes:
-            wanted[constants.LABEL_BUSY] = "true" if busy_nodes[name] else "false"
+        if name in requested:
+            is_busy = busy(requested[name], current.get(constants.LABEL_BUSY))
+            wanted[constants.LABEL_BUSY] = "true" if is_busy else "false"
         changed = {key: value for key, value in wanted.items() if current.get(key) != value}
         if changed:
             out[name] = changed

@@ -58,8 +58,9 @@ LABEL_FREE_GPUS = f"{GROUP}/free-gpus"
 FREE_GPUS_WHOLE = "true"
 FREE_GPUS_SHARES = "shares"
 FREE_GPUS_NONE = "false"
-# On a GPU Node, with the same flag: "true" while the pods bound to it request at least 75% of its
-# allocatable CPU and memory (averaged; controller.nodes.busy), "false" otherwise. The same policy
+# On a GPU Node, with the same flag: "true" once the pods bound to it request at least 75% of its
+# allocatable CPU and memory (averaged), until they request less than 70% (controller.nodes.busy);
+# "false" otherwise. The same policy
 # has kube-scheduler prefer, for pods without GPUs, among the nodes without a whole GPU free, the
 # busy ones: they pack there instead of spreading over the emptiest (docs/operations.md,
 # "Steering pods without GPUs").

@@ -36,14 +36,14 @@ def test_a_node_without_a_free_gpu_but_room_for_shares_needs_shares() -> None:
 def test_only_the_labels_that_differ_are_written() -> None:
     free = {"a": 2, "b": 0}
     labels: dict[str, Mapping[str, str]] = {"a": {KEY: "true", BUSY: "false"}, "b": {KEY: "false"}}
-    assert nodes.steering_labels(free, labels, busy_nodes={"a": False, "b": False}) == {"b": {BUSY: "false"}}
-    assert nodes.steering_labels(free, labels, busy_nodes={"a": True}) == {"a": {BUSY: "true"}}
+    assert nodes.steering_labels(free, labels, requested={"a": 10.0, "b": 10.0}) == {"b": {BUSY: "false"}}
+    assert nodes.steering_labels(free, labels, requested={"a": 80.0}) == {"a": {BUSY: "true"}}
 
 
 def test_nodes_gpualloc_does_not_know_and_statuses_without_a_node_are_left_alone() -> None:
     free = {"gpu-without-node": 1}
     labels: dict[str, Mapping[str, str]] = {"cpu-only": {}, "cpu-labelled": {KEY: "true"}}
-    assert nodes.steering_labels(free, labels, busy_nodes={"cpu-only": True, "gpu-without-node": True}) == {}
+    assert nodes.steering_labels(free, labels, requested={"cpu-only": 90.0, "gpu-without-node": 90.0}) == {}
 
 
 def test_a_value_not_true_or_false_is_corrected() -> None:
@@ -67,20 +67,35 @@ def view(cpu: tuple[int, int] | None, memory: tuple[int, int] | None) -> nodes.N
     )
 
 
-def test_a_node_is_busy_when_its_pods_request_three_quarters_of_its_cpu_and_memory_on_average() -> None:
+def test_a_nodes_requested_percent_averages_its_cpu_and_memory() -> None:
     gib = 1 << 30
-    assert nodes.BUSY_PERCENT == 75
-    assert nodes.busy(view((32_000, 8_000), (64 * gib, 16 * gib))) is True  # exactly 75%
-    assert nodes.busy(view((32_000, 8_001), (64 * gib, 16 * gib))) is False
-    assert nodes.busy(view((32_000, 0), (64 * gib, 32 * gib))) is True  # 100% + 50%
-    assert nodes.busy(view((32_000, 0), (64 * gib, 33 * gib))) is False
-    assert nodes.busy(view((32_000, -4_000), (64 * gib, 32 * gib))) is True  # overcommitted
+    assert nodes.requested_percent(view((32_000, 8_000), (64 * gib, 16 * gib))) == 75
+    assert nodes.requested_percent(view((32_000, 0), (64 * gib, 32 * gib))) == 75  # 100% + 50%
+    assert nodes.requested_percent(view((32_000, -8_000), (64 * gib, 64 * gib))) == 62.5  # overcommitted
 
 
-def test_a_node_whose_allocatable_or_pods_are_not_known_gets_no_busy_value() -> None:
-    assert nodes.busy(view(None, None)) is None
-    assert nodes.busy(view((32_000, 1_000), None)) is None
-    assert nodes.busy(view((0, 0), (1 << 30, 0))) is None
+def test_a_node_whose_allocatable_or_pods_are_not_known_has_no_requested_percent() -> None:
+    assert nodes.requested_percent(view(None, None)) is None
+    assert nodes.requested_percent(view((32_000, 1_000), None)) is None
+    assert nodes.requested_percent(view((0, 0), (1 << 30, 0))) is None
+
+
+def test_a_node_turns_busy_at_75_percent_and_stays_busy_down_to_70() -> None:
+    assert (nodes.BUSY_PERCENT, nodes.BUSY_HYSTERESIS) == (75, 5)
+    for label in (None, "false"):
+        assert nodes.busy(75, label) is True and nodes.busy(74.9, label) is False
+    assert nodes.busy(70, "true") is True and nodes.busy(69.9, "true") is False
+
+
+def test_the_busy_label_follows_the_requested_percent_with_its_hysteresis() -> None:
+    free = {"a": 0, "b": 0, "c": 0}
+    labels: dict[str, Mapping[str, str]] = {
+        "a": {KEY: "false", BUSY: "true"},
+        "b": {KEY: "false", BUSY: "true"},
+        "c": {KEY: "false"},
+    }
+    got = nodes.steering_labels(free, labels, requested={"a": 72.0, "b": 69.0, "c": 72.0})
+    assert got == {"b": {BUSY: "false"}, "c": {BUSY: "false"}}  # a stays busy at 72%
 
 
 class FakeNodes:
