@@ -296,11 +296,12 @@ def steering_labels(
         if current is None:
             continue
         if free[name] > 0:
-            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_WHOLE}
+            room = constants.FREE_GPUS_WHOLE
         elif name in share_room:
-            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_SHARES}
+            room = constants.FREE_GPUS_SHARES
         else:
-            wanted = {constants.LABEL_FREE_GPUS: constants.FREE_GPUS_NONE}
+            room = constants.FREE_GPUS_NONE
+        wanted = {constants.LABEL_FREE_GPUS: room}
         if name in requested:
             is_busy = busy(requested[name], current.get(constants.LABEL_BUSY))
             wanted[constants.LABEL_BUSY] = "true" if is_busy else "false"
