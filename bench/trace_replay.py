@@ -11,6 +11,15 @@ Workload (``inflate``)
     (1.3: 130%); a trace that asks more is cut down by removing tasks at random. Tasks arrive one
     at a time and never leave. Every policy sees the same tasks in the same order.
 
+Nodes (``seeded_names``)
+    Per seed, the nodes in name order are renamed ``NNNN-<sn>`` by a seeded permutation, as the
+    paper's simulator renames them (``syncClusterResourceList``: ``rand.Perm``, then
+    ``fmt.Sprintf("%04d-", idx)``). FGD, and gpualloc, take the first node by name among the
+    placements they score alike, so the node that wins a tie is a random one, another each seed.
+    In the trace's own order it is not: 23 of its first 60 GPU nodes are 2-GPU P100s (11% of
+    all), and the first node by ``sn`` put FGD 0.14 points below its published figure on
+    gpushare40 (bench/HISTORY.md).
+
 Measure
     After each task (placed or not): the *GPU allocation ratio*, milli-GPU allocated / the
     cluster's milli-GPU (6,212,000 on the GPU nodes), against the *arrived workload*, milli-GPU
@@ -492,10 +501,19 @@ def discrete(arrived_pct: np.ndarray[Any, Any], values: np.ndarray[Any, Any]) ->
     return out
 
 
+def seeded_names(nodes: Sequence[pp.Node], seed: int) -> list[pp.Node]:
+    """``nodes`` renamed ``NNNN-<name>``: the node at position i in name order gets the i-th number of
+    a seeded permutation (module docstring, Nodes)."""
+    in_order = sorted(nodes, key=lambda n: n.name)
+    numbers = list(range(len(in_order)))
+    random.Random(f"trace-replay/nodes/{seed}").shuffle(numbers)
+    return [dataclasses.replace(n, name=f"{k:04d}-{n.name}") for n, k in zip(in_order, numbers, strict=True)]
+
+
 def replay(job: Job) -> dict[str, Any]:
     """One policy over one seed's workload: its curves, counts, wall and CPU time."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    cluster = pp.Cluster(job.nodes)
+    cluster = pp.Cluster(seeded_names(job.nodes, job.seed))
     workload = inflate(job.tasks, cluster.capacity_milli, job.inflate, job.seed)
     ledger = pp.FragLedger(pp.Fragmentation(pp.typical_tasks(job.tasks), cluster), cluster)
     rng = random.Random(f"trace-replay/{job.policy}/{job.seed}")

@@ -89,6 +89,19 @@ def test_the_measure_averages_the_records_that_round_to_each_percent() -> None:
     assert 2 not in curve and 50 not in curve  # none within a percent either
 
 
+def test_each_seed_names_the_nodes_by_a_permutation_of_its_own_as_the_papers_simulator_does() -> None:
+    nodes = [_node(f"openb-node-{i:04d}") for i in range(200)]
+    renamed = tr.seeded_names(list(reversed(nodes)), seed=42)
+    # The node at position i in name order gets the i-th number: a permutation of 0..n-1, 4 digits.
+    assert [n.name.split("-", 1)[1] for n in renamed] == [n.name for n in nodes]
+    assert sorted(int(n.name[:4]) for n in renamed) == list(range(200))
+    assert all(n.name[4] == "-" for n in renamed)
+    assert tr.seeded_names(nodes, seed=42) == renamed  # the same seed, the same names
+    first = pp.Cluster(renamed).nodes[0].name
+    assert pp.Cluster(tr.seeded_names(nodes, seed=43)).nodes[0].name != first  # another node first
+    assert first != "0000-openb-node-0000"  # not the trace's own first node
+
+
 # ------------------------------------------------------------------ the cluster's accounting
 
 
