@@ -17,8 +17,8 @@ Nodes (``seeded_names``)
     ``fmt.Sprintf("%04d-", idx)``). FGD, and gpualloc, take the first node by name among the
     placements they score alike, so the node that wins a tie is a random one, another each seed.
     In the trace's own order it is not: 23 of its first 60 GPU nodes are 2-GPU P100s (11% of
-    all), and the first node by ``sn`` put FGD 0.14 points below its published figure on
-    gpushare40 (bench/HISTORY.md).
+    all): with the first node by ``sn``, FGD placed 93.85% on gpushare40 at 100% arrived
+    workload, 0.11 below the paper's 93.96%; in this order, 93.95% (BENCHMARKS.md).
 
 Measure
     After each task (placed or not): the *GPU allocation ratio*, milli-GPU allocated / the

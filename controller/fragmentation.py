@@ -34,9 +34,10 @@ Ranking
     then the allocator's set quality and the node name: among placements the score rates
     alike, the first node by name, as the paper's simulator takes them (first fit, which keeps
     the last nodes whole). On openb's default trace, with steering, that placed 95.3% at 100%
-    arrived workload where ranking the smaller node and then best fit first placed 95.0%
-    (BENCHMARKS.md). Without a workload (no claim seen yet) every pressure and score is equal:
-    first fit.
+    arrived workload where ranking the smaller node and then best fit first placed 95.0%, both
+    with the nodes in the trace's own order (bench/HISTORY.md). Named in a random order per seed,
+    as the paper's simulator names them, it still places 95.3% (BENCHMARKS.md). Without a
+    workload (no claim seen yet) every pressure and score is equal: first fit.
 
     Fractional shares (``sharing.milli``) are ranked the same way, on the milli-GPU left on
     each of the node's GPUs (the share goes on the tightest GPU that holds it, as screening
