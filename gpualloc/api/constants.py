@@ -60,10 +60,9 @@ FREE_GPUS_SHARES = "shares"
 FREE_GPUS_NONE = "false"
 # On a GPU Node, with the same flag: "true" once the pods bound to it request at least 75% of its
 # allocatable CPU and memory (averaged), until they request less than 70% (controller.nodes.busy);
-# "false" otherwise. The same policy
-# has kube-scheduler prefer, for pods without GPUs, among the nodes without a whole GPU free, the
-# busy ones: they pack there instead of spreading over the emptiest (docs/operations.md,
-# "Steering pods without GPUs").
+# "false" otherwise. The same policy has kube-scheduler prefer, for pods without GPUs, among the
+# nodes without a whole GPU free, the busy ones: they pack there instead of spreading over the
+# emptiest (docs/operations.md, "Steering pods without GPUs").
 LABEL_BUSY = f"{GROUP}/busy"
 
 # Enumerations.
