@@ -33,8 +33,9 @@ Policies (``--policies``)
     ``gpualloc``: the controller's own pure allocator, ``controller.allocator.allocate``, as the
     chart installs it by default where Kubernetes serves MutatingAdmissionPolicy (1.36+):
     claims get ``leastFragmentation`` (``packing.defaultStrategy: auto``;
-    ``controller.fragmentation``, judged against the GPU tasks seen so far, kept by
-    ``fragmentation.Recent`` as the controller keeps its claims) and pods without GPUs are
+    ``controller.fragmentation``, judged against the tasks seen so far, the GPU tasks as they
+    arrive and the CPU-only tasks once placed, kept by ``fragmentation.Recent`` as the controller
+    keeps its claims and the pods bound without one) and pods without GPUs are
     steered (``packing.steerPodsWithoutClaim: auto``, below). ``--strategy binpack
     --no-steer-pods``: the chart's defaults where no such policy is served (the CRD's own
     default strategy, no steering). It runs on
@@ -130,7 +131,8 @@ GPUALLOC_NOTES = {
     "whole_gpu_tasks": (
         "controller.allocator.allocate, strategy {strategy}, the task's CPU and memory as the claim's "
         "podResources, screened against each node's (issue 41); the workload leastFragmentation judges "
-        "by: the GPU tasks seen so far (fragmentation.Recent, as the controller keeps it); the accepted "
+        "by: the GPU tasks seen so far and the CPU-only tasks placed so far (fragmentation.Recent, as the "
+        "controller keeps it: its claims, and the pods bound without one); the accepted "
         "GPU model as the claim's product, A|B alternatives as its products"
     ),
     "sharing_tasks": (
@@ -302,10 +304,6 @@ class AllocatorPolicy:
         )
 
     def choose(self, task: pp.Task) -> pp.Placement | None:
-        if task.gpus == 0 and self.cpu_scoring == fragmentation.STRATEGY:
-            found = least_fragmenting_pods(self.cluster, task, self.recent.workload())
-            self.stand_in["cpu_only_tasks"] += found is not None
-            return found
         if task.gpus:
             shape = fragmentation.Shape(
                 gpus=task.gpus,
@@ -315,11 +313,15 @@ class AllocatorPolicy:
                 products=tuple(sorted(task.models)),
             )
             self.recent.observe(shape)
-        if task.gpus == 0:
+            return self._allocate(task)
+        if self.cpu_scoring == fragmentation.STRATEGY:
+            found = least_fragmenting_pods(self.cluster, task, self.recent.workload())
+        else:
             found = kube_scheduler(self.cluster, task, self.rng, self.cpu_scoring, steer=self.steer)
-            self.stand_in["cpu_only_tasks"] += found is not None
-            return found
-        return self._allocate(task)
+        if found is not None:  # bound: the controller's workload counts it (``State.recent``)
+            self.stand_in["cpu_only_tasks"] += 1
+            self.recent.observe_pod({quantities.CPU: task.cpu, quantities.MEMORY: task.memory * MIB})
+        return found
 
     def _allocate(self, task: pp.Task) -> pp.Placement | None:
         c = self.cluster

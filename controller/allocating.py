@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Sequence
 from controller import (
     allocator,
     asks,
-    fragmentation,
     gates,
     locking,
     locks,
@@ -77,7 +76,6 @@ class PendingReconciler:
         self._retry: dict[str, retries.RetryState] = {}
         self._failed_event: dict[str, tuple[str, float]] = {}
         self._rr_cursor = 0
-        self._recent = fragmentation.Recent()  # the claims seen: strategy leastFragmentation's workload
 
     def forget(self, key: str) -> None:
         """The claim is gone: drop what was remembered about it."""
@@ -99,7 +97,7 @@ class PendingReconciler:
         )
         retry = self._retry.get(key)
         if retry is None or retry.generation != claim.metadata.generation:
-            self._recent.observe_claim(claim)
+            self.state.recent.observe_claim(claim)
             if retry is not None:  # the spec changed: a fresh start
                 retry = retries.RetryState(generation=claim.metadata.generation)
             else:
@@ -124,7 +122,7 @@ class PendingReconciler:
                 seed=views.seed_for(uid),
                 round_robin_cursor=self._rr_cursor,
                 cost_label=self.settings.cost_label,
-                workload=self._recent.workload(),
+                workload=self.state.recent.workload(),
             )
             if not decision.allocations:
                 preempting = await self._preempt(claim, node_index)

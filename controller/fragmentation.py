@@ -2,7 +2,8 @@
 
 After fragmentation gradient descent (Weng et al., "Beware of Fragmentation: Scheduling
 GPU-Sharing Workloads with Fragmentation Gradient Descent", USENIX ATC '23), judged against a
-*workload*: the shapes of the claims the controller has seen lately, each with its frequency.
+*workload*: the shapes of the claims the controller has seen lately and of the pods without GPUs
+bound lately, each with its frequency.
 
 Fragmentation of a node, ``F``
     For one shape, the node's free milli-GPU is all fragment when a claim of that shape cannot
@@ -10,7 +11,12 @@ Fragmentation of a node, ``F``
     shape's milli left than the shape asks, or less CPU or memory left than its pods ask);
     when it can, only the GPUs with less than the shape's milli left are fragments. ``F`` is
     the sum over the shapes, weighed by their frequencies: the free GPU milli the next claim is
-    expected to be unable to use. A node whose allocatable is not known has room for any pods.
+    expected to be unable to use. To a shape of pods that take no GPU every free milli is
+    fragment, as in FGD, whose workload counts such tasks (the paper's ``isInvolvedCpuPods``):
+    their weight makes a placement's score count the milli-GPU it puts to use as well as the
+    fragmentation it changes, which moves where the score's whole steps fall. On openb's
+    sharing-heavy traces that placed 0.3 points more at 100% arrived workload (BENCHMARKS.md).
+    A node whose allocatable is not known has room for any pods.
 
 Ranking
     A node's key is, lower first:
@@ -47,9 +53,12 @@ Ranking
 ``F`` depends only on the node's product, the milli left on its GPUs (as a multiset), and
 which shapes' CPU and memory its free CPU and memory still hold, so a ``Workload`` memoises it
 by those: a cluster of many alike nodes is scored with a dictionary look-up per node.
-``Recent`` keeps the last claims' shapes (whole GPUs and shares) and gives the workload of the
-most frequent of them; the controller's allocation of Pending claims passes it. Callers that pass
-none (``explain``, moving a claim off a failed GPU) rank such claims as without a workload.
+``Recent`` keeps the last shapes seen (claims of whole GPUs and shares, and pods without GPUs) and
+gives the workload of the most frequent of them. The controller keeps one (``State.recent``): its
+allocation of Pending claims observes each claim and passes the workload, and the live pods watch
+observes each pod bound without a claim, except the one-per-node pods of DaemonSets and static
+pods. Callers that pass none (``explain``, moving a claim off a failed GPU) rank such claims as
+without a workload.
 """
 
 from __future__ import annotations
@@ -83,7 +92,7 @@ Key = tuple[int, int, int]
 class Shape:
     """What one replica of a claim asks of one node."""
 
-    gpus: int  # GPUs (0: pods that take no GPU, never part of a workload)
+    gpus: int  # GPUs (0: pods that take no GPU; to them all of a node's free milli is fragment)
     milli: int = MILLI  # milli-GPU of each (1000: whole GPUs)
     cpu: int = 0  # millicores its pods ask
     memory: int = 0  # bytes its pods ask
@@ -97,12 +106,13 @@ class Workload:
     """Shapes with their frequencies (normalised to sum to 1), and ``F``'s memo."""
 
     def __init__(self, weights: Mapping[Shape, float]) -> None:
-        positive = {s: w for s, w in weights.items() if w > 0 and s.gpus > 0}
+        positive = {s: w for s, w in weights.items() if w > 0}
         total = sum(positive.values())
         self.shapes: tuple[Shape, ...] = tuple(sorted(positive))
         self.weights: tuple[float, ...] = tuple(positive[s] / total for s in self.shapes)
-        self._cpus = sorted({s.cpu for s in self.shapes})
-        self._memories = sorted({s.memory for s in self.shapes})
+        # Only the shapes with GPUs make F depend on the node's free CPU and memory.
+        self._cpus = sorted({s.cpu for s in self.shapes if s.gpus})
+        self._memories = sorted({s.memory for s in self.shapes if s.gpus})
         self._memo: dict[tuple[str, tuple[int, ...], int, int], float] = {}
         self._accepts: dict[str, tuple[bool, ...]] = {}
         # The milli-GPU per claim that the claims naming products ask, by shape.
@@ -146,7 +156,8 @@ class Workload:
         value = 0.0
         for shape, weight, ok in zip(self.shapes, self.weights, accepts, strict=True):
             fits = (
-                ok
+                shape.gpus > 0
+                and ok
                 and (cpu is None or shape.cpu <= cpu)
                 and (memory is None or shape.memory <= memory)
                 and sum(1 for m in left if m >= shape.milli) >= shape.gpus
@@ -290,6 +301,13 @@ class Recent:
         ask = parse(claim)
         if not isinstance(ask, str) and ranked(ask):
             self.observe(shape_of(ask))
+
+    def observe_pod(self, requests: Mapping[str, int]) -> None:
+        """Remember a pod that takes no GPU (one of the workload's, bound to a node): FGD's workload
+        counts such tasks too, and to them every free milli-GPU is fragment."""
+        self.observe(
+            Shape(gpus=0, cpu=requests.get(quantities.CPU, 0), memory=requests.get(quantities.MEMORY, 0))
+        )
 
     def observe(self, shape: Shape) -> None:
         self._seen.append(shape)

@@ -45,6 +45,7 @@ _KEPT_LABELS = frozenset({constants.LABEL_GATED, *pods.REPLICA_LABELS})
 _NAME_MAX = 253
 _HUGEPAGES_KEPT = 4  # hugepages-* sizes kept of a pod's requests: made-up names cannot grow the cache
 REQUESTS = "requests"  # the cached form's own field: what the pod requests (``kept_requests``)
+PER_NODE = "perNode"  # the cached form's own field: true for a DaemonSet's pod or a static pod's mirror
 
 
 def kept_requests(pod: Obj) -> dict[str, int]:
@@ -298,9 +299,24 @@ def kept_of_live_pod(pod: Obj) -> Obj:
         "spec": kept_spec,
         REQUESTS: kept_requests(pod),
     }
+    if one_per_node(metadata):
+        kept[PER_NODE] = True
     if annotations.get(constants.ANNOTATION_CLAIM):
         kept.update(unplaceable.kept_fields(pod))  # the scheduler's verdict on a claim pod
     return kept
+
+
+def one_per_node(metadata: Mapping[str, Any]) -> bool:
+    """Whether a pod of this metadata is one of a kind on every node rather than a workload's: its
+    controller is a DaemonSet, or a Node (a static pod's mirror)."""
+    owners = [ref for ref in metadata.get("ownerReferences") or () if isinstance(ref, Mapping)]
+    return any(ref.get("controller") is True and ref.get("kind") in ("DaemonSet", "Node") for ref in owners)
+
+
+def workload_pod(kept: Mapping[str, Any]) -> bool:
+    """Whether a cached live pod is a task of the cluster's workload that takes no GPU: no claim of
+    gpualloc's, not one per node (``one_per_node``)."""
+    return pod_claim(kept) is None and not kept.get(PER_NODE)
 
 
 def held_by_pods(claim_name: str, candidates: Iterable[Mapping[str, Any]]) -> frozenset[str]:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from controller import gates, locks, unplaceable, views, waking
+from controller import fragmentation, gates, locks, unplaceable, views, waking
 from controller import metrics as controller_metrics
 from controller.nodes import NodeIndex
 from gpualloc.api import codecs, constants, leases, models, requests
@@ -245,6 +245,9 @@ class State:
         self._pod_claim_of: dict[str, str] = {}  # live claim pod -> its claim key
         self._pod_load: dict[str, tuple[str, Mapping[str, int]]] = {}  # pod key -> (node, requests)
         self._node_requested: dict[str, dict[str, int]] = {}  # node -> summed requests
+        # The shapes of the claims allocated lately and of the pods without claims bound lately:
+        # strategy leastFragmentation's workload (the claims: ``Allocating``; the pods: ``_count_load``).
+        self.recent = fragmentation.Recent()
         # Quotas.
         self._quotas: dict[str, dict[str, models.GpuQuota]] = collections.defaultdict(dict)  # namespace ->
 
@@ -772,6 +775,8 @@ class State:
         if new is not None:
             requests.add(self._node_requested.setdefault(node, {}), new[1])
             self._stale.add(node)
+            if old is None and gates.workload_pod(raw or {}):
+                self.recent.observe_pod(new[1])  # bound just now, or first seen bound
 
     def _judge_pods_of(self, claim_key: str) -> None:
         for pod_key in sorted(self._pods_of_claim.get(claim_key, ())):

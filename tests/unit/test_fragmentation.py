@@ -116,6 +116,18 @@ def test_fragmentation_is_weighed_by_each_shapes_frequency() -> None:
     assert workload.fragmentation("A100", [MILLI], None, None) == pytest.approx(0.25 * MILLI)
 
 
+def test_to_pods_without_gpus_every_free_gpu_is_fragment_whatever_the_cpu_left() -> None:
+    """FGD's typical tasks include CPU-only ones (the paper's isInvolvedCpuPods): no GPU is of use to
+    them, on a node with room for them or not."""
+    pods = Shape(gpus=0, cpu=4000, memory=8 * GIB)
+    workload = Workload({TWO_GPUS: 3.0, pods: 1.0})
+    assert workload.shapes == (pods, TWO_GPUS)
+    assert workload.fragmentation("A100", [MILLI, MILLI], 64_000, None) == pytest.approx(0.25 * 2 * MILLI)
+    assert workload.fragmentation("A100", [MILLI, MILLI], 0, None) == pytest.approx(2 * MILLI)
+    assert workload.fragmentation("A100", [MILLI, 0], 64_000, None) == pytest.approx(MILLI)
+    assert workload._cpus == [8000]  # only the shapes with GPUs tell CPU levels apart
+
+
 def test_equal_states_are_computed_once() -> None:
     workload = Workload({TWO_GPUS: 1.0})
     workload.fragmentation("A100", [MILLI, 0, MILLI], 9000, None)
@@ -258,6 +270,13 @@ def test_recent_takes_a_claims_shape_from_its_spec() -> None:
     recent.observe_claim(_claim(2, cpu=8000))
     (shape,) = recent.workload().shapes
     assert (shape.gpus, shape.milli, shape.cpu) == (2, MILLI, 8000)
+
+
+def test_recent_keeps_the_pods_without_gpus_it_is_told_of() -> None:
+    recent = Recent(refresh=1)
+    recent.observe_claim(_claim(2, cpu=8000))
+    recent.observe_pod({"cpu": 4000, "memory": 8 * GIB, "pods": 1})
+    assert recent.workload().shapes == (Shape(gpus=0, cpu=4000, memory=8 * GIB), Shape(gpus=2, cpu=8000))
 
 
 def test_recent_keeps_fractional_shares_too() -> None:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from controller import allocator, asks, explaining, gates, views
+from controller import allocator, asks, explaining, fragmentation, gates, views
 from gpualloc.api import codecs, constants, models
 from tests.unit.test_allocator import claim, node, nvswitch
 from tests.unit.test_controller_pure import inventory, state_on_fake_feeds, status
@@ -121,3 +121,31 @@ def test_explain_names_the_cpu_a_node_lacks_counting_every_pod_bound_there() -> 
     assert constants.PHASE_PENDING in out
     counted = explaining.explain(c, claims=[c], statuses=statuses, nodes=nodes, now=NOW, pods=pods[1:])
     assert "would fit" in counted, "a Succeeded pod takes nothing"
+
+
+def test_the_workload_counts_each_pod_bound_without_a_claim_once_and_no_daemonset_or_claim_pod() -> None:
+    """strategy leastFragmentation's workload (``State.recent``) holds the pods of the workload that
+    take no GPU, as FGD's does: each once, when it is bound or first seen bound."""
+    st, feeds = state_on_fake_feeds()
+    feeds["live_pods"].put(gates.kept_of_live_pod(_pod("p1", "", "3")), key="ns/p1")
+    assert st.recent.workload().shapes == (), "not bound yet"
+    for _ in range(2):  # bound, then changed (or listed again)
+        feeds["live_pods"].put(gates.kept_of_live_pod(_pod("p1", "n1", "3")), key="ns/p1")
+    daemon = _pod("d", "n1", "1")
+    daemon["metadata"]["ownerReferences"] = [{"kind": "DaemonSet", "name": "d", "controller": True}]
+    feeds["live_pods"].put(gates.kept_of_live_pod(daemon), key="ns/d")
+    claimed = _pod("c", "n1", "2")
+    claimed["metadata"]["annotations"] = {constants.ANNOTATION_CLAIM: "claim"}
+    feeds["live_pods"].put(gates.kept_of_live_pod(claimed), key="ns/c")
+    assert list(st.recent._seen) == [fragmentation.Shape(gpus=0, cpu=3000)]
+    assert st.recent.workload().shapes == (fragmentation.Shape(gpus=0, cpu=3000),)
+
+
+def test_a_pod_is_one_per_node_when_a_daemonset_or_a_node_controls_it() -> None:
+    def owned(kind: str, controller: bool = True) -> dict[str, Any]:
+        return {"ownerReferences": [{"kind": kind, "name": "x", "controller": controller}]}
+
+    assert gates.one_per_node(owned("DaemonSet")) and gates.one_per_node(owned("Node"))
+    assert not gates.one_per_node(owned("ReplicaSet"))
+    assert not gates.one_per_node(owned("DaemonSet", controller=False))
+    assert not gates.one_per_node({"ownerReferences": ["not a mapping"]})
