@@ -104,9 +104,19 @@ class LeaderElector:
             raise
 
     async def _try(self) -> bool:
-        """One attempt to acquire or renew; True when this process holds the Lease afterwards."""
+        """One attempt to acquire or renew; True when this process holds the Lease afterwards.
+
+        An attempt takes at most the renew deadline, as client-go's renew does. A leader paused
+        past its lease (SIGSTOP in the race test) may resume with its renewal stuck on a
+        connection a network fault left half open: without the bound it went on leading until
+        the client's 30 s request timeout, where the deadline should have stopped it."""
         try:
-            return await self._try_once()
+            async with asyncio.timeout(self.renew_deadline):
+                return await self._try_once()
+        except TimeoutError:
+            log.warning("leader election attempt timed out", extra={"lease": self.name})
+            self._record = None
+            return False
         except errors.Conflict:
             self._record = None  # someone else wrote it: read it again next time
             return False
