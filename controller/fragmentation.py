@@ -14,8 +14,10 @@ Fragmentation of a node, ``F``
     expected to be unable to use. To a shape of pods that take no GPU every free milli is
     fragment, as in FGD, whose workload counts such tasks (the paper's ``isInvolvedCpuPods``):
     their weight makes a placement's score count the milli-GPU it puts to use as well as the
-    fragmentation it changes, which moves where the score's whole steps fall. On openb's
-    sharing-heavy traces that placed 0.3 points more at 100% arrived workload (BENCHMARKS.md).
+    fragmentation it changes, which moves where the score's whole steps fall. On openb's traces
+    that placed 0.02 to 0.15 points more at 100% arrived workload where tasks share GPUs
+    (gpushare40, 60 and 80), on default and on cpu050, and 0.05 to 0.07 less on multigpu20 and
+    gpuspec33, which keep a wide margin over FGD (BENCHMARKS.md).
     A node whose allocatable is not known has room for any pods.
 
 Ranking
@@ -42,8 +44,9 @@ Ranking
     the last nodes whole). On openb's default trace, with steering, that placed 95.3% at 100%
     arrived workload where ranking the smaller node and then best fit first placed 95.0%, both
     with the nodes in the trace's own order (bench/HISTORY.md). Named in a random order per seed,
-    as the paper's simulator names them, it still places 95.3% (BENCHMARKS.md). Without a
-    workload (no claim seen yet) every pressure and score is equal: first fit.
+    as the paper's simulator names them, it still places 95.3%, and 95.4% with the pods without
+    GPUs in the workload (BENCHMARKS.md). Without a workload (no claim seen yet) every pressure
+    and score is equal: first fit.
 
     Fractional shares (``sharing.milli``) are ranked the same way, on the milli-GPU left on
     each of the node's GPUs (the share goes on the tightest GPU that holds it, as screening
